@@ -1,0 +1,25 @@
+# Sourced by scripts/run.sh and scripts/test.sh: create .venv and install specserve into it.
+# Usage: ensure_venv [EXTRAS]   (EXTRAS like "test"; empty for the runtime only)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SPECSERVE_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+ensure_venv() {
+    local extras="${1:-}"
+    if [ ! -x "$VENV/bin/python" ]; then
+        echo "[specserve] creating virtual environment in $VENV"
+        "$PY" -m venv "$VENV"
+    fi
+    local pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+    # torch first and pinned: the CPU build of 2.13.0 is found locally. An unpinned torch would
+    # pull the newest CUDA build (gigabytes).
+    if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+        echo "[specserve] installing torch==2.13.0 (CPU build)"
+        "${pip[@]}" install "torch==2.13.0"
+    fi
+    local spec="$ROOT"
+    [ -n "$extras" ] && spec="$ROOT[$extras]"
+    echo "[specserve] installing specserve${extras:+[$extras]} (editable)"
+    "${pip[@]}" install -e "$spec"
+}

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quick start, command 2: install the test extras and run the whole suite.
+# Extra arguments go to pytest.
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+ensure_venv test
+cd "$ROOT"
+exec "$VENV/bin/python" -m pytest "$@"

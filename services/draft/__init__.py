@@ -1,0 +1,1 @@
+"""The draft service (built in a later issue; see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""The gateway service (built in a later issue; see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""The target service (built in a later issue; see docs/architecture.md)."""

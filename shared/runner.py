@@ -1,0 +1,129 @@
+"""ModelRunner: one model, its paged KV cache, and the per-request sequence state.
+
+forward(entries) runs one pass over a ragged batch of chunks and trees. Chunks are committed at
+once. A tree's KV stays pending until commit_tree(request_id, path) keeps the accepted
+root-to-node path (copying those KV rows into sequence order, no recompute) and frees the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.shared.batch import Entry, Tree, build_inputs, validate_entry
+from specserve.shared.block_manager import BlockManager, OutOfBlocks, UnknownRequest
+from specserve.shared.kv_cache import KVCache
+from specserve.shared.loader import load_model, parse_device, parse_dtype
+from specserve.shared.model import CausalLM
+
+__all__ = ["ModelRunner", "OutOfBlocks", "UnknownRequest", "PendingTree"]
+
+
+class PendingTree(RuntimeError):
+    """A request still has an uncommitted tree; commit or discard it before its next forward."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    start: int  # committed tokens before the tree = logical slot of the root
+    parents: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int = 16):
+        self.model = model
+        self.config = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.kv = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        self.windows = set(self.config.sliding_windows) or {None}
+        self._pending: dict[str, _Pending] = {}
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+    ) -> ModelRunner:
+        model = load_model(model_dir, parse_dtype(dtype), parse_device(device))
+        return cls(model, num_blocks, block_size)
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens of the request whose KV is committed."""
+        pending = self._pending.get(request_id)
+        return pending.start if pending else self.blocks.num_slots(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.blocks
+
+    def release(self, request_id: str) -> None:
+        """Free every KV block of the request (raises UnknownRequest if it has none)."""
+        self._pending.pop(request_id, None)
+        self.blocks.free(request_id)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
+        """Run one pass; return per entry the float32 logits [len(logits_at), vocab] it asked for.
+
+        Raises OutOfBlocks (nothing changed) if the batch does not fit in the free KV blocks.
+        """
+        if not entries:
+            return []
+        seen: set[str] = set()
+        for entry in entries:
+            validate_entry(entry, self.config.vocab_size)
+            if entry.request_id in seen:
+                raise ValueError(f"request {entry.request_id!r} appears twice in one batch")
+            seen.add(entry.request_id)
+            if entry.request_id in self._pending:
+                raise PendingTree(f"request {entry.request_id!r} has an uncommitted tree")
+        starts = [self.blocks.num_slots(e.request_id) if e.request_id in self.blocks else 0 for e in entries]
+        self.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
+        try:
+            inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device)
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.attention, inputs.logits_indices)
+        except BaseException:
+            for entry, start in zip(entries, starts):
+                self.blocks.truncate(entry.request_id, start)
+            raise
+        for entry, start in zip(entries, starts):
+            if isinstance(entry, Tree):
+                self._pending[entry.request_id] = _Pending(start, list(entry.parents))
+        return list(torch.split(logits, inputs.logits_splits))
+
+    def commit_tree(self, request_id: str, path: Sequence[int]) -> None:
+        """Keep the KV of the accepted path (node indices root first); drop the rest of the tree."""
+        pending = self._pending.get(request_id)
+        if pending is None:
+            raise PendingTree(f"request {request_id!r} has no pending tree to commit")
+        if not path or path[0] != 0:
+            raise ValueError("an accepted path starts at the root (node 0)")
+        for parent, child in zip(path, path[1:]):
+            if not 0 < child < len(pending.parents) or pending.parents[child] != parent:
+                raise ValueError(f"path {list(path)} is not a root-to-node path of the tree")
+        start = pending.start
+        src = [self.blocks.physical_slots(request_id, start + node, 1)[0] for node in path]
+        dst = self.blocks.physical_slots(request_id, start, len(path))
+        moves = [(s, d) for s, d in zip(src, dst) if s != d]
+        if moves:
+            s, d = zip(*moves)
+            self.kv.move_slots(torch.tensor(s, device=self.device), torch.tensor(d, device=self.device))
+        self.blocks.truncate(request_id, start + len(path))
+        del self._pending[request_id]
+
+    def discard_tree(self, request_id: str) -> None:
+        """Drop a pending tree entirely, root included (the sequence is as before the forward)."""
+        pending = self._pending.pop(request_id)
+        self.blocks.truncate(request_id, pending.start)
