@@ -5,13 +5,19 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SPECSERVE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 
+# pip, minus the machine's noise about local index folders that do not exist.
+_pip() {
+    local py="$1"; shift
+    "$py" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
+}
+
 ensure_venv() {
     local extras="${1:-}"
     if [ ! -x "$VENV/bin/python" ]; then
         echo "[specserve] creating virtual environment in $VENV"
         "$PY" -m venv "$VENV"
     fi
-    local pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+    local pip=(_pip "$VENV/bin/python")
     # torch first and pinned: the CPU build of 2.13.0 is found locally. An unpinned torch would
     # pull the newest CUDA build (gigabytes).
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then

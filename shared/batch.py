@@ -88,7 +88,8 @@ def build_inputs(
 
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
+    slot_mapping: list[torch.Tensor] = []
+    offsets = torch.arange(blocks.block_size, dtype=torch.int64)
     query_dest: list[int] = []
     logits_indices: list[int] = []
     logits_splits: list[int] = []
@@ -107,9 +108,10 @@ def build_inputs(
         input_ids.extend(entry.tokens)
         positions.extend(pos)
         query_dest.extend(b * max_q + j for j in range(n))
-        slots = blocks.physical_slots(entry.request_id, 0, start + n)
-        slot_table[b, : start + n] = torch.tensor(slots, dtype=torch.int64)
-        slot_mapping.extend(slots[start:])
+        table = torch.tensor(blocks.block_table(entry.request_id), dtype=torch.int64)
+        slots = (table[:, None] * blocks.block_size + offsets).flatten()[: start + n]
+        slot_table[b, : start + n] = slots
+        slot_mapping.append(slots[start:])
         pos_t = torch.tensor(pos, dtype=torch.int64)
         key_pos[b, start : start + n] = pos_t
         query_pos[b, :n] = pos_t
@@ -136,7 +138,7 @@ def build_inputs(
         logits_indices=t(logits_indices),
         logits_splits=logits_splits,
         attention=AttentionMetadata(
-            slot_mapping=t(slot_mapping),
+            slot_mapping=torch.cat(slot_mapping).to(device),
             slot_table=slot_table.to(device),
             query_dest=t(query_dest),
             batch_size=batch,

@@ -1,0 +1,99 @@
+"""The `specserve` console script: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CACHE = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _default_model() -> Path:
+    """The bundled demo target if present, else a random ~20M-parameter Llama made once and cached."""
+    bundled = REPO_MODELS / "target"
+    if (bundled / "config.json").is_file():
+        return bundled
+    from specserve.shared.random_model import BENCH_CONFIG, write_random_model
+
+    path = DEFAULT_CACHE / "random-llama-20m"
+    if not (path / "model.safetensors").is_file():
+        print(f"[specserve] no bundled model yet; writing a random-weight Llama to {path}", flush=True)
+        write_random_model(path, BENCH_CONFIG, seed=0, std=0.05)
+    return path
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    """Load a model into the paged runtime and generate, greedy, reporting speed."""
+    import torch
+
+    from specserve.shared.generate import generate
+    from specserve.shared.model_config import ModelLoadError
+    from specserve.shared.runner import ModelRunner
+
+    model_dir = Path(args.model) if args.model else _default_model()
+    t0 = time.perf_counter()
+    try:
+        runner = ModelRunner.from_dir(model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+    cfg = runner.config
+    print(
+        f"loaded {model_dir} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M parameters, "
+        f"{args.dtype}, {args.device}) in {load_s:.2f} s; KV pool {args.num_blocks} blocks x 16 tokens"
+    )
+    tokenizer = _tokenizer(model_dir)
+    if tokenizer is not None:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        print("no tokenizer in the model directory: using token ids 1..16 as the prompt")
+        prompt_ids = list(range(1, 17))
+    stop = set(cfg.eos_token_ids) if tokenizer is not None else set()
+    t0 = time.perf_counter()
+    out = generate(runner, {"smoke": prompt_ids}, args.max_tokens, stop_ids=stop)["smoke"]
+    gen_s = time.perf_counter() - t0
+    text = tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
+    print(f"prompt ({len(prompt_ids)} tokens): {args.prompt if tokenizer is not None else prompt_ids}")
+    print(f"output ({len(out)} tokens): {text}")
+    print(f"{len(out) / gen_s:.1f} tokens/s ({gen_s * 1000 / max(len(out), 1):.1f} ms/token, greedy, batch 1, "
+          f"torch threads {torch.get_num_threads()})")
+    print(f"KV blocks free after release: {runner.num_free_blocks}/{args.num_blocks}")
+    return 0
+
+
+def _tokenizer(model_dir: Path):
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    smoke = sub.add_parser("smoke", help="load a model and generate (checks the install)")
+    smoke.add_argument("--model", help="Hugging Face model directory (default: bundled demo target)")
+    smoke.add_argument("--device", default=os.environ.get("SPECSERVE_DEVICE", "cpu"), help="cpu or cuda")
+    smoke.add_argument("--dtype", default=os.environ.get("SPECSERVE_DTYPE", "float32"),
+                       choices=["float32", "bfloat16", "float16"])
+    smoke.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (needs a tokenizer)")
+    smoke.add_argument("--max-tokens", type=int, default=32)
+    smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
+    smoke.set_defaults(func=cmd_smoke)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The `specserve` console script, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specserve.shared.random_model import TINY_CONFIG, write_random_model
+
+SPECSERVE = [sys.executable, "-m", "specserve.cli"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("cli") / "tiny", TINY_CONFIG, seed=1, std=0.1)
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SPECSERVE, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("specserve", path=str(Path(sys.executable).parent))
+    assert exe, "the specserve console script is missing from the environment"
+    proc = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "smoke" in proc.stdout
+
+
+def test_smoke_generates(tiny_dir):
+    proc = run("smoke", "--model", str(tiny_dir), "--max-tokens", "6", "--num-blocks", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "output (6 tokens)" in proc.stdout
+    assert "KV blocks free after release: 32/32" in proc.stdout
+
+
+def test_smoke_reports_missing_model_dir(tmp_path):
+    proc = run("smoke", "--model", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert "model directory not found" in proc.stderr
+
+
+def test_smoke_reports_unsupported_architecture(tiny_dir, tmp_path):
+    bad = tmp_path / "gpt2"
+    shutil.copytree(tiny_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    proc = run("smoke", "--model", str(bad))
+    assert proc.returncode == 2
+    assert "unsupported architecture 'GPT2LMHeadModel'" in proc.stderr
