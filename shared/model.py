@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_proj_bias)
 
     def forward(
         self,

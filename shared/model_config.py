@@ -34,6 +34,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (always on for Qwen2)
     mlp_bias: bool
+    # Bias on o_proj: Llama's `attention_bias` covers q/k/v *and* o_proj; Qwen2 has it on q/k/v only.
+    o_proj_bias: bool = False
     rope: dict[str, Any] = field(default_factory=dict)  # rope_type, rope_theta and its scaling keys
     # Per layer: the sliding attention window in tokens, or None for full attention.
     sliding_windows: list[int | None] = field(default_factory=list)
@@ -77,6 +79,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=True if is_qwen2 else bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            o_proj_bias=arch == "LlamaForCausalLM" and bool(raw.get("attention_bias", False)),
             rope=_rope_params(raw),
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             bos_token_id=raw.get("bos_token_id"),
@@ -100,8 +103,9 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * i
+        attn = h * q + 2 * h * kv + q * h
+        attn += (q + 2 * kv if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         per_layer = attn + mlp + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
