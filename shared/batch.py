@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.attention import AttentionMetadata
+from specserve.shared.attention import AttentionGroup, AttentionMetadata
 from specserve.shared.block_manager import BlockManager
 from specserve.shared.token_tree import ancestor_mask, depths, validate_tree
 
@@ -72,6 +72,34 @@ def validate_entry(entry: Entry, vocab_size: int) -> None:
         raise ValueError(f"{entry.request_id}: logits_at {bad_idx[:4]} outside 0..{n - 1}")
 
 
+# Queries up to this long share one padded attention group whatever the others' lengths.
+SMALL_QUERY = 8
+
+
+def attention_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """Split entries into groups whose padded query work stays within 2x their real tokens.
+
+    One padded SDPA call costs about batch * max_q * max_kv, so a 128-token prefill chunk padded
+    together with 100 decode tokens would cost 100x its share. Entries are taken longest first;
+    a group keeps taking entries while its padding is cheap. Entry order is kept inside a group.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in order:
+        n = lengths[i]
+        if current:
+            max_q = lengths[current[0]]
+            if max_q > SMALL_QUERY and max_q * (len(current) + 1) > 2 * (real + n):
+                groups.append(sorted(current))
+                current, real = [], 0
+        current.append(i)
+        real += n
+    groups.append(sorted(current))
+    return groups
+
+
 def build_inputs(
     entries: Sequence[Entry],
     starts: Sequence[int],
@@ -80,69 +108,76 @@ def build_inputs(
     device: torch.device,
 ) -> ModelInputs:
     """starts[i]: committed tokens of entry i's request before this pass; its slots are allocated."""
-    batch = len(entries)
     lengths = [len(e.tokens) for e in entries]
-    max_q = max(lengths)
-    kv_lens = [s + n for s, n in zip(starts, lengths)]
-    max_kv = max(kv_lens)
-
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[torch.Tensor] = []
     offsets = torch.arange(blocks.block_size, dtype=torch.int64)
-    query_dest: list[int] = []
+    input_ids: list[int] = []
+    positions: list[list[int]] = []
+    slots: list[torch.Tensor] = []  # physical slots of each entry's whole sequence
+    row_starts: list[int] = []
     logits_indices: list[int] = []
     logits_splits: list[int] = []
-    slot_table = torch.zeros(batch, max_kv, dtype=torch.int64)
-    key_pos = torch.arange(max_kv).repeat(batch, 1)
-    query_pos = torch.zeros(batch, max_q, dtype=torch.int64)
-    mask = torch.zeros(batch, max_q, max_kv, dtype=torch.bool)
-
-    for b, (entry, start) in enumerate(zip(entries, starts)):
-        n = lengths[b]
-        pos = entry_positions(entry, start)
-        rows = len(input_ids)
+    for entry, start in zip(entries, starts):
+        row_starts.append(len(input_ids))
         logits_at = entry_logits_at(entry)
-        logits_indices.extend(rows + i for i in logits_at)
+        logits_indices.extend(len(input_ids) + i for i in logits_at)
         logits_splits.append(len(logits_at))
         input_ids.extend(entry.tokens)
-        positions.extend(pos)
-        query_dest.extend(b * max_q + j for j in range(n))
+        positions.append(entry_positions(entry, start))
         table = torch.tensor(blocks.block_table(entry.request_id), dtype=torch.int64)
-        slots = (table[:, None] * blocks.block_size + offsets).flatten()[: start + n]
-        slot_table[b, : start + n] = slots
-        slot_mapping.append(slots[start:])
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        key_pos[b, start : start + n] = pos_t
-        query_pos[b, :n] = pos_t
-        mask[b, :n, :start] = True
-        own = ancestor_mask(entry.parents) if isinstance(entry, Tree) else torch.ones(n, n, dtype=torch.bool).tril()
-        mask[b, :n, start : start + n] = own
+        slots.append((table[:, None] * blocks.block_size + offsets).flatten()[: start + len(entry.tokens)])
 
-    masks: dict[int | None, torch.Tensor] = {}
-    for window in windows:
-        m = mask
-        if window is not None:
-            m = mask & ((query_pos[:, :, None] - key_pos[:, None, :]) < window)
-        # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
-        for b, n in enumerate(lengths):
-            m[b, n:, 0] = True
-        masks[window] = m[:, None].to(device)
-
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+    groups = []
+    for members in attention_groups(lengths):
+        batch = len(members)
+        max_q = max(lengths[i] for i in members)
+        max_kv = max(starts[i] + lengths[i] for i in members)
+        slot_table = torch.zeros(batch, max_kv, dtype=torch.int64)
+        key_pos = torch.arange(max_kv).repeat(batch, 1)
+        query_pos = torch.zeros(batch, max_q, dtype=torch.int64)
+        mask = torch.zeros(batch, max_q, max_kv, dtype=torch.bool)
+        rows: list[int] = []
+        query_dest: list[int] = []
+        for b, i in enumerate(members):
+            entry, start, n = entries[i], starts[i], lengths[i]
+            rows.extend(range(row_starts[i], row_starts[i] + n))
+            query_dest.extend(range(b * max_q, b * max_q + n))
+            slot_table[b, : start + n] = slots[i]
+            pos = torch.tensor(positions[i], dtype=torch.int64)
+            key_pos[b, start : start + n] = pos
+            query_pos[b, :n] = pos
+            mask[b, :n, :start] = True
+            own = ancestor_mask(entry.parents) if isinstance(entry, Tree) else torch.ones(n, n, dtype=torch.bool).tril()
+            mask[b, :n, start : start + n] = own
+        masks: dict[int | None, torch.Tensor] = {}
+        for window in windows:
+            m = mask if window is None else mask & ((query_pos[:, :, None] - key_pos[:, None, :]) < window)
+            # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
+            for b, i in enumerate(members):
+                m[b, lengths[i] :, 0] = True
+            masks[window] = m[:, None].to(device)
+        whole_batch = len(members) == len(entries)  # then rows are 0..T-1 in order
+        groups.append(
+            AttentionGroup(
+                rows=None if whole_batch else _tensor(rows, device),
+                slot_table=slot_table.to(device),
+                query_dest=_tensor(query_dest, device),
+                batch_size=batch,
+                max_q=max_q,
+                masks=masks,
+            )
+        )
 
     return ModelInputs(
-        input_ids=t(input_ids),
-        positions=t(positions),
-        logits_indices=t(logits_indices),
+        input_ids=_tensor(input_ids, device),
+        positions=_tensor([p for pos in positions for p in pos], device),
+        logits_indices=_tensor(logits_indices, device),
         logits_splits=logits_splits,
         attention=AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping).to(device),
-            slot_table=slot_table.to(device),
-            query_dest=t(query_dest),
-            batch_size=batch,
-            max_q=max_q,
-            masks=masks,
+            slot_mapping=torch.cat([s[start:] for s, start in zip(slots, starts)]).to(device),
+            groups=groups,
         ),
     )
+
+
+def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)

@@ -89,14 +89,19 @@ class ModelRunner:
             seen.add(entry.request_id)
             if entry.request_id in self._pending:
                 raise PendingTree(f"request {entry.request_id!r} has an uncommitted tree")
-        starts = [self.blocks.num_slots(e.request_id) if e.request_id in self.blocks else 0 for e in entries]
+        is_new = [e.request_id not in self.blocks for e in entries]
+        starts = [0 if new else self.blocks.num_slots(e.request_id) for e, new in zip(entries, is_new)]
         self.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
         try:
             inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device)
             logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.attention, inputs.logits_indices)
         except BaseException:
-            for entry, start in zip(entries, starts):
-                self.blocks.truncate(entry.request_id, start)
+            # Give back exactly what this call took: new requests disappear, others shrink back.
+            for entry, start, new in zip(entries, starts, is_new):
+                if new:
+                    self.blocks.free(entry.request_id)
+                else:
+                    self.blocks.truncate(entry.request_id, start)
             raise
         for entry, start in zip(entries, starts):
             if isinstance(entry, Tree):
@@ -125,5 +130,7 @@ class ModelRunner:
 
     def discard_tree(self, request_id: str) -> None:
         """Drop a pending tree entirely, root included (the sequence is as before the forward)."""
-        pending = self._pending.pop(request_id)
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            raise PendingTree(f"request {request_id!r} has no pending tree to discard")
         self.blocks.truncate(request_id, pending.start)

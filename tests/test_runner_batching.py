@@ -1,0 +1,95 @@
+"""ModelRunner batching: attention groups give the same logits as running entries alone, and a
+failed pass gives back exactly the KV it took."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.shared.batch import Chunk, Tree, attention_groups
+from specserve.shared.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runner import ModelRunner, PendingTree
+
+NUM_BLOCKS, BLOCK_SIZE = 128, 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("batching") / "m", TINY_CONFIG, seed=5, std=0.1)
+
+
+def test_attention_groups_bound_padding():
+    assert attention_groups([1] * 6) == [[0, 1, 2, 3, 4, 5]]
+    groups = attention_groups([128] + [1] * 100)
+    assert len(groups) == 2 and sorted(i for g in groups for i in g) == list(range(101))
+    assert groups[0] == [0, 1]  # the chunk takes one decode along; the rest share a group
+    for lengths in ([40, 3, 1, 1, 9, 40, 2], [5] * 7, [64, 60, 3, 1], [200, 100, 50, 25, 1]):
+        groups = attention_groups(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            max_q = max(lengths[i] for i in g)
+            assert max_q <= 8 or max_q * len(g) <= 2 * sum(lengths[i] for i in g)
+
+
+def _setup(runner: ModelRunner, rng: random.Random, vocab: int) -> dict[str, list[int]]:
+    contexts = {f"r{i}": [rng.randrange(vocab) for _ in range(rng.randint(3, 30))] for i in range(6)}
+    runner.forward([Chunk(rid, toks) for rid, toks in contexts.items()])
+    return contexts
+
+
+def test_multi_group_batch_matches_entries_alone(model_dir):
+    rng = random.Random(0)
+    vocab = TINY_CONFIG["vocab_size"]
+    batched = ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    alone = ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    contexts = _setup(batched, random.Random(1), vocab)
+    assert _setup(alone, random.Random(1), vocab) == contexts
+    entries = [
+        Chunk("r0", [rng.randrange(vocab) for _ in range(40)], logits_at=list(range(40))),  # long chunk
+        Chunk("r1", [rng.randrange(vocab)], logits_at=[0]),  # decode tokens
+        Chunk("r2", [rng.randrange(vocab)], logits_at=[0]),
+        Tree("r3", [rng.randrange(vocab) for _ in range(7)], [-1, 0, 0, 1, 1, 2, 5]),
+        Chunk("r4", [rng.randrange(vocab) for _ in range(12)], logits_at=[11]),
+        Chunk("new", [rng.randrange(vocab) for _ in range(25)], logits_at=[0, 24]),
+    ]
+    assert len(attention_groups([len(e.tokens) for e in entries])) > 1
+    together = batched.forward(entries)
+    for entry, logits in zip(entries, together):
+        (single,) = alone.forward([entry])
+        torch.testing.assert_close(logits, single, rtol=1e-5, atol=1e-5)
+        assert torch.equal(logits.argmax(-1), single.argmax(-1))
+
+
+def test_failed_forward_gives_back_its_blocks(model_dir, monkeypatch):
+    runner = ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    runner.forward([Chunk("old", list(range(10)))])
+    free = runner.num_free_blocks
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected model failure")
+
+    monkeypatch.setattr(runner, "model", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.forward([Chunk("old", list(range(9))), Chunk("fresh", list(range(30)))])
+    assert runner.num_free_blocks == free
+    assert runner.num_tokens("old") == 10
+    assert not runner.has_request("fresh")
+    runner.blocks.check_invariants()
+
+
+def test_discard_or_commit_without_a_tree_is_a_typed_error(model_dir):
+    runner = ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    runner.forward([Chunk("a", [1, 2, 3])])
+    with pytest.raises(PendingTree):
+        runner.discard_tree("a")
+    with pytest.raises(PendingTree):
+        runner.commit_tree("a", [0])
+    runner.forward([Tree("a", [4, 5], [-1, 0])])
+    with pytest.raises(PendingTree):
+        runner.forward([Chunk("a", [6])])
+    with pytest.raises(ValueError):
+        runner.commit_tree("a", [1])
+    runner.commit_tree("a", [0, 1])
+    assert runner.num_tokens("a") == 5
