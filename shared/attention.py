@@ -3,7 +3,7 @@
 The new tokens of every entry are flattened into one [T] axis for the projections and MLP. For
 attention, entries are split into a few groups of similar query length; within a group, queries
 are scattered into a padded [B, max_q] layout, keys and values are gathered from the paged pool
-into [B, max_kv], and one masked SDPA call covers the group. The mask says
+block by block into [B, max_blocks * block_size], and one masked SDPA call covers the group. The mask says
 exactly what each query may see: all of its request's committed context, plus the new tokens
 that precede it (chunk) or are its ancestors (tree), and nothing of other requests.
 """
@@ -23,7 +23,7 @@ class AttentionGroup:
     """Entries whose queries share one padded SDPA call (see batch.attention_groups)."""
 
     rows: torch.Tensor | None  # [Tg] int64 rows of the flat batch in this group; None = all, in order
-    slot_table: torch.Tensor  # [Bg, max_kv] int64: physical slot of every key position (padding -> 0)
+    block_table: torch.Tensor  # [Bg, max_blocks] int64: KV blocks of each entry (padding -> block 0)
     query_dest: torch.Tensor  # [Tg] int64: index of each query in the flattened [Bg * max_q] layout
     batch_size: int
     max_q: int
@@ -66,7 +66,7 @@ def _group_attention(
     padded = q.new_zeros(group.batch_size * group.max_q, num_heads, head_dim)
     padded.index_copy_(0, group.query_dest, q)
     padded = padded.view(group.batch_size, group.max_q, num_heads, head_dim).transpose(1, 2)
-    keys, values = kv_cache.gather(layer, group.slot_table)
+    keys, values = kv_cache.gather(layer, group.block_table)
     out = F.scaled_dot_product_attention(
         padded, keys, values, attn_mask=group.masks[window], enable_gqa=num_heads != keys.shape[1]
     )

@@ -112,6 +112,7 @@ def build_inputs(
     offsets = torch.arange(blocks.block_size, dtype=torch.int64)
     input_ids: list[int] = []
     positions: list[list[int]] = []
+    tables: list[torch.Tensor] = []  # each entry's block table
     slots: list[torch.Tensor] = []  # physical slots of each entry's whole sequence
     row_starts: list[int] = []
     logits_indices: list[int] = []
@@ -124,14 +125,16 @@ def build_inputs(
         input_ids.extend(entry.tokens)
         positions.append(entry_positions(entry, start))
         table = torch.tensor(blocks.block_table(entry.request_id), dtype=torch.int64)
+        tables.append(table)
         slots.append((table[:, None] * blocks.block_size + offsets).flatten()[: start + len(entry.tokens)])
 
     groups = []
     for members in attention_groups(lengths):
         batch = len(members)
         max_q = max(lengths[i] for i in members)
-        max_kv = max(starts[i] + lengths[i] for i in members)
-        slot_table = torch.zeros(batch, max_kv, dtype=torch.int64)
+        max_blocks = max(len(tables[i]) for i in members)
+        max_kv = max_blocks * blocks.block_size  # keys are gathered whole blocks at a time
+        block_table = torch.zeros(batch, max_blocks, dtype=torch.int64)
         key_pos = torch.arange(max_kv).repeat(batch, 1)
         query_pos = torch.zeros(batch, max_q, dtype=torch.int64)
         mask = torch.zeros(batch, max_q, max_kv, dtype=torch.bool)
@@ -141,7 +144,7 @@ def build_inputs(
             entry, start, n = entries[i], starts[i], lengths[i]
             rows.extend(range(row_starts[i], row_starts[i] + n))
             query_dest.extend(range(b * max_q, b * max_q + n))
-            slot_table[b, : start + n] = slots[i]
+            block_table[b, : len(tables[i])] = tables[i]
             pos = torch.tensor(positions[i], dtype=torch.int64)
             key_pos[b, start : start + n] = pos
             query_pos[b, :n] = pos
@@ -159,7 +162,7 @@ def build_inputs(
         groups.append(
             AttentionGroup(
                 rows=None if whole_batch else _tensor(rows, device),
-                slot_table=slot_table.to(device),
+                block_table=block_table.to(device),
                 query_dest=_tensor(query_dest, device),
                 batch_size=batch,
                 max_q=max_q,

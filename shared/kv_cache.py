@@ -28,11 +28,20 @@ class KVCache:
         self.data[layer, 0].index_copy_(0, slots, k)
         self.data[layer, 1].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, slot_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slot_table [B, L] physical slots -> K, V [B, kv_heads, L, head_dim]."""
-        k = self.data[layer, 0][slot_table]  # [B, L, kvh, hd]
-        v = self.data[layer, 1][slot_table]
-        return k.transpose(1, 2), v.transpose(1, 2)
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_table [B, max_blocks] -> K, V [B, kv_heads, max_blocks * block_size, head_dim].
+
+        Whole blocks are copied as contiguous rows (one index_select each for K and V), which is
+        several times faster than gathering slot by slot.
+        """
+        batch, max_blocks = block_table.shape
+        flat = block_table.reshape(-1)
+        out = []
+        for kind in (0, 1):
+            rows = self.data[layer, kind].view(self.num_blocks, -1)
+            picked = rows.index_select(0, flat).view(batch, max_blocks * self.block_size, *self.data.shape[-2:])
+            out.append(picked.transpose(1, 2))
+        return out[0], out[1]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V of physical slots src -> dst in every layer (src is read before any write)."""
