@@ -147,9 +147,12 @@ class Stats:
     samples: list[float]
 
     @classmethod
-    def of(cls, samples: list[float]) -> Stats:
+    def of(cls, samples: list[float], spread: str = "p10-p90") -> Stats:
+        """Median plus a spread: p10-p90 of the samples, or their min-max (spread="range")."""
         if len(samples) == 1:
             return cls(samples[0], samples[0], samples[0], samples)
+        if spread == "range":
+            return cls(statistics.median(samples), min(samples), max(samples), samples)
         q = statistics.quantiles(samples, n=10, method="inclusive")
         return cls(statistics.median(samples), q[0], q[-1], samples)
 
@@ -227,6 +230,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_busy_fraction(seconds: float = 1.0) -> float:
+    """Share of all CPU time spent busy (any process) over `seconds`, from /proc/stat (0 if absent)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)
+        return sum(values), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return 0.0
+    total = total1 - total0
+    return 0.0 if total <= 0 else 1.0 - (idle1 - idle0) / total
+
+
 def load_average() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -244,8 +266,10 @@ def report(args, info: dict[str, str], results: dict[Scenario, Stats]) -> str:
     lines += [
         "",
         "Method: one timed call = `runner.forward(entries)` (input building included), after "
-        f"{args.warmup} warm-up calls; {args.repeats} timed calls per row; median (p10–p90) in ms. "
-        f"Every request has {args.context} committed context tokens, set up beforehand (untimed) by a real "
+        f"{args.warmup} warm-up calls; {args.repeats} timed calls per row; "
+        + ("median (p10–p90) in ms. " if args.runs == 1 else
+           f"the whole sweep ran {args.runs} times: median of the {args.runs} per-run medians (their min–max), in ms. ")
+        + f"Every request has {args.context} committed context tokens, set up beforehand (untimed) by a real "
         f"prefill of {PREFILL_DISTINCT} prompts whose KV rows the other requests copy (cost does not depend "
         "on KV values). A decode token is a root-only tree, discarded after each call (`discard_tree`), so "
         "the context does not grow; trees (random shape, logits at every node) are discarded the same way; "
@@ -255,7 +279,7 @@ def report(args, info: dict[str, str], results: dict[Scenario, Stats]) -> str:
         "",
         "## (a) Latency vs tokens in the pass",
         "",
-        f"| tokens | decode only: N requests x 1 token | x1-tok "
+        f"| tokens | decode only: N requests x 1 token, ms | x1-tok "
         f"| trees: {TREE_REQUESTS} requests x N/{TREE_REQUESTS} nodes | x1-tok |",
         "|---:|---:|---:|---:|---:|",
     ]
@@ -276,7 +300,8 @@ def report(args, info: dict[str, str], results: dict[Scenario, Stats]) -> str:
         "",
         "## (b) Latency vs batch composition at a fixed total",
         "",
-        "| total tokens | composition | requests | median (p10–p90) ms | x all-decode |",
+        "| total tokens | composition | requests | median "
+        + ("(p10–p90)" if args.runs == 1 else "(min–max of run medians)") + " ms | x all-decode |",
         "|---:|---|---:|---:|---:|",
     ]
     for total in COMPOSITION_TOTALS:
@@ -297,12 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="timed calls per row (default 15, --quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed calls per row first (default 3, --quick 1)")
     parser.add_argument("--context", type=int, default=128, help="committed tokens per request (default 128)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat the whole sweep N times; report the median of the per-run medians")
     parser.add_argument("--out", type=Path, help="also write the Markdown report to this file")
     args = parser.parse_args(argv)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    if args.repeats < 1 or args.warmup < 0 or args.context < 1:
-        parser.error("--repeats must be >= 1, --warmup >= 0 and --context >= 1")
+    if args.repeats < 1 or args.warmup < 0 or args.context < 1 or args.runs < 1:
+        parser.error("--repeats and --runs must be >= 1, --warmup >= 0 and --context >= 1")
     try:
         parse_device(args.device)
     except ValueError as exc:
@@ -311,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     load_before = load_average()
+    busy_before = cpu_busy_fraction()
     tmp = None
     if args.model is None:
         tmp = tempfile.TemporaryDirectory(prefix="specserve-bench-")
@@ -347,14 +375,20 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         runner = ModelRunner.from_dir(model_dir, num_blocks, BLOCK_SIZE, args.dtype, args.device)
         distinct, prefill_s = prefill(runner, pool, args.context, config.vocab_size, rng)
-        results: dict[Scenario, Stats] = {}
-        calls = len(scenarios) * (args.warmup + args.repeats)
+        per_run: dict[Scenario, list[Stats]] = {s: [] for s in scenarios}
+        calls = args.runs * len(scenarios) * (args.warmup + args.repeats)
         with tqdm(total=calls, desc="forward passes", unit="call", file=sys.stderr) as bar:
-            for s in scenarios:
-                bar.set_postfix_str(label(s))
-                entries = build_entries(s, rng, config.vocab_size)
-                tick = functools.partial(bar.update, 1)
-                results[s] = measure(runner, entries, args.context, args.warmup, args.repeats, tick)
+            for run in range(args.runs):
+                for s in scenarios:
+                    bar.set_postfix_str(f"run {run + 1}/{args.runs}: {label(s)}")
+                    entries = build_entries(s, rng, config.vocab_size)
+                    tick = functools.partial(bar.update, 1)
+                    per_run[s].append(measure(runner, entries, args.context, args.warmup, args.repeats, tick))
+        # One run: its median (p10-p90). Several: the median of the run medians (their min-max).
+        results = {
+            s: runs[0] if len(runs) == 1 else Stats.of([r.median for r in runs], spread="range")
+            for s, runs in per_run.items()
+        }
     if tmp is not None:
         tmp.cleanup()
 
@@ -372,14 +406,15 @@ def main(argv: list[str] | None = None) -> int:
         f"context tokens ({distinct} distinct prompts prefilled, the rest copy their KV), "
         f"set up in {prefill_s:.1f} s",
         "repeats": f"{args.repeats} timed + {args.warmup} warm-up calls per row"
-        + (" (--quick)" if args.quick else ""),
+        + (" (--quick)" if args.quick else "")
+        + (f"; whole sweep run {args.runs} times" if args.runs > 1 else ""),
+        "CPU busy (all processes) in the second before the run": f"{busy_before:.0%}",
         "load average (1/5/15 min) before / after": f"{load_before} / {load_average()}",
         "wall time of the whole run": f"{time.perf_counter() - began:.0f} s",
     }
-    busy = max(float(load_before.split()[0]), os.getloadavg()[0]) if load_before != "n/a" else 0.0
-    if busy > 0.5 * (affinity or 1):
+    if busy_before > 0.25:
         info["WARNING"] = (
-            f"load average {busy:.2f} on {affinity} cores: other processes were running, "
+            f"the CPU was {busy_before:.0%} busy before the run started: other processes were running, "
             "so these numbers are noisy"
         )
     text = report(args, info, results)

@@ -242,14 +242,6 @@ def test_block_manager_edge_cases() -> None:
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    # Tiny tensors: intra-op threads only add wake-up latency, which explodes on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):

@@ -115,15 +115,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    """The models are tiny: one intra-op thread is fastest, and immune to contention on a shared
-    machine (spinning worker threads made this module ~6x slower there). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @dataclass
 class HFModel:

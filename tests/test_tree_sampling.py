@@ -22,14 +22,6 @@ from specserve.shared.sampling import SamplingParams, probabilities, sample
 from specserve.shared.token_tree import children_by_token
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    # Tiny tensors: intra-op threads only add wake-up latency, which explodes on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 V = 6  # vocabulary
 L = 3  # continuation length whose joint distribution is tested
 PREFIX = (3, 5)  # the context before the continuation; its last token is the first tree root
