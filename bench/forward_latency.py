@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
 
     began = time.perf_counter()
-    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load_before = load_average()
     busy_before = cpu_busy_fraction()
     tmp = None

@@ -4,4 +4,6 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 ensure_venv test
 cd "$ROOT"
+echo "[specserve] ruff check"
+"$VENV/bin/ruff" check .
 exec "$VENV/bin/python" -m pytest "$@"

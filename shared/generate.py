@@ -8,12 +8,14 @@ from specserve.shared.batch import Chunk
 from specserve.shared.runner import ModelRunner
 from specserve.shared.sampling import SamplingParams, probabilities, sample
 
+GREEDY = SamplingParams(temperature=0.0)
+
 
 def generate(
     runner: ModelRunner,
     prompts: Mapping[str, list[int]],
     max_new_tokens: int,
-    params: SamplingParams = SamplingParams(temperature=0.0),
+    params: SamplingParams = GREEDY,
     prefill_chunk: int | None = None,
     stop_ids: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, list[int]]:

@@ -21,7 +21,6 @@ from specserve.shared.acceptance import Acceptance, accept_tree
 from specserve.shared.sampling import SamplingParams, probabilities, sample
 from specserve.shared.token_tree import children_by_token
 
-
 V = 6  # vocabulary
 L = 3  # continuation length whose joint distribution is tested
 PREFIX = (3, 5)  # the context before the continuation; its last token is the first tree root
