@@ -46,12 +46,6 @@ class ModelInputs:
     attention: AttentionMetadata
 
 
-def entry_positions(entry: Entry, start: int) -> list[int]:
-    if isinstance(entry, Tree):
-        return [start + d for d in depths(entry.parents)]
-    return list(range(start, start + len(entry.tokens)))
-
-
 def entry_logits_at(entry: Entry) -> list[int]:
     if isinstance(entry, Tree) and entry.logits_at is None:
         return list(range(len(entry.tokens)))
@@ -107,79 +101,122 @@ def build_inputs(
     windows: set[int | None],
     device: torch.device,
 ) -> ModelInputs:
-    """starts[i]: committed tokens of entry i's request before this pass; its slots are allocated."""
+    """starts[i]: committed tokens of entry i's request before this pass; its slots are allocated.
+
+    Everything but the token lists and the tree masks is computed with batched tensor ops: the
+    per-entry Python work is what limits large batches of single decode tokens.
+    """
     lengths = [len(e.tokens) for e in entries]
-    offsets = torch.arange(blocks.block_size, dtype=torch.int64)
+    n = torch.tensor(lengths, dtype=torch.int64)
+    start = torch.tensor(starts, dtype=torch.int64)
+    row_start = torch.cumsum(n, 0) - n
+    entry_of_row = torch.repeat_interleave(torch.arange(len(entries)), n)  # [T]
+    offset = torch.arange(int(n.sum())) - row_start[entry_of_row]  # index of each row in its entry
+
+    tables = [blocks.block_table(e.request_id) for e in entries]
+    max_blocks = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+    logical = start[entry_of_row] + offset  # logical slot of each new token
+    bs = blocks.block_size
+    slot_mapping = block_table[entry_of_row, logical // bs] * bs + logical % bs
+
+    # Positions: context + index for chunks, context + depth for tree nodes.
+    positions = logical.clone()
+    # A one-node tree (a plain decode) attends and is positioned exactly like a one-token chunk.
+    trees = [i for i, e in enumerate(entries) if isinstance(e, Tree) and len(e.tokens) > 1]
+    tree_depths = {i: torch.tensor(depths(entries[i].parents), dtype=torch.int64) for i in trees}
+    first_rows = row_start.tolist()
+    for i, d in tree_depths.items():
+        positions[first_rows[i] : first_rows[i] + lengths[i]] = starts[i] + d
+
     input_ids: list[int] = []
-    positions: list[list[int]] = []
-    tables: list[torch.Tensor] = []  # each entry's block table
-    slots: list[torch.Tensor] = []  # physical slots of each entry's whole sequence
-    row_starts: list[int] = []
     logits_indices: list[int] = []
     logits_splits: list[int] = []
-    for entry, start in zip(entries, starts):
-        row_starts.append(len(input_ids))
+    for entry, first_row in zip(entries, first_rows):
         logits_at = entry_logits_at(entry)
-        logits_indices.extend(len(input_ids) + i for i in logits_at)
+        logits_indices.extend(first_row + i for i in logits_at)
         logits_splits.append(len(logits_at))
         input_ids.extend(entry.tokens)
-        positions.append(entry_positions(entry, start))
-        table = torch.tensor(blocks.block_table(entry.request_id), dtype=torch.int64)
-        tables.append(table)
-        slots.append((table[:, None] * blocks.block_size + offsets).flatten()[: start + len(entry.tokens)])
 
-    groups = []
-    for members in attention_groups(lengths):
-        batch = len(members)
-        max_q = max(lengths[i] for i in members)
-        max_blocks = max(len(tables[i]) for i in members)
-        max_kv = max_blocks * blocks.block_size  # keys are gathered whole blocks at a time
-        block_table = torch.zeros(batch, max_blocks, dtype=torch.int64)
-        key_pos = torch.arange(max_kv).repeat(batch, 1)
-        query_pos = torch.zeros(batch, max_q, dtype=torch.int64)
-        mask = torch.zeros(batch, max_q, max_kv, dtype=torch.bool)
-        rows: list[int] = []
-        query_dest: list[int] = []
-        for b, i in enumerate(members):
-            entry, start, n = entries[i], starts[i], lengths[i]
-            rows.extend(range(row_starts[i], row_starts[i] + n))
-            query_dest.extend(range(b * max_q, b * max_q + n))
-            block_table[b, : len(tables[i])] = tables[i]
-            pos = torch.tensor(positions[i], dtype=torch.int64)
-            key_pos[b, start : start + n] = pos
-            query_pos[b, :n] = pos
-            mask[b, :n, :start] = True
-            own = ancestor_mask(entry.parents) if isinstance(entry, Tree) else torch.ones(n, n, dtype=torch.bool).tril()
-            mask[b, :n, start : start + n] = own
-        masks: dict[int | None, torch.Tensor] = {}
-        for window in windows:
-            m = mask if window is None else mask & ((query_pos[:, :, None] - key_pos[:, None, :]) < window)
-            # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
-            for b, i in enumerate(members):
-                m[b, lengths[i] :, 0] = True
-            masks[window] = m[:, None].to(device)
-        whole_batch = len(members) == len(entries)  # then rows are 0..T-1 in order
-        groups.append(
-            AttentionGroup(
-                rows=None if whole_batch else _tensor(rows, device),
-                block_table=block_table.to(device),
-                query_dest=_tensor(query_dest, device),
-                batch_size=batch,
-                max_q=max_q,
-                masks=masks,
-            )
-        )
-
+    layout = _Layout(entries, lengths, starts, n, start, row_start, block_table, tables, tree_depths, bs)
+    groups = [_group(layout, members, windows, device) for members in attention_groups(lengths)]
     return ModelInputs(
         input_ids=_tensor(input_ids, device),
-        positions=_tensor([p for pos in positions for p in pos], device),
+        positions=positions.to(device),
         logits_indices=_tensor(logits_indices, device),
         logits_splits=logits_splits,
-        attention=AttentionMetadata(
-            slot_mapping=torch.cat([s[start:] for s, start in zip(slots, starts)]).to(device),
-            groups=groups,
-        ),
+        attention=AttentionMetadata(slot_mapping=slot_mapping.to(device), groups=groups),
     )
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Per-entry facts of one batch, shared by its attention groups."""
+
+    entries: Sequence[Entry]
+    lengths: list[int]  # new tokens per entry
+    starts: Sequence[int]  # committed tokens per entry before this pass
+    n: torch.Tensor  # [B] lengths as a tensor
+    start: torch.Tensor  # [B] starts as a tensor
+    row_start: torch.Tensor  # [B] first row of each entry in the flat batch
+    block_table: torch.Tensor  # [B, max_blocks] padded with block 0
+    tables: list[list[int]]  # unpadded block tables
+    tree_depths: dict[int, torch.Tensor]  # entry index -> node depths, for tree entries
+    block_size: int
+
+
+def _group(layout: _Layout, members: list[int], windows: set[int | None], device: torch.device) -> AttentionGroup:
+    """Padded attention inputs and masks for the entries `members` (in entry order)."""
+    idx = torch.tensor(members, dtype=torch.int64)
+    n, start = layout.n[idx], layout.start[idx]
+    batch = len(members)
+    max_q = max(layout.lengths[i] for i in members)
+    max_blocks = max(len(layout.tables[i]) for i in members)
+    max_kv = max_blocks * layout.block_size  # keys are gathered whole blocks at a time
+
+    # Query j of entry b sees key k when k is committed context (k < start), or k is one of its
+    # own new tokens that precedes it (chunk: causal) or is its ancestor (tree, set below).
+    key = torch.arange(max_kv)[None, None, :]
+    query = torch.arange(max_q)[None, :, None]
+    rel = key - start[:, None, None]  # key index relative to the entry's first new token
+    real_query = query < n[:, None, None]
+    mask = real_query & ((rel < 0) | ((rel >= 0) & (rel <= query)))
+    trees = [(b, i) for b, i in enumerate(members) if i in layout.tree_depths]  # multi-node trees
+    for b, i in trees:
+        s, k = layout.starts[i], layout.lengths[i]
+        mask[b, :k, s : s + k] = ancestor_mask(layout.entries[i].parents)
+
+    masks: dict[int | None, torch.Tensor] = {}
+    for window in windows:
+        m = mask if window is None else mask & (_distance(layout, trees, start, batch, max_q, max_kv) < window)
+        # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
+        m[:, :, 0] |= ~real_query[:, :, 0]
+        masks[window] = m[:, None].to(device)
+
+    whole_batch = batch == len(layout.entries)  # then the rows are 0..T-1 in order
+    entry_of_row = torch.repeat_interleave(torch.arange(batch), n)
+    offset = torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n)[entry_of_row]
+    return AttentionGroup(
+        rows=None if whole_batch else (layout.row_start[idx][entry_of_row] + offset).to(device),
+        block_table=layout.block_table[idx, :max_blocks].to(device),
+        query_dest=(entry_of_row * max_q + offset).to(device),
+        batch_size=batch,
+        max_q=max_q,
+        masks=masks,
+    )
+
+
+def _distance(
+    layout: _Layout, trees: list[tuple[int, int]], start: torch.Tensor, batch: int, max_q: int, max_kv: int
+) -> torch.Tensor:
+    """[Bg, max_q, max_kv] query position minus key position (for sliding windows)."""
+    key_pos = torch.arange(max_kv).repeat(batch, 1)
+    query_pos = start[:, None] + torch.arange(max_q)[None, :]
+    for b, i in trees:
+        s, k, depth = layout.starts[i], layout.lengths[i], layout.tree_depths[i]
+        key_pos[b, s : s + k] = s + depth
+        query_pos[b, :k] = s + depth
+    return query_pos[:, :, None] - key_pos[:, None, :]
 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:

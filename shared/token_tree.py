@@ -37,9 +37,13 @@ def depths(parents: Sequence[int]) -> list[int]:
 def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
     """[n, n] bool: mask[i, j] is True when node j is node i or one of its ancestors."""
     n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
+    ancestors: list[list[int]] = [[0]]  # per node: itself and its ancestors
     for i in range(1, n):
-        mask[i] |= mask[parents[i]]
+        ancestors.append(ancestors[parents[i]] + [i])
+    rows = [i for i, anc in enumerate(ancestors) for _ in anc]
+    cols = [j for anc in ancestors for j in anc]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[rows, cols] = True
     return mask
 
 
