@@ -93,3 +93,31 @@ def test_discard_or_commit_without_a_tree_is_a_typed_error(model_dir):
         runner.commit_tree("a", [1])
     runner.commit_tree("a", [0, 1])
     assert runner.num_tokens("a") == 5
+
+
+@pytest.mark.parametrize(
+    "bad_entry, error, message",
+    [
+        (Chunk("b", [1, 2, TINY_CONFIG["vocab_size"]]), ValueError, "outside the vocabulary"),
+        (Chunk("b", [1, -1]), ValueError, "outside the vocabulary"),
+        (Chunk("b", []), ValueError, "at least one token"),
+        (Chunk("b", [1, 2], logits_at=[2]), ValueError, "logits_at"),
+        (Tree("b", [1, 2, 3], [-1, 0, 2]), ValueError, "parents must precede"),
+        (Tree("b", [1, 2], [0, 0]), ValueError, "root"),
+        (Tree("b", [1, 2], [-1]), ValueError, "parent indices"),
+        (Chunk("a", [3]), ValueError, "appears twice"),
+    ],
+)
+def test_bad_entries_are_refused_without_touching_state(model_dir, bad_entry, error, message):
+    """A bad entry anywhere in a batch fails the whole call before any KV is allocated."""
+    runner = ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    runner.forward([Chunk("a", [1, 2, 3, 4, 5])])
+    free = runner.num_free_blocks
+    with pytest.raises(error, match=message):
+        runner.forward([Chunk("a", [6, 7]), bad_entry])
+    assert runner.num_free_blocks == free
+    assert runner.num_tokens("a") == 5
+    assert not runner.has_request("b")
+    # The runner keeps serving: the same request continues as if nothing happened.
+    (logits,) = runner.forward([Chunk("a", [6], logits_at=[0])])
+    assert logits.shape == (1, TINY_CONFIG["vocab_size"])
