@@ -161,7 +161,7 @@ class _Layout:
     row_start: torch.Tensor  # [B] first row of each entry in the flat batch
     block_table: torch.Tensor  # [B, max_blocks] padded with block 0
     tables: list[list[int]]  # unpadded block tables
-    tree_depths: dict[int, torch.Tensor]  # entry index -> node depths, for tree entries
+    tree_depths: dict[int, torch.Tensor]  # entry index -> node depths, for multi-node trees only
     block_size: int
 
 
