@@ -271,6 +271,17 @@ def test_plain_sampling_passes_the_same_check() -> None:
     assert not chi_square_fit(counts, expected)["rejected"]
 
 
+def speculative_stream(drafts: DraftTrees, params: SamplingParams, gen: torch.Generator, length: int) -> list[int]:
+    """At least `length` tokens from PREFIX on, each step verifying a fresh random draft tree."""
+    a, b = PREFIX
+    out: list[int] = []
+    while len(out) < length:
+        tokens, parents, ctx_a, ctx_b = drafts.build(a, b)
+        out += accept_tree(tokens, parents, TABLE[ctx_a, ctx_b], params, gen).tokens
+        a, b = ([a, b] + out)[-2:]
+    return out
+
+
 # ---- greedy acceptance --------------------------------------------------------------------
 
 
@@ -323,12 +334,7 @@ def test_greedy_ignores_generator_and_matches_argmax_decoding() -> None:
     drafts = DraftTrees(rng, GREEDY)
     gen = torch.Generator().manual_seed(0)
     state = gen.get_state()
-    a, b = PREFIX
-    spec: list[int] = []
-    while len(spec) < 40:
-        tokens, parents, ctx_a, ctx_b = drafts.build(a, b)
-        spec += accept_tree(tokens, parents, TABLE[ctx_a, ctx_b], GREEDY, gen).tokens
-        a, b = ([a, b] + spec)[-2:]
+    spec = speculative_stream(drafts, GREEDY, gen, 40)
     assert torch.equal(gen.get_state(), state)  # greedy draws nothing from the generator
     a, b = PREFIX
     plain: list[int] = []
@@ -375,12 +381,7 @@ def test_seeded_tree_sampling_equals_plain_sampling_token_for_token(name: str) -
         rng = random.Random(seed)
         drafts = DraftTrees(rng, params)
         gen = torch.Generator().manual_seed(seed)
-        a, b = PREFIX
-        spec: list[int] = []
-        while len(spec) < 30:
-            tokens, parents, ctx_a, ctx_b = drafts.build(a, b)
-            spec += accept_tree(tokens, parents, TABLE[ctx_a, ctx_b], params, gen).tokens
-            a, b = ([a, b] + spec)[-2:]
+        spec = speculative_stream(drafts, params, gen, 30)
         gen = torch.Generator().manual_seed(seed)
         a, b = PREFIX
         plain: list[int] = []
