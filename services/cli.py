@@ -45,7 +45,8 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     cfg = runner.config
     print(
         f"loaded {model_dir} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M parameters, "
-        f"{args.dtype}, {args.device}) in {load_s:.2f} s; KV pool {args.num_blocks} blocks x 16 tokens"
+        f"{args.dtype}, {args.device}) in {load_s:.2f} s; "
+        f"KV pool {args.num_blocks} blocks x {runner.blocks.block_size} tokens"
     )
     tokenizer = _tokenizer(model_dir)
     if tokenizer is not None:

@@ -180,7 +180,7 @@ def _group(layout: _Layout, members: list[int], windows: set[int | None], device
     query = torch.arange(max_q)[None, :, None]
     rel = key - start[:, None, None]  # key index relative to the entry's first new token
     real_query = query < n[:, None, None]
-    mask = real_query & ((rel < 0) | ((rel >= 0) & (rel <= query)))
+    mask = real_query & (rel <= query)  # rel < 0 is context; 0 <= rel <= query is causal
     trees = [(b, i) for b, i in enumerate(members) if i in layout.tree_depths]  # multi-node trees
     for b, i in trees:
         s, k = layout.starts[i], layout.lengths[i]

@@ -119,8 +119,9 @@ class ModelRunner:
             if not 0 < child < len(pending.parents) or pending.parents[child] != parent:
                 raise ValueError(f"path {list(path)} is not a root-to-node path of the tree")
         start = pending.start
-        src = [self.blocks.physical_slots(request_id, start + node, 1)[0] for node in path]
-        dst = self.blocks.physical_slots(request_id, start, len(path))
+        tree_slots = self.blocks.physical_slots(request_id, start, len(pending.parents))
+        src = [tree_slots[node] for node in path]
+        dst = tree_slots[: len(path)]
         moves = [(s, d) for s, d in zip(src, dst) if s != d]
         if moves:
             s, d = zip(*moves)
