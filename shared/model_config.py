@@ -97,7 +97,17 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"config.json in {model_dir} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        cfg = cls.from_dict(raw)
+        # Like transformers' generate, stop on generation_config.json's EOS ids as well.
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            except json.JSONDecodeError as exc:
+                raise ModelLoadError(f"generation_config.json in {model_dir} is not valid JSON: {exc}") from exc
+            gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+            cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + gen_eos))
+        return cfg
 
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
