@@ -8,22 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_CACHE = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
-REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
-
-
-def _default_model() -> Path:
-    """The bundled demo target if present, else a random ~20M-parameter Llama made once and cached."""
-    bundled = REPO_MODELS / "target"
-    if (bundled / "config.json").is_file():
-        return bundled
-    from specserve.shared.random_model import BENCH_CONFIG, write_random_model
-
-    path = DEFAULT_CACHE / "random-llama-20m"
-    if not (path / "model.safetensors").is_file():
-        print(f"[specserve] no bundled model yet; writing a random-weight Llama to {path}", flush=True)
-        write_random_model(path, BENCH_CONFIG, seed=0, std=0.05)
-    return path
+BUNDLED_TARGET = Path(__file__).resolve().parent.parent / "models" / "target"
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
@@ -34,7 +19,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     from specserve.shared.model_config import ModelLoadError
     from specserve.shared.runner import ModelRunner
 
-    model_dir = Path(args.model) if args.model else _default_model()
+    model_dir = Path(args.model) if args.model else BUNDLED_TARGET
     t0 = time.perf_counter()
     try:
         runner = ModelRunner.from_dir(model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device)

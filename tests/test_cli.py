@@ -38,6 +38,13 @@ def test_smoke_generates(tiny_dir):
     assert "KV blocks free after release: 32/32" in proc.stdout
 
 
+def test_smoke_defaults_to_the_bundled_target():
+    proc = run("smoke", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "models/target (LlamaForCausalLM" in proc.stdout
+    assert "KV blocks free after release: 256/256" in proc.stdout
+
+
 def test_smoke_reports_missing_model_dir(tmp_path):
     proc = run("smoke", "--model", str(tmp_path / "nope"))
     assert proc.returncode == 2
