@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--device", default=os.environ.get("SPECSERVE_DEVICE", "cpu"), help="cpu or cuda")
     smoke.add_argument("--dtype", default=os.environ.get("SPECSERVE_DTYPE", "float32"),
                        choices=["float32", "bfloat16", "float16"])
-    smoke.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (needs a tokenizer)")
+    smoke.add_argument("--prompt", default="import os\nimport sys\n\n\ndef main():\n",
+                       help="prompt text (needs a tokenizer)")
     smoke.add_argument("--max-tokens", type=int, default=32)
     smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
     smoke.set_defaults(func=cmd_smoke)
