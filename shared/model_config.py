@@ -64,7 +64,6 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         num_layers = int(raw["num_hidden_layers"])
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        eos = raw.get("eos_token_id")
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -83,7 +82,7 @@ class ModelConfig:
             rope=_rope_params(raw),
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            eos_token_ids=_token_ids(raw.get("eos_token_id")),
         )
 
     @classmethod
@@ -105,8 +104,7 @@ class ModelConfig:
                 gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
             except json.JSONDecodeError as exc:
                 raise ModelLoadError(f"generation_config.json in {model_dir} is not valid JSON: {exc}") from exc
-            gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
-            cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + gen_eos))
+            cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + _token_ids(gen_eos)))
         return cfg
 
     def num_parameters(self) -> int:
@@ -119,6 +117,11 @@ class ModelConfig:
         per_layer = attn + mlp + 2 * h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
+
+
+def _token_ids(value: int | list[int] | None) -> list[int]:
+    """An `eos_token_id` field (absent, one id or a list) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
