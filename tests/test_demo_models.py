@@ -17,6 +17,7 @@ from specserve.shared.generate import generate
 from specserve.shared.model_config import ModelConfig
 from specserve.shared.runner import ModelRunner
 from training.corpus import is_held_out
+from training.tokenizer import chat_text
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -71,6 +72,9 @@ def test_chat_template_renders_with_special_tokens(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<|system|>\nBe brief.<|end|>\n<|user|>\nimport os<|end|>\n<|assistant|>\n"
+    # The chat snippets the pair was trained on are this rendering followed by the reply.
+    prompt = tokenizer.apply_chat_template(messages[1:], tokenize=False, add_generation_prompt=True)
+    assert chat_text("import os", "import sys\n") == prompt + "import sys\n<|end|>\n"
     ids = tokenizer.encode(text, add_special_tokens=False)
     for special in ("<|system|>", "<|user|>", "<|end|>", "<|assistant|>"):
         assert tokenizer.convert_tokens_to_ids(special) in ids

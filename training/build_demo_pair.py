@@ -64,11 +64,11 @@ def llama_config(tok: Tokenizer, shape: dict) -> LlamaConfig:
 
 
 def save_model(model: LlamaForCausalLM, out: Path, tok: Tokenizer) -> None:
-    """A standard Hugging Face directory: bfloat16 safetensors, config, generation config, tokenizer."""
+    """A standard Hugging Face directory: bfloat16 safetensors, config, generation config, tokenizer.
+    Casts `model` to bfloat16 in place; it is not trained further."""
     if out.exists():
         shutil.rmtree(out)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    model.float()
     eot, end = tok.token_to_id(tokenizer.EOT), tok.token_to_id(tokenizer.END)
     GenerationConfig(bos_token_id=eot, eos_token_id=[eot, end], pad_token_id=eot, do_sample=False).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from training.corpus import SourceFile
-from training.tokenizer import ASSISTANT, END, EOT, USER
+from training.tokenizer import EOT, chat_text
 
 
 def chat_sample(f: SourceFile, rng: random.Random) -> str | None:
@@ -22,7 +22,7 @@ def chat_sample(f: SourceFile, rng: random.Random) -> str | None:
     start = rng.randrange(0, max(1, len(lines) - head - tail))
     user = "".join(lines[start:start + head])
     reply = "".join(lines[start + head:start + head + tail])
-    return f"{USER}\n{user}{END}\n{ASSISTANT}\n{reply}{END}\n"
+    return chat_text(user, reply)
 
 
 def encode_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
@@ -41,12 +41,12 @@ def build_streams(tok: Tokenizer, files: list[SourceFile], seed: int, out_dir: P
     train = [f for f in files if not f.held_out]
     held = [f for f in files if f.held_out]
     chats = [s for f in train if (s := chat_sample(f, rng)) is not None]
-    train_ids = encode_stream(tok, [f.text for f in train] + chats)
+    chat_ids = encode_stream(tok, chats)
+    train_ids = np.concatenate([encode_stream(tok, [f.text for f in train]), chat_ids])
     held_ids = encode_stream(tok, [f.text for f in held])
     out_dir.mkdir(parents=True, exist_ok=True)
     np.save(out_dir / "train.npy", train_ids)
     np.save(out_dir / "heldout.npy", held_ids)
-    chat_ids = encode_stream(tok, chats)
     return {"train_files": len(train), "heldout_files": len(held), "train_tokens": int(train_ids.size),
             "chat_snippets": len(chats), "chat_tokens": int(chat_ids.size), "heldout_tokens": int(held_ids.size)}
 

@@ -25,6 +25,11 @@ CHAT_TEMPLATE = (
 )
 
 
+def chat_text(user: str, reply: str) -> str:
+    """One exchange as CHAT_TEMPLATE renders it, plus the reply and its <|end|>: a training sample."""
+    return f"{USER}\n{user}{END}\n{ASSISTANT}\n{reply}{END}\n"
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
