@@ -396,6 +396,13 @@ def _copy(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
     return dst
 
 
+def _edit_weights(path: Path, edit) -> None:
+    """Load model.safetensors, let `edit(state)` change the tensor dict in place, save it back."""
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
 def _edit_config(path: Path, **changes) -> None:
     cfg = json.loads((path / "config.json").read_text())
     for key, value in changes.items():
@@ -444,9 +451,7 @@ def test_missing_weights(hf_llama: HFModel, tmp_path):
 
 def test_missing_tensor(hf_llama: HFModel, tmp_path):
     d = _copy(hf_llama.path, tmp_path / "m")
-    state = load_file(d / "model.safetensors")
-    del state["model.layers.1.mlp.up_proj.weight"]
-    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    _edit_weights(d, lambda state: state.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ModelLoadError, match="lacks tensor") as err:
         ModelRunner.from_dir(d, num_blocks=4)
     assert "model.layers.1.mlp.up_proj.weight" in str(err.value)
@@ -454,16 +459,12 @@ def test_missing_tensor(hf_llama: HFModel, tmp_path):
 
 def test_wrong_shape_and_unexpected_tensor(hf_llama: HFModel, tmp_path):
     d = _copy(hf_llama.path, tmp_path / "shape")
-    state = load_file(d / "model.safetensors")
-    state["model.norm.weight"] = torch.ones(65)
-    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    _edit_weights(d, lambda state: state.update({"model.norm.weight": torch.ones(65)}))
     with pytest.raises(ModelLoadError, match="model.norm.weight has shape"):
         ModelRunner.from_dir(d, num_blocks=4)
 
     d = _copy(hf_llama.path, tmp_path / "extra")
-    state = load_file(d / "model.safetensors")
-    state["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
-    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    _edit_weights(d, lambda state: state.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
     with pytest.raises(ModelLoadError, match="model.layers.0.self_attn.o_proj.bias"):
         ModelRunner.from_dir(d, num_blocks=4)
 
