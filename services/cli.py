@@ -74,7 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--max-tokens", type=int, default=32)
     smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
     smoke.set_defaults(func=cmd_smoke)
+
+    from specserve.draft.config import DraftConfig
+    from specserve.target.config import TargetConfig
+
+    draft = sub.add_parser("draft", help="run the draft service (batched beam speculation)")
+    DraftConfig.add_flags(draft)
+    draft.set_defaults(func=_service("specserve.draft.server"))
+    target = sub.add_parser("target", help="run the target service (batched tree verification)")
+    TargetConfig.add_flags(target)
+    target.set_defaults(func=_service("specserve.target.server"))
     return parser
+
+
+def _service(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(args)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,14 +9,14 @@ accepted root-to-node path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specserve.shared.attention import AttentionGroup, AttentionMetadata
 from specserve.shared.block_manager import BlockManager
-from specserve.shared.token_tree import ancestor_mask, depths, validate_tree
+from specserve.shared.token_tree import ancestor_mask, depths, validate_forest, validate_tree
 
 
 @dataclass(slots=True)
@@ -34,7 +34,24 @@ class Tree:
     logits_at: Sequence[int] | None = None  # node indices whose logits are returned; None = all
 
 
-Entry = Chunk | Tree
+@dataclass(slots=True)
+class DraftNodes:
+    """Speculative nodes added to the request's pending node set (the draft's beam search).
+
+    Unlike a Tree, there is no root: the committed context holds every committed token, and
+    parents[i] is -1 for a child of that context, else the index of an earlier pending node, counting
+    the nodes of earlier DraftNodes passes first (so one beam layer per pass grows one forest).
+    Each node sees the committed context and its own ancestors. The nodes stay pending until the
+    runner discards them.
+    """
+
+    request_id: str
+    tokens: list[int]  # node tokens of this pass
+    parents: list[int]  # per node: -1, or the index of an earlier node in the whole pending forest
+    logits_at: Sequence[int] | None = None  # indices into tokens whose logits are returned; None = all
+
+
+Entry = Chunk | Tree | DraftNodes
 
 
 @dataclass(slots=True)
@@ -47,16 +64,19 @@ class ModelInputs:
 
 
 def entry_logits_at(entry: Entry) -> list[int]:
-    if isinstance(entry, Tree) and entry.logits_at is None:
+    if isinstance(entry, Tree | DraftNodes) and entry.logits_at is None:
         return list(range(len(entry.tokens)))
     return list(entry.logits_at or ())
 
 
-def validate_entry(entry: Entry, vocab_size: int) -> None:
+def validate_entry(entry: Entry, vocab_size: int, prior_nodes: int = 0) -> None:
+    """prior_nodes: for DraftNodes, how many pending nodes of the request earlier passes added."""
     if not entry.tokens:
         raise ValueError(f"{entry.request_id}: an entry needs at least one token")
     if isinstance(entry, Tree):
         validate_tree(entry.tokens, entry.parents)
+    elif isinstance(entry, DraftNodes):
+        validate_forest(entry.parents, len(entry.tokens), prior_nodes)
     bad = [t for t in entry.tokens if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{entry.request_id}: token id(s) {bad[:4]} outside the vocabulary 0..{vocab_size - 1}")
@@ -94,14 +114,43 @@ def attention_groups(lengths: Sequence[int]) -> list[list[int]]:
     return groups
 
 
+@dataclass(slots=True)
+class _TreeShape:
+    """Where a multi-node tree or a DraftNodes pass sits in its request's slots."""
+
+    base: int  # committed tokens: the slot (and position) of the first tree node
+    prior: int  # pending nodes from earlier passes, in slots base .. base + prior
+    mask: torch.Tensor  # [new, prior + new] bool: which tree nodes each new node sees
+    depth: torch.Tensor  # [prior + new] int64: depth of every tree node (position = base + depth)
+
+
+def _tree_shapes(
+    entries: Sequence[Entry], starts: Sequence[int], prior_parents: Mapping[int, Sequence[int]]
+) -> dict[int, _TreeShape]:
+    shapes = {}
+    for i, entry in enumerate(entries):
+        if isinstance(entry, Tree) and len(entry.tokens) > 1:
+            shapes[i] = _TreeShape(starts[i], 0, ancestor_mask(entry.parents), torch.tensor(depths(entry.parents)))
+        elif isinstance(entry, DraftNodes):
+            prior = list(prior_parents.get(i, ()))
+            whole = prior + list(entry.parents)
+            mask = ancestor_mask(whole)[len(prior) :]
+            shapes[i] = _TreeShape(starts[i] - len(prior), len(prior), mask, torch.tensor(depths(whole)))
+    return shapes
+
+
 def build_inputs(
     entries: Sequence[Entry],
     starts: Sequence[int],
     blocks: BlockManager,
     windows: set[int | None],
     device: torch.device,
+    prior_parents: Mapping[int, Sequence[int]] | None = None,
 ) -> ModelInputs:
-    """starts[i]: committed tokens of entry i's request before this pass; its slots are allocated.
+    """starts[i]: slots of entry i's request before this pass (its new slots are allocated).
+
+    prior_parents[i]: for a DraftNodes entry, the parents of its request's pending nodes from
+    earlier passes (they occupy the last of those slots).
 
     Everything but the token lists and the tree masks is computed with batched tensor ops: the
     per-entry Python work is what limits large batches of single decode tokens.
@@ -123,11 +172,10 @@ def build_inputs(
     # Positions: context + index for chunks, context + depth for tree nodes.
     positions = logical.clone()
     # A one-node tree (a plain decode) attends and is positioned exactly like a one-token chunk.
-    trees = [i for i, e in enumerate(entries) if isinstance(e, Tree) and len(e.tokens) > 1]
-    tree_depths = {i: torch.tensor(depths(entries[i].parents), dtype=torch.int64) for i in trees}
+    shapes = _tree_shapes(entries, starts, prior_parents or {})
     first_rows = row_start.tolist()
-    for i, d in tree_depths.items():
-        positions[first_rows[i] : first_rows[i] + lengths[i]] = starts[i] + d
+    for i, shape in shapes.items():
+        positions[first_rows[i] : first_rows[i] + lengths[i]] = shape.base + shape.depth[shape.prior :]
 
     input_ids: list[int] = []
     logits_indices: list[int] = []
@@ -138,7 +186,7 @@ def build_inputs(
         logits_splits.append(len(logits_at))
         input_ids.extend(entry.tokens)
 
-    layout = _Layout(entries, lengths, starts, n, start, row_start, block_table, tables, tree_depths, bs)
+    layout = _Layout(entries, lengths, starts, n, start, row_start, block_table, tables, shapes, bs)
     groups = [_group(layout, members, windows, device) for members in attention_groups(lengths)]
     return ModelInputs(
         input_ids=_tensor(input_ids, device),
@@ -161,7 +209,7 @@ class _Layout:
     row_start: torch.Tensor  # [B] first row of each entry in the flat batch
     block_table: torch.Tensor  # [B, max_blocks] padded with block 0
     tables: list[list[int]]  # unpadded block tables
-    tree_depths: dict[int, torch.Tensor]  # entry index -> node depths, for multi-node trees only
+    trees: dict[int, _TreeShape]  # entry index -> its tree's layout (multi-node trees and DraftNodes)
     block_size: int
 
 
@@ -181,10 +229,10 @@ def _group(layout: _Layout, members: list[int], windows: set[int | None], device
     rel = key - start[:, None, None]  # key index relative to the entry's first new token
     real_query = query < n[:, None, None]
     mask = real_query & (rel <= query)  # rel < 0 is context; 0 <= rel <= query is causal
-    trees = [(b, i) for b, i in enumerate(members) if i in layout.tree_depths]  # multi-node trees
+    trees = [(b, i) for b, i in enumerate(members) if i in layout.trees]
     for b, i in trees:
-        s, k = layout.starts[i], layout.lengths[i]
-        mask[b, :k, s : s + k] = ancestor_mask(layout.entries[i].parents)
+        shape, k = layout.trees[i], layout.lengths[i]
+        mask[b, :k, shape.base : shape.base + shape.prior + k] = shape.mask
 
     masks: dict[int | None, torch.Tensor] = {}
     for window in windows:
@@ -213,9 +261,10 @@ def _distance(
     key_pos = torch.arange(max_kv).repeat(batch, 1)
     query_pos = start[:, None] + torch.arange(max_q)[None, :]
     for b, i in trees:
-        s, k, depth = layout.starts[i], layout.lengths[i], layout.tree_depths[i]
-        key_pos[b, s : s + k] = s + depth
-        query_pos[b, :k] = s + depth
+        shape, k = layout.trees[i], layout.lengths[i]
+        s = shape.base
+        key_pos[b, s : s + shape.prior + k] = s + shape.depth
+        query_pos[b, :k] = s + shape.depth[shape.prior :]
     return query_pos[:, :, None] - key_pos[:, None, :]
 
 

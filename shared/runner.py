@@ -3,6 +3,8 @@
 forward(entries) runs one pass over a ragged batch of chunks and trees. Chunks are committed at
 once. A tree's KV stays pending until commit_tree(request_id, path) keeps the accepted
 root-to-node path (copying those KV rows into sequence order, no recompute) and frees the rest.
+DraftNodes (the draft's beam search) grow one pending forest over several passes, one beam layer
+per pass, until discard_tree drops it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.shared.batch import Entry, Tree, build_inputs, validate_entry
+from specserve.shared.batch import DraftNodes, Entry, Tree, build_inputs, validate_entry
 from specserve.shared.block_manager import BlockManager, OutOfBlocks, UnknownRequest
 from specserve.shared.kv_cache import KVCache
 from specserve.shared.loader import load_model, parse_device, parse_dtype
@@ -30,6 +32,7 @@ class PendingTree(RuntimeError):
 class _Pending:
     start: int  # committed tokens before the tree = logical slot of the root
     parents: list[int]
+    forest: bool = False  # grown by DraftNodes passes (can only be discarded)
 
 
 class ModelRunner:
@@ -68,6 +71,16 @@ class ModelRunner:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.blocks
 
+    def has_pending(self, request_id: str) -> bool:
+        """The request has an uncommitted tree or draft nodes."""
+        return request_id in self._pending
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Forget committed KV past the first `num_tokens` tokens (no pending tree allowed)."""
+        if request_id in self._pending:
+            raise PendingTree(f"request {request_id!r} has an uncommitted tree")
+        self.blocks.truncate(request_id, num_tokens)
+
     def release(self, request_id: str) -> None:
         """Free every KV block of the request (raises UnknownRequest if it has none)."""
         self._pending.pop(request_id, None)
@@ -82,18 +95,27 @@ class ModelRunner:
         if not entries:
             return []
         seen: set[str] = set()
-        for entry in entries:
-            validate_entry(entry, self.config.vocab_size)
+        prior_parents: dict[int, list[int]] = {}
+        for i, entry in enumerate(entries):
+            pending = self._pending.get(entry.request_id)
+            if isinstance(entry, DraftNodes):
+                if entry.request_id not in self.blocks:
+                    raise UnknownRequest(entry.request_id)
+                if pending is not None and not pending.forest:
+                    raise PendingTree(f"request {entry.request_id!r} has an uncommitted tree")
+                if pending is not None:
+                    prior_parents[i] = pending.parents
+            elif pending is not None:
+                raise PendingTree(f"request {entry.request_id!r} has an uncommitted tree")
+            validate_entry(entry, self.config.vocab_size, len(prior_parents.get(i, ())))
             if entry.request_id in seen:
                 raise ValueError(f"request {entry.request_id!r} appears twice in one batch")
             seen.add(entry.request_id)
-            if entry.request_id in self._pending:
-                raise PendingTree(f"request {entry.request_id!r} has an uncommitted tree")
         is_new = [e.request_id not in self.blocks for e in entries]
         starts = [0 if new else self.blocks.num_slots(e.request_id) for e, new in zip(entries, is_new)]
         self.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
         try:
-            inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device)
+            inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
             logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.attention, inputs.logits_indices)
         except BaseException:
             # Give back exactly what this call took: new requests disappear, others shrink back.
@@ -103,9 +125,13 @@ class ModelRunner:
                 else:
                     self.blocks.truncate(entry.request_id, start)
             raise
-        for entry, start in zip(entries, starts):
+        for i, (entry, start) in enumerate(zip(entries, starts)):
             if isinstance(entry, Tree):
                 self._pending[entry.request_id] = _Pending(start, list(entry.parents))
+            elif i in prior_parents:
+                self._pending[entry.request_id].parents.extend(entry.parents)
+            elif isinstance(entry, DraftNodes):
+                self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
         return list(torch.split(logits, inputs.logits_splits))
 
     def commit_tree(self, request_id: str, path: Sequence[int]) -> None:
@@ -113,6 +139,8 @@ class ModelRunner:
         pending = self._pending.get(request_id)
         if pending is None:
             raise PendingTree(f"request {request_id!r} has no pending tree to commit")
+        if pending.forest:
+            raise PendingTree(f"request {request_id!r} holds draft nodes, which can only be discarded")
         if not path or path[0] != 0:
             raise ValueError("an accepted path starts at the root (node 0)")
         for parent, child in zip(path, path[1:]):

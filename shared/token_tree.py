@@ -27,19 +27,30 @@ def validate_tree(tokens: Sequence[int], parents: Sequence[int]) -> None:
             raise InvalidTree(f"node {i} has parent {parents[i]}; parents must precede their children")
 
 
+def validate_forest(parents: Sequence[int], count: int, prior: int = 0) -> None:
+    """New nodes prior .. prior + count of a forest: each parent is -1 (a root) or an earlier node."""
+    if len(parents) != count:
+        raise InvalidTree(f"{count} tokens but {len(parents)} parent indices")
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < prior + j:
+            raise InvalidTree(f"node {prior + j} has parent {parent}; parents must be -1 or an earlier node")
+
+
 def depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node; a node whose parent is -1 (the root, or a forest root) has depth 0."""
     out = [0] * len(parents)
-    for i in range(1, len(parents)):
-        out[i] = out[parents[i]] + 1
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            out[i] = out[parent] + 1
     return out
 
 
 def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
-    """[n, n] bool: mask[i, j] is True when node j is node i or one of its ancestors."""
+    """[n, n] bool: mask[i, j] is True when node j is node i or one of its ancestors (forests too)."""
     n = len(parents)
-    ancestors: list[list[int]] = [[0]]  # per node: itself and its ancestors
-    for i in range(1, n):
-        ancestors.append(ancestors[parents[i]] + [i])
+    ancestors: list[list[int]] = []  # per node: its ancestors and itself
+    for i, parent in enumerate(parents):
+        ancestors.append((ancestors[parent] if parent >= 0 else []) + [i])
     rows = [i for i, anc in enumerate(ancestors) for _ in anc]
     cols = [j for anc in ancestors for j in anc]
     mask = torch.zeros(n, n, dtype=torch.bool)

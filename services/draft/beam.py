@@ -1,0 +1,80 @@
+"""Batched beam speculation (AdaServe's Spec()): d steps of width w from every request's root.
+
+Step 1 expands each root, from the root's logits that the catch-up pass already returned, into its
+top-w children. Each later step runs the w beam tokens of every request in one batched pass
+(DraftNodes: tree attention over the committed context plus each node's ancestors) and keeps the
+top-w of the w x V extensions by cumulative log probability. The nodes of the last layer are never
+run through the model. The pending beam nodes are discarded at the end, so the draft's KV holds
+exactly the committed tokens between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.shared.batch import DraftNodes
+from specserve.shared.runner import ModelRunner
+
+
+@dataclass(slots=True)
+class BeamRequest:
+    rid: str
+    root: int  # the newest committed token (its KV is in the cache; root_logits follow it)
+    root_logits: torch.Tensor  # [V] float32 next-token logits after the root
+    depth: int  # >= 1
+    width: int  # >= 1
+
+
+@dataclass(slots=True)
+class BeamTree:
+    tokens: list[int]  # root first, then layer by layer
+    parents: list[int]  # -1 for the root
+    logp: list[float]  # log of the path probability; 0 for the root
+    layer: list[int] = field(default_factory=list)  # node indices of the newest layer
+
+
+def _select(tree: BeamTree, layer_logp: torch.Tensor, logprobs: torch.Tensor, width: int) -> None:
+    """Append the top-`width` extensions of the current layer (logprobs [len(layer), V])."""
+    vocab = logprobs.shape[-1]
+    scores = (layer_logp[:, None] + logprobs).flatten()
+    top = torch.topk(scores, min(width, scores.numel()))
+    new_layer = []
+    for score, index in zip(top.values.tolist(), top.indices.tolist()):
+        new_layer.append(len(tree.tokens))
+        tree.parents.append(tree.layer[index // vocab])
+        tree.tokens.append(index % vocab)
+        tree.logp.append(score)
+    tree.layer = new_layer
+
+
+def beam_search(runner: ModelRunner, requests: list[BeamRequest]) -> tuple[dict[str, BeamTree], int]:
+    """Returns the tree per request id and the number of model passes run."""
+    trees = {r.rid: BeamTree([r.root], [-1], [0.0], [0]) for r in requests}
+    if not requests:
+        return trees, 0
+    root_logprobs = torch.log_softmax(torch.stack([r.root_logits for r in requests]).float(), dim=-1)
+    for r, logprobs in zip(requests, root_logprobs):
+        _select(trees[r.rid], torch.zeros(1), logprobs[None], r.width)
+    forwards = 0
+    try:
+        for step in range(2, max(r.depth for r in requests) + 1):
+            active = [r for r in requests if r.depth >= step]
+            entries = []
+            for r in active:
+                tree = trees[r.rid]
+                # Pending-forest index of tree node i is i - 1 (the root is committed, not pending).
+                entries.append(DraftNodes(r.rid, [tree.tokens[i] for i in tree.layer],
+                                          [tree.parents[i] - 1 for i in tree.layer]))
+            logits = runner.forward(entries)
+            forwards += 1
+            logprobs = torch.log_softmax(torch.cat(logits).float(), dim=-1).split([len(x) for x in logits])
+            for r, lp in zip(active, logprobs):
+                tree = trees[r.rid]
+                _select(tree, torch.tensor([tree.logp[i] for i in tree.layer]), lp, r.width)
+    finally:
+        for r in requests:
+            if runner.has_pending(r.rid):
+                runner.discard_tree(r.rid)
+    return trees, forwards

@@ -1,0 +1,284 @@
+"""DraftEngine: per-request token history, KV catch-up, beam speculation, offload and reload.
+
+The draft keeps every committed token a request has sent it. Its KV cache holds a prefix of them
+(`synced`); a call appends the rest in chunks, then runs the beam search from the newest token.
+Because the history lives here, dropping the KV pool (offload) loses nothing: after a reload each
+request's KV is rebuilt from its history on its next call.
+
+Every method runs on the service's single model thread, one call at a time, and either completes
+or leaves the request as it was (refused entries record nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.draft.beam import BeamRequest, beam_search
+from specserve.draft.config import DraftConfig
+from specserve.shared.batch import Chunk
+from specserve.shared.kv_cache import KVCache
+from specserve.shared.loader import load_model, parse_device, parse_dtype
+from specserve.shared.messages import (
+    DraftTree,
+    ErrorInfo,
+    Offload,
+    Reload,
+    Speculate,
+    SpeculateEntry,
+    SpeculateReply,
+    StatsReply,
+    TransitionReply,
+)
+from specserve.shared.runner import ModelRunner
+from specserve.shared.service_base import ms_since, split_counts
+
+
+@dataclass(slots=True)
+class _Request:
+    tokens: list[int]  # every committed token received, prompt first
+    synced: int = 0  # leading tokens whose KV is in the draft cache
+    last_step: int = -1
+
+
+class DraftEngine:
+    def __init__(self, config: DraftConfig):
+        self.config = config
+        self.device = parse_device(config.device)
+        self.model = load_model(config.model, parse_dtype(config.dtype), self.device)
+        self.runner: ModelRunner | None = ModelRunner(self.model, config.kv_blocks, config.block_size)
+        self.vocab_size = self.model.config.vocab_size
+        self.requests: dict[str, _Request] = {}
+        self._host_weights: dict[str, torch.Tensor] | None = None
+        self.calls = self.entry_errors = 0
+        self.last_offload_s = self.last_reload_s = 0.0
+
+    # ---- speculate ---------------------------------------------------------------------------
+    def speculate(self, msg: Speculate, tensors: dict[str, torch.Tensor]) -> tuple[SpeculateReply, dict]:
+        t0 = time.perf_counter()
+        self.calls += 1
+        new_tokens = split_counts(tensors, "tokens", [e.num_new for e in msg.entries])
+        errors = self._validate(msg.entries, new_tokens)
+        accepted = [(e, toks) for e, toks, err in zip(msg.entries, new_tokens, errors) if err is None]
+        before = {e.rid: self._snapshot(e.rid) for e, _ in accepted}
+        for entry, toks in accepted:
+            req = self.requests.setdefault(entry.rid, _Request([]))
+            req.tokens.extend(toks)
+            req.last_step = entry.step
+        depths = {e.rid: e.depth for e, _ in accepted}
+        catchup_ms = beam_ms = 0.0
+        forwards = 0
+        trees: dict[str, tuple[list[int], list[int], list[float]]] = {}
+        if self.runner is not None and accepted:
+            try:
+                skip = self._fit_to_pool([e for e, _ in accepted], depths)
+                t1 = time.perf_counter()
+                root_logits, forwards = self._catch_up([e for e, _ in accepted], depths, skip)
+                catchup_ms = ms_since(t1)
+                t1 = time.perf_counter()
+                beams = [BeamRequest(e.rid, self.requests[e.rid].tokens[-1], root_logits[e.rid], depths[e.rid],
+                                     e.width) for e, _ in accepted if depths[e.rid] > 0]
+                found, beam_forwards = beam_search(self.runner, beams)
+            except BaseException:
+                self._restore(before)  # the call failed as a whole: no request may keep half of it
+                raise
+            forwards += beam_forwards
+            beam_ms = ms_since(t1)
+            trees = {rid: (t.tokens, t.parents, t.logp) for rid, t in found.items()}
+        out_tokens: list[int] = []
+        out_parents: list[int] = []
+        out_logp: list[float] = []
+        results = []
+        for entry, error in zip(msg.entries, errors):
+            if error is not None:
+                results.append(DraftTree(entry.rid, entry.step, 0, 0, error))
+                continue
+            tokens, parents, logp = trees.get(entry.rid, ([self.requests[entry.rid].tokens[-1]], [-1], [0.0]))
+            out_tokens += tokens
+            out_parents += parents
+            out_logp += logp
+            depth = depths[entry.rid] if entry.rid in trees else 0
+            results.append(DraftTree(entry.rid, entry.step, len(tokens), depth))
+        reply = SpeculateReply(results, catchup_ms, beam_ms, ms_since(t0), forwards, self.free_blocks(),
+                               offloaded=self.runner is None)
+        return reply, {
+            "tokens": torch.tensor(out_tokens, dtype=torch.int32),
+            "parents": torch.tensor(out_parents, dtype=torch.int32),
+            "path_prob": torch.tensor(out_logp, dtype=torch.float32).exp(),
+        }
+
+    def _validate(self, entries: list[SpeculateEntry], new_tokens: list[list[int]]) -> list[ErrorInfo | None]:
+        errors: list[ErrorInfo | None] = []
+        seen: set[str] = set()
+        for entry, toks in zip(entries, new_tokens):
+            req = self.requests.get(entry.rid)
+            have = len(req.tokens) if req else 0
+            error = None
+            if entry.rid in seen:
+                error = ErrorInfo("duplicate_request", f"{entry.rid!r} appears twice in one call")
+            elif req is not None and entry.step <= req.last_step:
+                error = ErrorInfo("stale_step", f"step {entry.step} of {entry.rid!r} is not after {req.last_step}")
+            elif have + len(toks) != entry.num_committed:
+                error = ErrorInfo("out_of_sync" if req else "unknown_request",
+                                  f"{entry.rid!r}: the draft holds {have} committed tokens, the call adds "
+                                  f"{len(toks)}, but says the request has {entry.num_committed}")
+            elif have + len(toks) == 0:
+                error = ErrorInfo("empty_request", f"{entry.rid!r} has no committed tokens to speculate from")
+            elif not 0 <= entry.depth <= self.config.max_depth or not 1 <= entry.width <= self.config.max_width:
+                error = ErrorInfo("bad_shape", f"depth {entry.depth} / width {entry.width} outside "
+                                  f"0..{self.config.max_depth} / 1..{self.config.max_width}")
+            elif any(not 0 <= t < self.vocab_size for t in toks):
+                error = ErrorInfo("bad_token", f"{entry.rid!r}: token ids outside 0..{self.vocab_size - 1}")
+            seen.add(entry.rid)
+            errors.append(error)
+        self.entry_errors += sum(e is not None for e in errors)
+        return errors
+
+    def _snapshot(self, rid: str) -> tuple[int, int] | None:
+        req = self.requests.get(rid)
+        return None if req is None else (len(req.tokens), req.last_step)
+
+    def _restore(self, before: dict[str, tuple[int, int] | None]) -> None:
+        for rid, snap in before.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if snap is None:
+                self.release(rid)
+                continue
+            del req.tokens[snap[0] :]
+            req.last_step = snap[1]
+            if req.synced > len(req.tokens):
+                req.synced = len(req.tokens)
+                self.runner.truncate(rid, req.synced)
+
+    def _fit_to_pool(self, entries: list[SpeculateEntry], depths: dict[str, int]) -> set[str]:
+        """Shrink speculation, then catch-up, of the entries the free KV blocks cannot hold.
+
+        Speculation is optional: a request that does not fit gets a root-only tree (depth 0); one
+        whose catch-up does not fit either stays behind (its tokens are kept; it catches up later).
+        """
+        blocks = self.runner.blocks
+        free = blocks.num_free_blocks
+        skip = set()
+        for entry in entries:
+            req = self.requests[entry.rid]
+            lag = len(req.tokens) - req.synced
+            beam_nodes = max(depths[entry.rid] - 1, 0) * entry.width
+            need = blocks.extra_blocks_for(entry.rid, lag + beam_nodes)
+            if need > free:
+                depths[entry.rid] = 0
+                need = blocks.extra_blocks_for(entry.rid, lag)
+                if need > free:
+                    need = 0
+                    skip.add(entry.rid)
+            free -= need
+        return skip
+
+    def _catch_up(self, entries: list[SpeculateEntry], depths: dict[str, int],
+                  skip: set[str]) -> tuple[dict[str, torch.Tensor], int]:
+        """Append each request's unsynced tokens in chunks; return the root logits of those with d > 0."""
+        runner, cfg = self.runner, self.config
+        todo = {}
+        for entry in entries:
+            if entry.rid in skip:
+                depths[entry.rid] = 0
+                continue
+            req = self.requests[entry.rid]
+            if req.synced == len(req.tokens) and depths[entry.rid] > 0:
+                # Nothing new since the last call: re-run the newest token to get its logits again.
+                req.synced -= 1
+                runner.truncate(entry.rid, req.synced)
+            if req.synced < len(req.tokens):
+                todo[entry.rid] = req
+        root_logits: dict[str, torch.Tensor] = {}
+        forwards = 0
+        while todo:
+            batch, budget = [], cfg.max_batch_tokens
+            for rid, req in todo.items():
+                take = min(len(req.tokens) - req.synced, cfg.prefill_chunk, budget)
+                if take <= 0:
+                    break
+                done = req.synced + take == len(req.tokens)
+                batch.append(Chunk(rid, req.tokens[req.synced : req.synced + take],
+                                   logits_at=[take - 1] if done and depths[rid] > 0 else ()))
+                budget -= take
+            for chunk, logits in zip(batch, runner.forward(batch)):
+                req = todo[chunk.request_id]
+                req.synced += len(chunk.tokens)
+                if len(logits):
+                    root_logits[chunk.request_id] = logits[0]
+            forwards += 1
+            todo = {rid: req for rid, req in todo.items() if req.synced < len(req.tokens)}
+        return root_logits, forwards
+
+    # ---- release, stats ----------------------------------------------------------------------
+    def release(self, rid: str) -> bool:
+        if self.requests.pop(rid, None) is None:
+            return False
+        if self.runner is not None and self.runner.has_request(rid):
+            self.runner.release(rid)
+        return True
+
+    def free_blocks(self) -> int:
+        return self.runner.num_free_blocks if self.runner is not None else 0
+
+    def stats(self) -> StatsReply:
+        total = self.config.kv_blocks if self.runner is not None else 0
+        free = self.free_blocks()
+        return StatsReply("draft", total, free, total - free, self.config.block_size, len(self.requests),
+                          self.calls, self.entry_errors, offloaded=self.runner is None,
+                          last_offload_s=self.last_offload_s, last_reload_s=self.last_reload_s)
+
+    # ---- offload, reload ---------------------------------------------------------------------
+    def offload(self, _msg: Offload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+        """Weights to host memory, KV pool freed. Speculation is off until reload."""
+        if self.runner is None:
+            return self._transition(0.0, 0, 0), None
+        t0 = time.perf_counter()
+        kv_bytes = self.runner.kv.data.nbytes
+        pin = self.device.type == "cuda"
+        host = {}
+        for name, param in self.model.named_parameters():
+            copy = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
+            copy.copy_(param.detach())
+            host[name] = copy
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)  # frees the device copy
+        self._host_weights = host
+        self.runner = None
+        for req in self.requests.values():
+            req.synced = 0
+        _sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.last_offload_s = time.perf_counter() - t0
+        return self._transition(self.last_offload_s, _nbytes(host), kv_bytes), None
+
+    def reload(self, _msg: Reload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+        """Weights back on the device and a fresh, empty KV pool; requests catch up on their next call."""
+        if self.runner is not None:
+            return self._transition(0.0, 0, 0), None
+        t0 = time.perf_counter()
+        host = self._host_weights
+        for name, param in self.model.named_parameters():
+            param.data = host[name].to(self.device, non_blocking=True)
+        self._host_weights = None
+        self.runner = ModelRunner(self.model, self.config.kv_blocks, self.config.block_size)
+        _sync(self.device)
+        self.last_reload_s = time.perf_counter() - t0
+        kv_bytes = KVCache.bytes_per_block(self.model.config, self.config.block_size, self.runner.dtype)
+        return self._transition(self.last_reload_s, _nbytes(host), kv_bytes * self.config.kv_blocks), None
+
+    def _transition(self, seconds: float, weight_bytes: int, kv_bytes: int) -> TransitionReply:
+        return TransitionReply(self.runner is None, round(seconds, 6), weight_bytes, kv_bytes, len(self.requests))
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

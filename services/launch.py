@@ -1,0 +1,46 @@
+"""Start specserve services as child processes and wait until they listen.
+
+A service prints one line, "ready <name> <address>", once its socket is open (port 0 picks a free
+port, and the line carries the real one). Tests, benchmarks and `specserve up` use this.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+READY_TIMEOUT_S = 120
+
+
+class ServiceProcess:
+    def __init__(self, kind: str, *args: str, threads: int = 1, log_level: str = "WARNING"):
+        cmd = [sys.executable, "-m", "specserve.cli", kind, "--port", "0", "--threads", str(threads), *args]
+        env = dict(os.environ, SPECSERVE_LOG_LEVEL=log_level)
+        self.kind = kind
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.stderr: list[str] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(READY_TIMEOUT_S)
+        if not ready or not ready[0].startswith("ready"):
+            self.stop()
+            raise RuntimeError(f"the {kind} service did not start: {''.join(self.stderr)[-2000:]}")
+        self.address = ready[0].split()[-1]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 20 s; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,225 @@
+"""TargetEngine: one forward pass over prefill chunks and token trees, lossless acceptance, KV commit.
+
+Per request it keeps the sampling parameters (and seeded generator), how much of the prompt is
+prefilled, the committed token count and the newest committed token. The KV cache holds every
+committed token but the newest, which is the root of the request's next tree.
+
+Entries are checked one by one before the pass; a refused entry gets an error in its result and
+changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
+KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.shared.acceptance import accept_tree
+from specserve.shared.batch import Chunk, Tree
+from specserve.shared.loader import load_model, parse_device, parse_dtype
+from specserve.shared.messages import (
+    ErrorInfo,
+    Forward,
+    ForwardReply,
+    PrefillEntry,
+    StatsReply,
+    StepResult,
+    VerifyEntry,
+)
+from specserve.shared.runner import ModelRunner
+from specserve.shared.sampling import SamplingParams
+from specserve.shared.service_base import ms_since, split_counts
+from specserve.shared.token_tree import InvalidTree, validate_tree
+from specserve.target.config import TargetConfig
+
+
+@dataclass(slots=True)
+class _Request:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prefilled: int = 0  # prompt tokens in the KV cache
+    committed: int = 0  # prompt + output tokens once decoding (the KV holds committed - 1)
+    last_token: int = -1  # the newest committed token: the next tree's root
+    last_step: int = -1
+
+    @property
+    def decoding(self) -> bool:
+        return self.committed > 0
+
+
+class TargetEngine:
+    def __init__(self, config: TargetConfig):
+        self.config = config
+        self.device = parse_device(config.device)
+        model = load_model(config.model, parse_dtype(config.dtype), self.device)
+        self.runner = ModelRunner(model, config.kv_blocks, config.block_size)
+        self.vocab_size = model.config.vocab_size
+        self.requests: dict[str, _Request] = {}
+        self.calls = self.entry_errors = 0
+
+    def forward(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[ForwardReply, dict]:
+        self.calls += 1
+        chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
+        tree_tokens = split_counts(tensors, "tree_tokens", [e.num_nodes for e in msg.verify])
+        tree_parents = split_counts(tensors, "tree_parents", [e.num_nodes for e in msg.verify])
+        seen: set[str] = set()
+        errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
+        entries: list[tuple[int, Chunk | Tree]] = []
+        for i, (entry, toks) in enumerate(zip(msg.prefill, chunks)):
+            error = self._check_prefill(entry, toks, seen)
+            if error:
+                errors[i] = error
+            else:
+                last = [len(toks) - 1] if entry.last else []
+                entries.append((i, Chunk(entry.rid, toks, logits_at=last)))
+        base = len(msg.prefill)
+        for j, (entry, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
+            error = self._check_verify(entry, toks, parents, seen)
+            if error:
+                errors[base + j] = error
+            else:
+                entries.append((base + j, Tree(entry.rid, toks, parents)))
+        entries = self._fit_to_pool(entries, errors)
+
+        t0 = time.perf_counter()
+        logits = self.runner.forward([e for _, e in entries]) if entries else []
+        forward_ms = ms_since(t0)
+        t0 = time.perf_counter()
+        emitted: dict[int, tuple[list[int], int]] = {}
+        all_entries = list(msg.prefill) + list(msg.verify)
+        for (index, entry), entry_logits in zip(entries, logits):
+            emitted[index] = self._accept(all_entries[index], entry, entry_logits)
+        accept_ms = ms_since(t0)
+
+        results, out = [], []
+        for index, entry in enumerate(all_entries):
+            if index in errors:
+                results.append(StepResult(entry.rid, entry.step, 0, 0, errors[index]))
+                continue
+            tokens, accepted = emitted[index]
+            out += tokens
+            results.append(StepResult(entry.rid, entry.step, len(tokens), accepted))
+        self.entry_errors += len(errors)
+        reply = ForwardReply(results, forward_ms, accept_ms, self.runner.num_free_blocks)
+        return reply, {"tokens": torch.tensor(out, dtype=torch.int32)}
+
+    # ---- checks ------------------------------------------------------------------------------
+    def _common(self, rid: str, step: int, tokens: list[int], seen: set[str]) -> ErrorInfo | None:
+        if rid in seen:
+            return ErrorInfo("duplicate_request", f"{rid!r} appears twice in one call")
+        seen.add(rid)
+        req = self.requests.get(rid)
+        if req is not None and step <= req.last_step:
+            return ErrorInfo("stale_step", f"step {step} of {rid!r} is not after {req.last_step}")
+        if not tokens:
+            return ErrorInfo("empty_entry", f"{rid!r}: an entry needs at least one token")
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            return ErrorInfo("bad_token", f"{rid!r}: token ids outside 0..{self.vocab_size - 1}")
+        return None
+
+    def _check_prefill(self, entry: PrefillEntry, tokens: list[int], seen: set[str]) -> ErrorInfo | None:
+        error = self._common(entry.rid, entry.step, tokens, seen)
+        if error:
+            return error
+        req = self.requests.get(entry.rid)
+        if req is None:
+            if entry.start != 0:
+                return ErrorInfo("unknown_request", f"{entry.rid!r} is unknown here; its first chunk must start at 0")
+            spec = entry.sampling
+            if spec is None:
+                return ErrorInfo("bad_sampling", f"{entry.rid!r}: the first chunk must carry sampling parameters")
+            try:
+                SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
+            except ValueError as exc:
+                return ErrorInfo("bad_sampling", f"{entry.rid!r}: {exc}")
+        elif req.decoding or entry.start != req.prefilled:
+            return ErrorInfo("out_of_sync", f"{entry.rid!r}: chunk starts at {entry.start}, but "
+                             + ("the prompt is done" if req.decoding else f"{req.prefilled} tokens are prefilled"))
+        total = self.runner.blocks.blocks_needed(entry.start + len(tokens))
+        if total > self.config.kv_blocks:
+            return self._too_large(entry.rid, entry.start + len(tokens))
+        return None
+
+    def _check_verify(self, entry: VerifyEntry, tokens: list[int], parents: list[int],
+                      seen: set[str]) -> ErrorInfo | None:
+        error = self._common(entry.rid, entry.step, tokens, seen)
+        if error:
+            return error
+        req = self.requests.get(entry.rid)
+        if req is None:
+            return ErrorInfo("unknown_request", f"{entry.rid!r} is unknown here (never prefilled, or released)")
+        if not req.decoding or entry.num_committed != req.committed or tokens[0] != req.last_token:
+            return ErrorInfo("out_of_sync", f"{entry.rid!r}: the step says {entry.num_committed} committed tokens "
+                             f"ending in {tokens[0]}; the target has {req.committed} ending in {req.last_token}")
+        try:
+            validate_tree(tokens, parents)
+        except InvalidTree as exc:
+            return ErrorInfo("invalid_tree", f"{entry.rid!r}: {exc}")
+        # The tree's nodes need slots while it is verified, though only the accepted path stays.
+        if self.runner.blocks.blocks_needed(req.committed - 1 + len(tokens)) > self.config.kv_blocks:
+            return self._too_large(entry.rid, req.committed - 1 + len(tokens))
+        return None
+
+    def _too_large(self, rid: str, tokens: int) -> ErrorInfo:
+        """A request that can never fit the pool is released, so it holds no blocks."""
+        self.release(rid)
+        return ErrorInfo("too_large", f"{rid!r} needs {tokens} tokens of KV; the pool holds "
+                         f"{self.config.kv_blocks * self.config.block_size}. The request was released.")
+
+    def _fit_to_pool(self, entries: list[tuple[int, Chunk | Tree]],
+                     errors: dict[int, ErrorInfo]) -> list[tuple[int, Chunk | Tree]]:
+        """Admit tree steps, then prefill chunks, while free blocks last; refuse the rest (retryable)."""
+        free = self.runner.num_free_blocks
+        admitted = []
+        for index, entry in sorted(entries, key=lambda x: not isinstance(x[1], Tree)):
+            need = self.runner.blocks.extra_blocks_for(entry.request_id, len(entry.tokens))
+            if need > free:
+                errors[index] = ErrorInfo("out_of_blocks", f"{entry.request_id!r} needs {need} KV blocks, "
+                                          f"{free} are free now; retry after others finish")
+                continue
+            free -= need
+            admitted.append((index, entry))
+        return sorted(admitted, key=lambda x: x[0])
+
+    # ---- acceptance --------------------------------------------------------------------------
+    def _accept(self, message: PrefillEntry | VerifyEntry, entry: Chunk | Tree,
+                logits: torch.Tensor) -> tuple[list[int], int]:
+        """Commit the entry's outcome; return (emitted tokens, accepted draft nodes)."""
+        rid = entry.request_id
+        req = self.requests.get(rid)
+        if isinstance(entry, Chunk):
+            if req is None:
+                spec = message.sampling
+                params = SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
+                req = self.requests[rid] = _Request(params, params.make_generator())
+            req.prefilled += len(entry.tokens)
+            req.last_step = message.step
+            if not message.last:
+                return [], 0
+            token = accept_tree([entry.tokens[-1]], [-1], logits, req.params, req.generator).tokens[0]
+            req.committed, req.last_token = req.prefilled + 1, token
+            return [token], 0
+        acceptance = accept_tree(entry.tokens, entry.parents, logits, req.params, req.generator)
+        self.runner.commit_tree(rid, acceptance.path)
+        req.committed += len(acceptance.tokens)
+        req.last_token = acceptance.tokens[-1]
+        req.last_step = message.step
+        return acceptance.tokens, acceptance.num_accepted_drafts
+
+    # ---- release, stats ----------------------------------------------------------------------
+    def release(self, rid: str) -> bool:
+        known = self.requests.pop(rid, None) is not None
+        if self.runner.has_request(rid):
+            self.runner.release(rid)
+            known = True
+        return known
+
+    def free_blocks(self) -> int:
+        return self.runner.num_free_blocks
+
+    def stats(self) -> StatsReply:
+        free = self.runner.num_free_blocks
+        return StatsReply("target", self.config.kv_blocks, free, self.config.kv_blocks - free,
+                          self.config.block_size, len(self.requests), self.calls, self.entry_errors)

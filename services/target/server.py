@@ -1,0 +1,24 @@
+"""`specserve target`: the target service process (one model, its KV cache, batched tree verification)."""
+
+from __future__ import annotations
+
+import argparse
+
+from specserve.shared.messages import Forward, Release
+from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
+from specserve.target.config import TargetConfig
+
+
+def build_host(config: TargetConfig) -> ServiceHost:
+    from specserve.target.engine import TargetEngine
+
+    engine = exit_on_load_error(lambda: TargetEngine(config))
+    handlers = {Forward: engine.forward, Release: release_handler(engine.release, engine.free_blocks)}
+    return ServiceHost("target", config.model, str(engine.device), config.dtype, handlers, engine.stats)
+
+
+def main(args: argparse.Namespace) -> int:
+    config = TargetConfig.from_args(args)
+    setup_process(config.threads)
+    host = build_host(config)
+    return serve(host, config.address, config.max_frame_mb << 20)

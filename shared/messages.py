@@ -1,0 +1,190 @@
+"""Typed messages between the gateway and the draft and target services.
+
+Every message is a msgspec Struct carried in a frame's header (see transport.py). Per-request
+token data does not travel in the header: each batch message names flat tensors in its payload
+(tokens of all entries concatenated in entry order) and every entry says how many are its own.
+Each entry carries its request id and step number: the step is the gateway's iteration counter for
+that request and must increase from call to call, so a replayed or reordered call is refused
+instead of corrupting a request.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+
+class ErrorInfo(Struct):
+    """Why one entry (or a whole call) was refused. Codes are stable strings clients can match."""
+
+    code: str  # e.g. unknown_request, out_of_sync, stale_step, invalid_tree, too_large, out_of_blocks
+    message: str  # human-readable detail
+
+
+# ---- common ----------------------------------------------------------------------------------
+class Error(Struct, tag=True):
+    """The reply to a call that could not be run at all (malformed frame, bad message, ...)."""
+
+    code: str  # malformed_frame, message_too_large, bad_message, unsupported, internal
+    message: str
+
+
+class Health(Struct, tag=True):
+    pass
+
+
+class HealthReply(Struct, tag=True):
+    service: str  # "draft" or "target"
+    status: str  # "ok", or "offloaded" for a draft whose weights are in host memory
+    model: str  # model directory
+    device: str  # e.g. "cpu", "cuda:0"
+    dtype: str  # e.g. "float32"
+    uptime_s: float  # seconds since the service started
+
+
+class Stats(Struct, tag=True):
+    pass
+
+
+class StatsReply(Struct, tag=True):
+    service: str
+    total_blocks: int  # KV pool size in blocks (0 while a draft is offloaded)
+    free_blocks: int
+    used_blocks: int
+    block_size: int  # tokens per KV block
+    resident_requests: int  # requests the service holds state for
+    calls: int  # calls served since start
+    entry_errors: int  # entries refused since start
+    offloaded: bool = False  # draft only: weights in host memory, KV pool freed
+    last_offload_s: float = 0.0  # draft only: seconds the last offload took
+    last_reload_s: float = 0.0  # draft only: seconds the last reload took
+
+
+class Release(Struct, tag=True):
+    rids: list[str]  # requests whose state and KV blocks are freed
+
+
+class ReleaseReply(Struct, tag=True):
+    released: list[str]
+    unknown: list[str]  # ids the service held nothing for (not an error: release is idempotent)
+    free_blocks: int
+
+
+# ---- draft service ---------------------------------------------------------------------------
+class SpeculateEntry(Struct):
+    rid: str
+    step: int  # the gateway's iteration number for this request; strictly increasing
+    num_new: int  # committed tokens since this request's last call (its slice of tensor "tokens")
+    num_committed: int  # all committed tokens of the request after this call (prompt + output)
+    depth: int  # beam steps d; 0 only appends the new tokens (keeps the draft KV in sync)
+    width: int  # beam width w (children kept per step)
+
+
+class Speculate(Struct, tag=True):
+    """Payload: "tokens" int32 [sum num_new], the entries' new tokens concatenated in order."""
+
+    entries: list[SpeculateEntry]
+
+
+class DraftTree(Struct):
+    rid: str
+    step: int
+    num_nodes: int  # 1 + d*w nodes, root (the newest committed token) first; 0 if refused
+    depth: int  # the depth actually searched (0 when speculation was skipped)
+    error: ErrorInfo | None = None
+
+
+class SpeculateReply(Struct, tag=True):
+    """Payload, nodes of all trees concatenated in entry order: "tokens" int32, "parents" int32
+    (index within the request's tree, -1 for the root), "path_prob" float32 (product of draft
+    probabilities from the root to the node; 1 for the root)."""
+
+    trees: list[DraftTree]
+    catchup_ms: float  # appending committed tokens to the draft KV (prefill chunks), milliseconds
+    beam_ms: float  # the d beam steps: forwards and top-w selection, milliseconds
+    total_ms: float  # the whole call inside the service, milliseconds
+    forwards: int  # model passes this call ran
+    free_blocks: int  # draft KV blocks free after the call
+    offloaded: bool = False  # the draft is offloaded: trees are root-only, tokens were recorded
+
+
+class Offload(Struct, tag=True):
+    """Draft only: move the weights to host memory and free the KV pool."""
+
+
+class Reload(Struct, tag=True):
+    """Draft only: bring the weights back and rebuild an empty KV pool (requests catch up lazily)."""
+
+
+class TransitionReply(Struct, tag=True):
+    offloaded: bool  # the state after the call
+    seconds: float  # how long the transition took
+    weight_bytes: int  # bytes of weights moved
+    kv_bytes: int  # bytes of KV pool freed (offload) or allocated (reload)
+    cold_requests: int  # requests whose draft KV must be rebuilt from their committed tokens
+
+
+# ---- target service --------------------------------------------------------------------------
+class SamplingSpec(Struct):
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 = no limit
+    seed: int | None = None  # per-request seed for reproducible sampling
+
+
+class PrefillEntry(Struct):
+    rid: str
+    step: int  # strictly increasing per request
+    start: int  # prompt tokens already prefilled (0 for the first chunk)
+    num_tokens: int  # this chunk's prompt tokens (its slice of tensor "prefill_tokens")
+    last: bool  # the prompt's last chunk: sample and return the first output token
+    sampling: SamplingSpec | None = None  # required on the first chunk, ignored after
+
+
+class VerifyEntry(Struct):
+    rid: str
+    step: int  # strictly increasing per request
+    num_committed: int  # committed tokens (prompt + output) before this step; the root is the newest
+    num_nodes: int  # tree nodes, root first (its slice of "tree_tokens" and "tree_parents")
+
+
+class Forward(Struct, tag=True):
+    """Payload: "prefill_tokens" int32, "tree_tokens" int32, "tree_parents" int32 (-1 for roots)."""
+
+    prefill: list[PrefillEntry] = msgspec.field(default_factory=list)
+    verify: list[VerifyEntry] = msgspec.field(default_factory=list)
+
+
+class StepResult(Struct):
+    rid: str
+    step: int
+    num_tokens: int  # tokens emitted (its slice of "tokens"): accepted drafts + 1, or the first token
+    num_accepted: int  # accepted draft nodes (tree steps only)
+    error: ErrorInfo | None = None
+
+
+class ForwardReply(Struct, tag=True):
+    """Payload: "tokens" int32, the emitted tokens of all results concatenated in order."""
+
+    results: list[StepResult]  # prefill entries first, then verify entries, in request order
+    forward_ms: float  # the model pass, milliseconds
+    accept_ms: float  # acceptance and KV commit, milliseconds
+    free_blocks: int  # target KV blocks free after the step
+
+
+Message = (
+    Error
+    | Health
+    | HealthReply
+    | Stats
+    | StatsReply
+    | Release
+    | ReleaseReply
+    | Speculate
+    | SpeculateReply
+    | Offload
+    | Reload
+    | TransitionReply
+    | Forward
+    | ForwardReply
+)

@@ -1,0 +1,155 @@
+"""Request/reply over frames: an asyncio server that keeps serving through bad input, and a client.
+
+Addresses are "host:port" for TCP or "unix:/path" for a Unix socket. On one connection calls are
+answered in order, one at a time; the handler itself decides what may run concurrently across
+connections (the services serialize model work with one lock).
+
+Error handling, per connection:
+- a frame whose content cannot be decoded gets an Error reply, and the connection stays open;
+- a frame that cannot be trusted (bad magic, over the size limit) gets an Error reply and the
+  connection is closed, since the byte stream cannot be resynchronized;
+- a client that disconnects mid-call is noticed when the reply cannot be written; the call's work
+  is complete and consistent (the engines are atomic per call) and nothing else is affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from specserve.shared.messages import Error, Message
+from specserve.shared.transport import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FrameError,
+    MessageError,
+    Tensors,
+    read_frame,
+    write_frame,
+)
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message, dict[str, torch.Tensor]], Awaitable[tuple[Message, Tensors | None]]]
+
+
+class RemoteError(RuntimeError):
+    """The service answered a call with an Error."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def parse_address(address: str) -> tuple[str, str | int]:
+    """("unix", path) or (host, port)."""
+    if address.startswith("unix:"):
+        return "unix", address[len("unix:") :]
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is neither host:port nor unix:/path")
+    return host or "127.0.0.1", int(port)
+
+
+class RpcServer:
+    def __init__(self, handler: Handler, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.handler = handler
+        self.max_frame_bytes = max_frame_bytes
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
+
+    async def start(self, address: str) -> str:
+        """Listen; return the bound address (with the real port when port 0 was asked for)."""
+        host, port = parse_address(address)
+        if host == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(port)
+            self._server = await asyncio.start_unix_server(self._serve, path=port, limit=2**20)
+            return address
+        self._server = await asyncio.start_server(self._serve, host, port, limit=2**20)
+        bound = self._server.sockets[0].getsockname()
+        return f"{bound[0]}:{bound[1]}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in self._connections.values():
+                writer.transport.abort()  # each connection's loop then ends on its own
+            if self._connections:
+                await asyncio.wait(list(self._connections), timeout=5)
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections[task] = writer
+        try:
+            await self._loop(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; its completed calls stand, nothing else is touched
+        finally:
+            self._connections.pop(task, None)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                call_id, body, tensors = await read_frame(reader, self.max_frame_bytes)
+            except asyncio.IncompleteReadError:
+                return
+            except FrameError as exc:
+                await write_frame(writer, -1, Error(exc.code, str(exc)))
+                return
+            except MessageError as exc:
+                await write_frame(writer, exc.call_id, Error("bad_message", str(exc)))
+                continue
+            try:
+                reply, out = await self.handler(body, tensors)
+            except Exception as exc:  # a bug in one call must not take the service down
+                log.exception("call %d (%s) failed", call_id, type(body).__name__)
+                reply, out = Error("internal", f"{type(exc).__name__}: {exc}"), None
+            await write_frame(writer, call_id, reply, out)
+
+
+class RpcClient:
+    """One connection; call() sends a message and waits for its reply (one call at a time)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.reader, self.writer, self.address = reader, writer, address
+        self.max_frame_bytes = max_frame_bytes
+        self._next_id = 0
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> RpcClient:
+        host, port = parse_address(address)
+        if host == "unix":
+            reader, writer = await asyncio.open_unix_connection(port, limit=2**20)
+        else:
+            reader, writer = await asyncio.open_connection(host, port, limit=2**20)
+        return cls(reader, writer, address, max_frame_bytes)
+
+    async def call(self, body: Message, tensors: Tensors | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
+        """Returns the reply and its tensors; raises RemoteError if the service answered Error."""
+        async with self._lock:
+            self._next_id += 1
+            call_id = self._next_id
+            await write_frame(self.writer, call_id, body, tensors)
+            reply_id, reply, out = await read_frame(self.reader, self.max_frame_bytes)
+        if isinstance(reply, Error):
+            raise RemoteError(reply.code, reply.message)
+        if reply_id != call_id:
+            raise RuntimeError(f"reply to call {reply_id} arrived for call {call_id}")
+        return reply, out
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()

@@ -1,0 +1,148 @@
+"""Typed clients of the draft and target services: Python lists in, Python lists out.
+
+They pack per-entry token lists into the flat payload tensors the messages describe and cut the
+replies back into per-request results. The gateway, the tests and the benchmarks all use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.shared.messages import (
+    ErrorInfo,
+    Forward,
+    ForwardReply,
+    Health,
+    HealthReply,
+    Offload,
+    PrefillEntry,
+    Release,
+    ReleaseReply,
+    Reload,
+    SamplingSpec,
+    Speculate,
+    SpeculateEntry,
+    SpeculateReply,
+    Stats,
+    StatsReply,
+    TransitionReply,
+    VerifyEntry,
+)
+from specserve.shared.rpc import RpcClient
+
+
+def _flat(lists: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([t for toks in lists for t in toks], dtype=torch.int32)
+
+
+def _cut(flat: torch.Tensor, counts: list[int]) -> list[list]:
+    values = flat.tolist()
+    out, at = [], 0
+    for c in counts:
+        out.append(values[at : at + c])
+        at += c
+    return out
+
+
+@dataclass(slots=True)
+class SpeculateItem:
+    rid: str
+    step: int
+    new_tokens: list[int]  # committed since this request's last speculate call
+    num_committed: int  # all committed tokens after them
+    depth: int
+    width: int
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A draft tree: node 0 is the root (the newest committed token)."""
+
+    rid: str
+    step: int
+    tokens: list[int]
+    parents: list[int]
+    path_prob: list[float]
+    depth: int
+    error: ErrorInfo | None = None
+
+
+@dataclass(slots=True)
+class PrefillItem:
+    rid: str
+    step: int
+    start: int
+    tokens: list[int]
+    last: bool
+    sampling: SamplingSpec | None = None
+
+
+@dataclass(slots=True)
+class VerifyItem:
+    rid: str
+    step: int
+    num_committed: int
+    tokens: list[int]  # root first
+    parents: list[int]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    rid: str
+    step: int
+    tokens: list[int] = field(default_factory=list)  # accepted drafts + 1 target token, or the first token
+    num_accepted: int = 0
+    error: ErrorInfo | None = None
+
+
+class _ServiceClient:
+    def __init__(self, rpc: RpcClient):
+        self.rpc = rpc
+
+    @classmethod
+    async def connect(cls, address: str):
+        return cls(await RpcClient.connect(address))
+
+    async def health(self) -> HealthReply:
+        return (await self.rpc.call(Health()))[0]
+
+    async def stats(self) -> StatsReply:
+        return (await self.rpc.call(Stats()))[0]
+
+    async def release(self, rids: list[str]) -> ReleaseReply:
+        return (await self.rpc.call(Release(list(rids))))[0]
+
+    async def close(self) -> None:
+        await self.rpc.close()
+
+
+class DraftClient(_ServiceClient):
+    async def speculate(self, items: list[SpeculateItem]) -> tuple[list[Candidate], SpeculateReply]:
+        entries = [SpeculateEntry(i.rid, i.step, len(i.new_tokens), i.num_committed, i.depth, i.width) for i in items]
+        reply, out = await self.rpc.call(Speculate(entries), {"tokens": _flat([i.new_tokens for i in items])})
+        counts = [t.num_nodes for t in reply.trees]
+        tokens, parents, probs = (_cut(out[k], counts) for k in ("tokens", "parents", "path_prob"))
+        return [Candidate(t.rid, t.step, tok, par, pp, t.depth, t.error)
+                for t, tok, par, pp in zip(reply.trees, tokens, parents, probs)], reply
+
+    async def offload(self) -> TransitionReply:
+        return (await self.rpc.call(Offload()))[0]
+
+    async def reload(self) -> TransitionReply:
+        return (await self.rpc.call(Reload()))[0]
+
+
+class TargetClient(_ServiceClient):
+    async def forward(self, prefill: list[PrefillItem] = (),
+                      verify: list[VerifyItem] = ()) -> tuple[list[StepOutput], ForwardReply]:
+        msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling) for p in prefill],
+                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens)) for v in verify])
+        tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
+                   "tree_tokens": _flat([v.tokens for v in verify]),
+                   "tree_parents": _flat([v.parents for v in verify])}
+        reply, out = await self.rpc.call(msg, tensors)
+        tokens = _cut(out["tokens"], [r.num_tokens for r in reply.results])
+        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error)
+                for r, toks in zip(reply.results, tokens)], reply

@@ -1,0 +1,170 @@
+"""Length-prefixed frames: a msgpack header (msgspec) plus raw tensor bytes. No pickle, no JSON.
+
+    prefix   16 bytes: magic b"SSF1", header length (u32), payload length (u64), big-endian
+    header   msgpack of Header: call id, the message (a tagged Struct), tensor descriptors
+    payload  the tensors' bytes back to back, in descriptor order
+
+A tensor is sent from its own buffer (writelines of memoryviews, no concatenation). On receipt
+the payload is read once into a bytearray and tensors are views into it. A tensor may instead
+travel as a CUDA IPC handle when both ends share a GPU (cuda_ipc.py); its descriptor then has
+nbytes = 0 and the handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Mapping
+
+import msgspec
+import torch
+
+from specserve.shared.messages import Message
+
+MAGIC = b"SSF1"
+PREFIX = struct.Struct("!4sIQ")
+DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+_DTYPES = {
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class TensorMeta(msgspec.Struct, array_like=True):
+    name: str
+    dtype: str  # one of _DTYPES
+    shape: list[int]
+    nbytes: int  # bytes of this tensor in the payload; 0 when it travels as a CUDA IPC handle
+    ipc: bytes | None = None  # CUDA IPC memory handle (cuda_ipc.py)
+    ipc_device: int = -1  # CUDA device index of the IPC allocation
+    ipc_offset: int = 0  # byte offset of the tensor inside the IPC allocation
+
+
+class Header(msgspec.Struct):
+    call_id: int  # echoed in the reply; -1 when the request's id could not be read
+    body: Message
+    tensors: list[TensorMeta] = []
+
+
+class FrameError(Exception):
+    """The byte stream cannot be trusted past this point (bad magic, oversized): close the link."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class MessageError(Exception):
+    """A well-framed message that cannot be decoded; the link stays usable."""
+
+    def __init__(self, message: str, call_id: int = -1):
+        super().__init__(message)
+        self.call_id = call_id
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Header)
+
+
+class _CallId(msgspec.Struct):
+    call_id: int = -1
+
+
+_call_id_decoder = msgspec.msgpack.Decoder(_CallId)
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None, ipc=None) -> list:
+    """The frame as a list of buffers for writelines. ipc: a cuda_ipc.IpcExporter, or None."""
+    metas, buffers = [], []
+    for name, tensor in (tensors or {}).items():
+        if tensor.dtype not in _NAMES:
+            raise TypeError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
+        if ipc is not None and tensor.is_cuda:
+            metas.append(ipc.export(name, tensor))
+            continue
+        tensor = tensor.detach().to("cpu").contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+        metas.append(TensorMeta(name, _NAMES[tensor.dtype], list(tensor.shape), len(memoryview(raw).cast("B"))))
+        buffers.append(memoryview(raw).cast("B") if tensor.numel() else b"")
+    header = _encoder.encode(Header(call_id, body, metas))
+    payload_len = sum(m.nbytes for m in metas)
+    return [PREFIX.pack(MAGIC, len(header), payload_len), header, *[b for b in buffers if len(b)]]
+
+
+def decode_tensors(metas: list[TensorMeta], payload: bytearray, ipc=None) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for meta in metas:
+        dtype = _DTYPES.get(meta.dtype)
+        if dtype is None:
+            raise MessageError(f"tensor {meta.name!r}: unknown dtype {meta.dtype!r}")
+        if meta.ipc is not None:
+            if ipc is None:
+                raise MessageError(f"tensor {meta.name!r} came as a CUDA IPC handle, which this link does not accept")
+            out[meta.name] = ipc.open(meta, dtype)
+            continue
+        count = 1
+        for dim in meta.shape:
+            if dim < 0:
+                raise MessageError(f"tensor {meta.name!r}: negative dimension in {meta.shape}")
+            count *= dim
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if count * itemsize != meta.nbytes or offset + meta.nbytes > len(payload):
+            raise MessageError(f"tensor {meta.name!r}: shape {meta.shape} of {meta.dtype} does not match "
+                               f"its {meta.nbytes} payload bytes")
+        flat = (torch.frombuffer(payload, dtype=dtype, count=count, offset=offset) if count
+                else torch.empty(0, dtype=dtype))
+        out[meta.name] = flat.view(meta.shape)
+        offset += meta.nbytes
+    if offset != len(payload):
+        raise MessageError(f"payload has {len(payload) - offset} bytes no tensor describes")
+    return out
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, ipc=None
+) -> tuple[int, Message, dict[str, torch.Tensor]]:
+    """Read one frame. Raises IncompleteReadError at a clean EOF, FrameError when the stream is
+    unusable, and MessageError (after consuming the whole frame) when only its content is bad."""
+    prefix = await reader.readexactly(PREFIX.size)
+    magic, header_len, payload_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise FrameError("malformed_frame", f"bad frame magic {magic!r} (expected {MAGIC!r})")
+    if header_len + payload_len > max_bytes:
+        raise FrameError("message_too_large",
+                         f"frame of {header_len + payload_len} bytes exceeds the limit of {max_bytes} bytes")
+    header_bytes = await reader.readexactly(header_len)
+    payload = bytearray(await reader.readexactly(payload_len)) if payload_len else bytearray()
+    try:
+        header = _decoder.decode(header_bytes)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        try:
+            call_id = _call_id_decoder.decode(header_bytes).call_id
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            call_id = -1
+        raise MessageError(f"undecodable message header: {exc}", call_id) from None
+    try:
+        tensors = decode_tensors(header.tensors, payload, ipc)
+    except MessageError as exc:
+        exc.call_id = header.call_id
+        raise
+    return header.call_id, header.body, tensors
+
+
+async def write_frame(writer: asyncio.StreamWriter, call_id: int, body: Message, tensors: Tensors | None = None,
+                      ipc=None) -> None:
+    writer.writelines(encode_frame(call_id, body, tensors, ipc))
+    await writer.drain()
+
+
+def frame_bytes(call_id: int, body: Message, tensors: Tensors | None = None) -> bytes:
+    """One frame as bytes (tests and benchmarks)."""
+    return b"".join(bytes(b) for b in encode_frame(call_id, body, tensors))

@@ -1,0 +1,85 @@
+"""The draft's beam search, in process: DraftNodes passes see exactly what a one-shot tree sees, and
+the batched, incremental beam search finds the same trees as the one-shot reference search."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.draft.beam import BeamRequest, beam_search
+from specserve.shared.batch import Chunk, DraftNodes, Tree
+from specserve.shared.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runner import ModelRunner, PendingTree
+from training.evaluate import _beam_tree
+
+NUM_BLOCKS, BLOCK_SIZE = 128, 4
+VOCAB = TINY_CONFIG["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("beam") / "m", TINY_CONFIG, seed=7, std=0.1)
+
+
+def _runner(model_dir) -> ModelRunner:
+    return ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+
+def test_draft_nodes_over_passes_equal_one_tree(model_dir):
+    """Root r with children a, b and grandchild c under a: the forest, grown in two passes over a
+    committed r, gives every node the logits the one-shot Tree gives it."""
+    rng = random.Random(3)
+    context = [rng.randrange(VOCAB) for _ in range(13)]
+    r, a, b, c, e = (rng.randrange(VOCAB) for _ in range(5))
+    one_shot = _runner(model_dir)
+    one_shot.forward([Chunk("x", context)])
+    (tree_logits,) = one_shot.forward([Tree("x", [r, a, b, c, e], [-1, 0, 0, 1, 2])])
+
+    grown = _runner(model_dir)
+    grown.forward([Chunk("x", context + [r])])
+    (layer1,) = grown.forward([DraftNodes("x", [a, b], [-1, -1])])
+    (layer2,) = grown.forward([DraftNodes("x", [c, e], [0, 1])])
+    torch.testing.assert_close(layer1, tree_logits[1:3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer2, tree_logits[3:5], rtol=1e-5, atol=1e-5)
+    with pytest.raises(PendingTree, match="can only be discarded"):
+        grown.commit_tree("x", [0])
+    with pytest.raises(PendingTree):
+        grown.forward([Chunk("x", [a])])
+    grown.discard_tree("x")
+    assert grown.num_tokens("x") == len(context) + 1 and not grown.has_pending("x")
+
+
+def test_draft_nodes_refuse_a_parent_not_yet_run(model_dir):
+    runner = _runner(model_dir)
+    runner.forward([Chunk("x", [1, 2, 3])])
+    with pytest.raises(ValueError, match="parents must be -1 or an earlier node"):
+        runner.forward([DraftNodes("x", [4, 5], [-1, 2])])
+    assert runner.num_tokens("x") == 3 and not runner.has_pending("x")
+
+
+@pytest.mark.parametrize("depth,width", [(1, 1), (3, 1), (3, 2), (4, 3)])
+def test_batched_beam_search_matches_the_reference_search(model_dir, depth, width):
+    """Three requests searched together (with different shapes) give the trees that the one-shot
+    reference (training/evaluate.py, which re-runs the whole tree every step) finds alone."""
+    rng = random.Random(depth * 10 + width)
+    contexts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randint(2, 20))] for i in range(3)}
+    shapes = {"r0": (depth, width), "r1": (max(depth - 1, 1), width), "r2": (depth, max(width - 1, 1))}
+    runner = _runner(model_dir)
+    logits = runner.forward([Chunk(rid, toks, logits_at=[len(toks) - 1]) for rid, toks in contexts.items()])
+    requests = [BeamRequest(rid, toks[-1], lg[0], *shapes[rid]) for (rid, toks), lg in zip(contexts.items(), logits)]
+    trees, forwards = beam_search(runner, requests)
+    assert forwards == depth - 1
+    reference_runner = _runner(model_dir)
+    for rid, toks in contexts.items():
+        assert runner.num_tokens(rid) == len(toks) and not runner.has_pending(rid)  # beam nodes discarded
+        reference_runner.forward([Chunk(rid, toks[:-1])])
+        d, w = shapes[rid]
+        ref_tokens, ref_parents = _beam_tree(reference_runner, [rid], {rid: toks[-1]}, d, w)[rid]
+        assert trees[rid].tokens == ref_tokens and trees[rid].parents == ref_parents
+        assert len(trees[rid].tokens) == 1 + d * w
+        probs = torch.tensor(trees[rid].logp).exp()
+        # A path probability never exceeds its parent's.
+        for node, parent in enumerate(trees[rid].parents[1:], start=1):
+            assert probs[node] <= probs[parent] + 1e-6
