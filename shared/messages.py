@@ -169,6 +169,7 @@ class ForwardReply(Struct, tag=True):
     results: list[StepResult]  # prefill entries first, then verify entries, in request order
     forward_ms: float  # the model pass, milliseconds
     accept_ms: float  # acceptance and KV commit, milliseconds
+    total_ms: float  # the whole call inside the service (checks, pass, acceptance, reply), milliseconds
     free_blocks: int  # target KV blocks free after the step
 
 

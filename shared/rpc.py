@@ -56,10 +56,21 @@ def parse_address(address: str) -> tuple[str, str | int]:
     return host or "127.0.0.1", int(port)
 
 
+def _ipc(enabled: bool):
+    if not enabled:
+        return None
+    from specserve.shared.cuda_ipc import CudaIpc
+
+    return CudaIpc()
+
+
 class RpcServer:
-    def __init__(self, handler: Handler, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+    """cuda_ipc: accept and send CUDA tensors as IPC handles (peers on the same GPU host only)."""
+
+    def __init__(self, handler: Handler, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, cuda_ipc: bool = False):
         self.handler = handler
         self.max_frame_bytes = max_frame_bytes
+        self.cuda_ipc = cuda_ipc
         self._server: asyncio.AbstractServer | None = None
         self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
 
@@ -98,9 +109,10 @@ class RpcServer:
                 await writer.wait_closed()
 
     async def _loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ipc = _ipc(self.cuda_ipc)  # one per connection: it keeps the last reply's tensors alive
         while True:
             try:
-                call_id, body, tensors = await read_frame(reader, self.max_frame_bytes)
+                call_id, body, tensors = await read_frame(reader, self.max_frame_bytes, ipc)
             except asyncio.IncompleteReadError:
                 return
             except FrameError as exc:
@@ -114,35 +126,41 @@ class RpcServer:
             except Exception as exc:  # a bug in one call must not take the service down
                 log.exception("call %d (%s) failed", call_id, type(body).__name__)
                 reply, out = Error("internal", f"{type(exc).__name__}: {exc}"), None
-            await write_frame(writer, call_id, reply, out)
+            if ipc is not None:
+                ipc.new_frame()
+            await write_frame(writer, call_id, reply, out, ipc)
 
 
 class RpcClient:
     """One connection; call() sends a message and waits for its reply (one call at a time)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, cuda_ipc: bool = False):
         self.reader, self.writer, self.address = reader, writer, address
         self.max_frame_bytes = max_frame_bytes
+        self.ipc = _ipc(cuda_ipc)
         self._next_id = 0
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> RpcClient:
+    async def connect(cls, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                      cuda_ipc: bool = False) -> RpcClient:
         host, port = parse_address(address)
         if host == "unix":
             reader, writer = await asyncio.open_unix_connection(port, limit=2**20)
         else:
             reader, writer = await asyncio.open_connection(host, port, limit=2**20)
-        return cls(reader, writer, address, max_frame_bytes)
+        return cls(reader, writer, address, max_frame_bytes, cuda_ipc)
 
     async def call(self, body: Message, tensors: Tensors | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
         """Returns the reply and its tensors; raises RemoteError if the service answered Error."""
         async with self._lock:
             self._next_id += 1
             call_id = self._next_id
-            await write_frame(self.writer, call_id, body, tensors)
-            reply_id, reply, out = await read_frame(self.reader, self.max_frame_bytes)
+            if self.ipc is not None:
+                self.ipc.new_frame()
+            await write_frame(self.writer, call_id, body, tensors, self.ipc)
+            reply_id, reply, out = await read_frame(self.reader, self.max_frame_bytes, self.ipc)
         if isinstance(reply, Error):
             raise RemoteError(reply.code, reply.message)
         if reply_id != call_id:

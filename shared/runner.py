@@ -9,19 +9,22 @@ per pass, until discard_tree drops it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specserve.shared.batch import DraftNodes, Entry, Tree, build_inputs, validate_entry
+from specserve.shared.batch import DraftNodes, Entry, ModelInputs, Tree, build_inputs, validate_entry
 from specserve.shared.block_manager import BlockManager, OutOfBlocks, UnknownRequest
 from specserve.shared.kv_cache import KVCache
 from specserve.shared.loader import load_model, parse_device, parse_dtype
 from specserve.shared.model import CausalLM
 
 __all__ = ["ModelRunner", "OutOfBlocks", "UnknownRequest", "PendingTree"]
+
+
+RunModel = Callable[[CausalLM, KVCache, ModelInputs], torch.Tensor]
 
 
 class PendingTree(RuntimeError):
@@ -87,9 +90,11 @@ class ModelRunner:
         self.blocks.free(request_id)
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
+    def forward(self, entries: Sequence[Entry], run_model: RunModel | None = None) -> list[torch.Tensor]:
         """Run one pass; return per entry the float32 logits [len(logits_at), vocab] it asked for.
 
+        run_model(model, kv, inputs) replaces the plain model call (the draft's static-shape CUDA
+        graph replay); it must return the logits rows of inputs.logits_indices.
         Raises OutOfBlocks (nothing changed) if the batch does not fit in the free KV blocks.
         """
         if not entries:
@@ -116,7 +121,9 @@ class ModelRunner:
         self.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
         try:
             inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.attention, inputs.logits_indices)
+            if run_model is None:
+                run_model = _run_model
+            logits = run_model(self.model, self.kv, inputs)
         except BaseException:
             # Give back exactly what this call took: new requests disappear, others shrink back.
             for entry, start, new in zip(entries, starts, is_new):
@@ -163,3 +170,7 @@ class ModelRunner:
         if pending is None:
             raise PendingTree(f"request {request_id!r} has no pending tree to discard")
         self.blocks.truncate(request_id, pending.start)
+
+
+def _run_model(model: CausalLM, kv: KVCache, inputs: ModelInputs) -> torch.Tensor:
+    return model(inputs.input_ids, inputs.positions, kv, inputs.attention, inputs.logits_indices)

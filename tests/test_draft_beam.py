@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve.draft.beam import BeamRequest, beam_search
+from specserve.draft.static_step import StaticBeamStep, bucket
 from specserve.shared.batch import Chunk, DraftNodes, Tree
 from specserve.shared.random_model import TINY_CONFIG, write_random_model
 from specserve.shared.runner import ModelRunner, PendingTree
@@ -83,3 +84,29 @@ def test_batched_beam_search_matches_the_reference_search(model_dir, depth, widt
         # A path probability never exceeds its parent's.
         for node, parent in enumerate(trees[rid].parents[1:], start=1):
             assert probs[node] <= probs[parent] + 1e-6
+
+
+def test_bucket_is_the_next_power_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_static_shape_beam_steps_equal_the_dynamic_ones(model_dir):
+    """The padding the CUDA-graph path uses (requests and KV blocks to power-of-two buckets, run here
+    eagerly on CPU) changes no real row: same trees, same logits, and buckets are reused."""
+    rng = random.Random(21)
+    contexts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randint(2, 30))] for i in range(5)}
+    results = []
+    for static in (False, True):
+        runner = _runner(model_dir)
+        step = StaticBeamStep(runner, use_graphs=False) if static else None
+        logits = runner.forward([Chunk(rid, toks, logits_at=[len(toks) - 1]) for rid, toks in contexts.items()])
+        requests = [BeamRequest(rid, toks[-1], lg[0], 4, 3) for (rid, toks), lg in zip(contexts.items(), logits)]
+        trees, _ = beam_search(runner, requests, step)
+        results.append(trees)
+        if static:
+            assert step.statics and set(step.statics) <= {(8, 3, 8), (8, 3, 16)}  # 5 requests -> 8 (per KV size)
+            assert runner.num_free_blocks == NUM_BLOCKS - 1 - sum(-(-len(t) // BLOCK_SIZE) for t in contexts.values())
+    dynamic, static = results
+    for rid in contexts:
+        assert static[rid].tokens == dynamic[rid].tokens and static[rid].parents == dynamic[rid].parents
+        assert static[rid].logp == pytest.approx(dynamic[rid].logp, abs=1e-4)

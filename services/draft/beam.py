@@ -11,11 +11,15 @@ exactly the committed tokens between calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.shared.batch import DraftNodes
 from specserve.shared.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from specserve.draft.static_step import StaticBeamStep
 
 
 @dataclass(slots=True)
@@ -49,8 +53,12 @@ def _select(tree: BeamTree, layer_logp: torch.Tensor, logprobs: torch.Tensor, wi
     tree.layer = new_layer
 
 
-def beam_search(runner: ModelRunner, requests: list[BeamRequest]) -> tuple[dict[str, BeamTree], int]:
-    """Returns the tree per request id and the number of model passes run."""
+def beam_search(runner: ModelRunner, requests: list[BeamRequest],
+                static_step: StaticBeamStep | None = None) -> tuple[dict[str, BeamTree], int]:
+    """Returns the tree per request id and the number of model passes run.
+
+    static_step: run the passes at bucketed static shapes (CUDA graphs) when their shape allows.
+    """
     trees = {r.rid: BeamTree([r.root], [-1], [0.0], [0]) for r in requests}
     if not requests:
         return trees, 0
@@ -67,7 +75,10 @@ def beam_search(runner: ModelRunner, requests: list[BeamRequest]) -> tuple[dict[
                 # Pending-forest index of tree node i is i - 1 (the root is committed, not pending).
                 entries.append(DraftNodes(r.rid, [tree.tokens[i] for i in tree.layer],
                                           [tree.parents[i] - 1 for i in tree.layer]))
-            logits = runner.forward(entries)
+            if static_step is not None and static_step.applies(entries):
+                logits = static_step.forward(entries)
+            else:
+                logits = runner.forward(entries)
             forwards += 1
             logprobs = torch.log_softmax(torch.cat(logits).float(), dim=-1).split([len(x) for x in logits])
             for r, lp in zip(active, logprobs):

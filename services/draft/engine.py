@@ -18,6 +18,7 @@ import torch
 
 from specserve.draft.beam import BeamRequest, beam_search
 from specserve.draft.config import DraftConfig
+from specserve.draft.static_step import StaticBeamStep
 from specserve.shared.batch import Chunk
 from specserve.shared.kv_cache import KVCache
 from specserve.shared.loader import load_model, parse_device, parse_dtype
@@ -48,12 +49,20 @@ class DraftEngine:
         self.config = config
         self.device = parse_device(config.device)
         self.model = load_model(config.model, parse_dtype(config.dtype), self.device)
-        self.runner: ModelRunner | None = ModelRunner(self.model, config.kv_blocks, config.block_size)
+        self.runner: ModelRunner | None = None
+        self.static_step: StaticBeamStep | None = None
+        self._new_pool()
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, _Request] = {}
         self._host_weights: dict[str, torch.Tensor] | None = None
         self.calls = self.entry_errors = 0
         self.last_offload_s = self.last_reload_s = 0.0
+
+    def _new_pool(self) -> None:
+        """A fresh KV pool (and, on CUDA, fresh graphs: captured graphs point at the old pool)."""
+        self.runner = ModelRunner(self.model, self.config.kv_blocks, self.config.block_size)
+        use_graphs = self.device.type == "cuda" and self.config.cuda_graphs
+        self.static_step = StaticBeamStep(self.runner, use_graphs=True) if use_graphs else None
 
     # ---- speculate ---------------------------------------------------------------------------
     def speculate(self, msg: Speculate, tensors: dict[str, torch.Tensor]) -> tuple[SpeculateReply, dict]:
@@ -80,7 +89,7 @@ class DraftEngine:
                 t1 = time.perf_counter()
                 beams = [BeamRequest(e.rid, self.requests[e.rid].tokens[-1], root_logits[e.rid], depths[e.rid],
                                      e.width) for e, _ in accepted if depths[e.rid] > 0]
-                found, beam_forwards = beam_search(self.runner, beams)
+                found, beam_forwards = beam_search(self.runner, beams, self.static_step)
             except BaseException:
                 self._restore(before)  # the call failed as a whole: no request may keep half of it
                 raise
@@ -226,7 +235,8 @@ class DraftEngine:
         return self.runner.num_free_blocks if self.runner is not None else 0
 
     def stats(self) -> StatsReply:
-        total = self.config.kv_blocks if self.runner is not None else 0
+        reserved = 1 if self.static_step is not None else 0  # the static step's scratch block
+        total = self.config.kv_blocks - reserved if self.runner is not None else 0
         free = self.free_blocks()
         return StatsReply("draft", total, free, total - free, self.config.block_size, len(self.requests),
                           self.calls, self.entry_errors, offloaded=self.runner is None,
@@ -247,7 +257,7 @@ class DraftEngine:
             host[name] = copy
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)  # frees the device copy
         self._host_weights = host
-        self.runner = None
+        self.runner = self.static_step = None
         for req in self.requests.values():
             req.synced = 0
         _sync(self.device)
@@ -265,7 +275,7 @@ class DraftEngine:
         for name, param in self.model.named_parameters():
             param.data = host[name].to(self.device, non_blocking=True)
         self._host_weights = None
-        self.runner = ModelRunner(self.model, self.config.kv_blocks, self.config.block_size)
+        self._new_pool()
         _sync(self.device)
         self.last_reload_s = time.perf_counter() - t0
         kv_bytes = KVCache.bytes_per_block(self.model.config, self.config.block_size, self.runner.dtype)

@@ -60,6 +60,7 @@ class TargetEngine:
         self.calls = self.entry_errors = 0
 
     def forward(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[ForwardReply, dict]:
+        start = time.perf_counter()
         self.calls += 1
         chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
         tree_tokens = split_counts(tensors, "tree_tokens", [e.num_nodes for e in msg.verify])
@@ -102,7 +103,7 @@ class TargetEngine:
             out += tokens
             results.append(StepResult(entry.rid, entry.step, len(tokens), accepted))
         self.entry_errors += len(errors)
-        reply = ForwardReply(results, forward_ms, accept_ms, self.runner.num_free_blocks)
+        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks)
         return reply, {"tokens": torch.tensor(out, dtype=torch.int32)}
 
     # ---- checks ------------------------------------------------------------------------------
