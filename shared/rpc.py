@@ -28,6 +28,7 @@ from specserve.shared.transport import (
     FrameError,
     MessageError,
     Tensors,
+    encode_frame,
     read_frame,
     write_frame,
 )
@@ -49,11 +50,13 @@ class RemoteError(RuntimeError):
 def parse_address(address: str) -> tuple[str, str | int]:
     """("unix", path) or (host, port)."""
     if address.startswith("unix:"):
+        if len(address) == len("unix:"):
+            raise ValueError("address 'unix:' names no socket path")
         return "unix", address[len("unix:") :]
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"address {address!r} is neither host:port nor unix:/path")
-    return host or "127.0.0.1", int(port)
+    return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
 
 
 def _ipc(enabled: bool):
@@ -128,7 +131,13 @@ class RpcServer:
                 reply, out = Error("internal", f"{type(exc).__name__}: {exc}"), None
             if ipc is not None:
                 ipc.new_frame()
-            await write_frame(writer, call_id, reply, out, ipc)
+            try:
+                frame = encode_frame(call_id, reply, out, ipc)
+            except Exception as exc:  # an unencodable reply must not take the connection down
+                log.exception("call %d (%s): the reply could not be encoded", call_id, type(body).__name__)
+                frame = encode_frame(call_id, Error("internal", f"unencodable reply: {type(exc).__name__}: {exc}"))
+            writer.writelines(frame)
+            await writer.drain()
 
 
 class RpcClient:
@@ -152,19 +161,28 @@ class RpcClient:
             reader, writer = await asyncio.open_connection(host, port, limit=2**20)
         return cls(reader, writer, address, max_frame_bytes, cuda_ipc)
 
-    async def call(self, body: Message, tensors: Tensors | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
-        """Returns the reply and its tensors; raises RemoteError if the service answered Error."""
+    async def _round_trip(self, body: Message, tensors: Tensors | None):
         async with self._lock:
             self._next_id += 1
             call_id = self._next_id
             if self.ipc is not None:
                 self.ipc.new_frame()
             await write_frame(self.writer, call_id, body, tensors, self.ipc)
-            reply_id, reply, out = await read_frame(self.reader, self.max_frame_bytes, self.ipc)
+            return call_id, await read_frame(self.reader, self.max_frame_bytes, self.ipc)
+
+    async def call(self, body: Message, tensors: Tensors | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
+        """Returns the reply and its tensors; raises RemoteError if the service answered Error.
+
+        A caller that is cancelled (a timeout) does not cancel the round trip: it still reads its
+        own reply, so the connection stays in step for the next call.
+        """
+        task = asyncio.ensure_future(self._round_trip(body, tensors))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # orphaned errors are retrieved
+        call_id, (reply_id, reply, out) = await asyncio.shield(task)
+        if reply_id not in (call_id, -1):
+            raise RuntimeError(f"reply to call {reply_id} arrived for call {call_id}")
         if isinstance(reply, Error):
             raise RemoteError(reply.code, reply.message)
-        if reply_id != call_id:
-            raise RuntimeError(f"reply to call {reply_id} arrived for call {call_id}")
         return reply, out
 
     async def close(self) -> None:
