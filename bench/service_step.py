@@ -107,6 +107,19 @@ async def transport(n: int, steps: int, depth: int, width: int) -> dict:
                 committed[r] = committed[r] + o.tokens
                 unsent[r] = o.tokens
                 rows["accepted"].append(o.num_accepted)
+        # Draft offload -> reload, and the first call after it (every request rebuilds its KV).
+        transitions = {"offload_s": [], "reload_s": [], "rebuild_catchup_ms": [], "weight_bytes": 0, "kv_bytes": 0}
+        for _ in range(3):
+            off = await dc.offload()
+            rel = await dc.reload()
+            step += 1
+            items = [SpeculateItem(r, step, unsent[r], len(committed[r]), depth, width) for r in rids]
+            unsent = {r: [] for r in rids}
+            _, sreply = await dc.speculate(items)
+            transitions["offload_s"].append(off.seconds)
+            transitions["reload_s"].append(rel.seconds)
+            transitions["rebuild_catchup_ms"].append(sreply.catchup_ms)
+            transitions["weight_bytes"], transitions["kv_bytes"] = off.weight_bytes, off.kv_bytes
         await tc.release(rids)
         await dc.release(rids)
         # Serialization share: the same messages encoded and decoded in process.
@@ -135,7 +148,8 @@ async def transport(n: int, steps: int, depth: int, width: int) -> dict:
                 "forward": {"wall_ms": med["fwd_wall"], "service_ms": med["fwd_service"], "pass_ms": med["fwd_pass"],
                             "overhead_ms": statistics.median(w - s for w, s in zip(rows["fwd_wall"],
                                                                                     rows["fwd_service"]))},
-                "codec_ms": codec}
+                "codec_ms": codec,
+                "transitions": {k: statistics.median(v) if isinstance(v, list) else v for k, v in transitions.items()}}
     finally:
         draft.stop()
         target.stop()
@@ -203,6 +217,11 @@ def render(result: dict, grid: list[dict], meta: dict) -> str:
         "In-process encode + decode of the same frames (the serialization share of the overhead), ms: "
         + ", ".join(f"{k} {v:.3f}" for k, v in t["codec_ms"].items()) + ".",
         f" Mean accepted draft tokens per tree: {t['mean_accepted']:.2f}.",
+        "",
+        f"Draft offload -> reload (median of 3, {t['transitions']['weight_bytes'] / 1e6:.1f} MB of weights, "
+        f"{t['transitions']['kv_bytes'] / 1e6:.1f} MB KV pool): offload {t['transitions']['offload_s'] * 1e3:.2f} ms, "
+        f"reload {t['transitions']['reload_s'] * 1e3:.2f} ms; the first Speculate after a reload rebuilds all "
+        f"{t['requests']} requests' draft KV from their histories in {t['transitions']['rebuild_catchup_ms']:.1f} ms.",
         "",
         "### (b) Beam speculation time vs (n, d, w), in process",
         "",

@@ -15,13 +15,14 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specserve.shared.messages import Error, Health, HealthReply, Message, Release, Stats
 from specserve.shared.rpc import RpcServer
-from specserve.shared.transport import DEFAULT_MAX_FRAME_BYTES, Tensors
+from specserve.shared.transport import DEFAULT_MAX_FRAME_BYTES, Tensors, split_flat
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 log = logging.getLogger("specserve")
@@ -56,6 +57,30 @@ def add_common_flags(parser: argparse.ArgumentParser, service: str, port: int, m
                         help="torch intra-op threads")
     parser.add_argument("--max-frame-mb", type=int, default=int(env("max_frame_mb", DEFAULT_MAX_FRAME_BYTES >> 20)),
                         help="largest message accepted, MiB")
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """The fields every service's config dataclass starts with (the common flags above)."""
+
+    model: str  # Hugging Face model directory
+    device: str  # "cpu" or "cuda[:N]"
+    dtype: str  # "float32", "bfloat16" or "float16"
+    host: str
+    port: int  # TCP port; 0 picks a free one (printed on the ready line)
+    unix_socket: str | None  # listen on this path instead of TCP
+    kv_blocks: int  # KV pool size, blocks
+    block_size: int  # tokens per KV block
+    threads: int  # torch intra-op threads
+    max_frame_mb: int  # largest accepted message, MiB
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace):
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
 
 
 class ServiceHost:
@@ -161,9 +186,4 @@ def split_counts(tensors: dict[str, torch.Tensor], name: str, counts: list[int])
     if flat.dim() != 1 or flat.numel() != total or flat.dtype not in (torch.int32, torch.int64):
         raise BadCall(f"tensor {name!r} must be 1-D integer with {total} elements "
                       f"(got {flat.dtype} {list(flat.shape)})")
-    values = flat.tolist()
-    out, at = [], 0
-    for c in counts:
-        out.append(values[at : at + c])
-        at += c
-    return out
+    return split_flat(flat.tolist(), counts)

@@ -31,6 +31,7 @@ from specserve.shared.messages import (
     VerifyEntry,
 )
 from specserve.shared.rpc import RpcClient
+from specserve.shared.transport import split_flat
 
 
 def _flat(lists: list[list[int]]) -> torch.Tensor:
@@ -38,12 +39,7 @@ def _flat(lists: list[list[int]]) -> torch.Tensor:
 
 
 def _cut(flat: torch.Tensor, counts: list[int]) -> list[list]:
-    values = flat.tolist()
-    out, at = [], 0
-    for c in counts:
-        out.append(values[at : at + c])
-        at += c
-    return out
+    return split_flat(flat.tolist(), counts)
 
 
 @dataclass(slots=True)

@@ -100,6 +100,15 @@ def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None, ip
     return [PREFIX.pack(MAGIC, len(header), payload_len), header, *[b for b in buffers if len(b)]]
 
 
+def split_flat(values: list, counts: list[int]) -> list[list]:
+    """Cut a flat list (a payload tensor's .tolist()) into consecutive per-entry slices."""
+    out, at = [], 0
+    for count in counts:
+        out.append(values[at : at + count])
+        at += count
+    return out
+
+
 def decode_tensors(metas: list[TensorMeta], payload: bytearray, ipc=None) -> dict[str, torch.Tensor]:
     out, offset = {}, 0
     for meta in metas:

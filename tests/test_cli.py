@@ -60,3 +60,23 @@ def test_smoke_reports_unsupported_architecture(tiny_dir, tmp_path):
     proc = run("smoke", "--model", str(bad))
     assert proc.returncode == 2
     assert "unsupported architecture 'GPT2LMHeadModel'" in proc.stderr
+
+
+@pytest.mark.parametrize("service", ["draft", "target"])
+def test_services_report_a_bad_model_dir_and_exit_2(service, tmp_path):
+    proc = run(service, "--model", str(tmp_path / "nowhere"), "--port", "0", "--threads", "1")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and "nowhere" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ready" not in proc.stdout
+
+
+def test_service_flags_fall_back_to_environment_variables(monkeypatch):
+    from specserve.cli import build_parser
+    from specserve.draft.config import DraftConfig
+
+    monkeypatch.setenv("SPECSERVE_DRAFT_KV_BLOCKS", "77")
+    monkeypatch.setenv("SPECSERVE_DRAFT_PORT", "9123")
+    config = DraftConfig.from_args(build_parser().parse_args(["draft", "--threads", "1"]))
+    assert (config.kv_blocks, config.port, config.threads, config.address) == (77, 9123, 1, "127.0.0.1:9123")
+    config = DraftConfig.from_args(build_parser().parse_args(["draft", "--unix-socket", "/tmp/d.sock"]))
+    assert config.address == "unix:/tmp/d.sock" and config.model.endswith("models/draft")
