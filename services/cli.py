@@ -16,16 +16,13 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     import torch
 
     from specserve.shared.generate import generate
-    from specserve.shared.model_config import ModelLoadError
     from specserve.shared.runner import ModelRunner
+    from specserve.shared.service_base import exit_on_load_error
 
     model_dir = Path(args.model) if args.model else BUNDLED_TARGET
     t0 = time.perf_counter()
-    try:
-        runner = ModelRunner.from_dir(model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device)
-    except (ModelLoadError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    runner = exit_on_load_error(lambda: ModelRunner.from_dir(
+        model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device))
     load_s = time.perf_counter() - t0
     cfg = runner.config
     print(

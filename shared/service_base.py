@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.shared.messages import Error, Health, HealthReply, Message, Release, Stats
+from specserve.shared.messages import Error, Health, HealthReply, Message, Release, ReleaseReply, Stats
 from specserve.shared.rpc import RpcServer
 from specserve.shared.transport import DEFAULT_MAX_FRAME_BYTES, Tensors, split_flat
 
@@ -92,12 +92,10 @@ class ServiceHost:
         self.name, self.model, self.device, self.dtype = name, model, device, dtype
         self.handlers, self.stats, self.status = handlers, stats, status
         self.started = time.monotonic()
+        # One worker thread: model calls run one at a time, in arrival order.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
-        self.lock = asyncio.Lock()
-        self.calls = 0
 
     async def handle(self, body: Message, tensors: dict[str, torch.Tensor]) -> tuple[Message, Tensors | None]:
-        self.calls += 1
         if isinstance(body, Health):
             return HealthReply(self.name, self.status(), self.model, self.device, self.dtype,
                                round(time.monotonic() - self.started, 3)), None
@@ -106,11 +104,10 @@ class ServiceHost:
         handler = self.handlers.get(type(body))
         if handler is None:
             return Error("unsupported", f"the {self.name} service does not handle {type(body).__name__}"), None
-        async with self.lock:
-            try:
-                return await asyncio.get_running_loop().run_in_executor(self.executor, handler, body, tensors)
-            except BadCall as exc:
-                return Error("bad_message", str(exc)), None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, handler, body, tensors)
+        except BadCall as exc:
+            return Error("bad_message", str(exc)), None
 
 
 def setup_process(threads: int) -> None:
@@ -146,8 +143,6 @@ def serve(host: ServiceHost, address: str, max_frame_bytes: int) -> int:
 
 def release_handler(release: Callable[[str], bool], free_blocks: Callable[[], int]):
     def handle(msg: Release, _tensors) -> tuple[Message, None]:
-        from specserve.shared.messages import ReleaseReply
-
         released, unknown = [], []
         for rid in msg.rids:
             (released if release(rid) else unknown).append(rid)
@@ -169,8 +164,6 @@ def exit_on_load_error(fn: Callable[[], object]):
 
 def ms_since(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 3)
-
-
 
 
 def split_counts(tensors: dict[str, torch.Tensor], name: str, counts: list[int]) -> list[list[int]]:
