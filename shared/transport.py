@@ -92,12 +92,13 @@ def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None, ip
             metas.append(ipc.export(name, tensor))
             continue
         tensor = tensor.detach().to("cpu").contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-        metas.append(TensorMeta(name, _NAMES[tensor.dtype], list(tensor.shape), len(memoryview(raw).cast("B"))))
-        buffers.append(memoryview(raw).cast("B") if tensor.numel() else b"")
+        raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B") if tensor.numel() else b""
+        metas.append(TensorMeta(name, _NAMES[tensor.dtype], list(tensor.shape), len(raw)))
+        if len(raw):
+            buffers.append(raw)
     header = _encoder.encode(Header(call_id, body, metas))
     payload_len = sum(m.nbytes for m in metas)
-    return [PREFIX.pack(MAGIC, len(header), payload_len), header, *[b for b in buffers if len(b)]]
+    return [PREFIX.pack(MAGIC, len(header), payload_len), header, *buffers]
 
 
 def split_flat(values: list, counts: list[int]) -> list[list]:

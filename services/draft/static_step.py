@@ -78,7 +78,7 @@ class StaticBeamStep:
         fresh = static is None
         if fresh:
             static = self.statics[key] = self._allocate(n_b, w, blocks_b, inputs)
-        self._fill(static, inputs, n, w, blocks_b)
+        self._fill(static, inputs, n * w)
         if not self.use_graphs:
             out = model(static.input_ids, static.positions, kv, static.meta(n_b, w), static.logits_indices)
             return out[: n * w]
@@ -103,10 +103,10 @@ class StaticBeamStep:
                    for window in inputs.attention.groups[0].masks},
         )
 
-    def _fill(self, static: _Static, inputs: ModelInputs, n: int, w: int, blocks_b: int) -> None:
-        """Copy the real rows in and reset the padding (the tensors are reused across calls)."""
+    def _fill(self, static: _Static, inputs: ModelInputs, real: int) -> None:
+        """Copy the `real` rows in and reset the padding (the tensors are reused across calls)."""
         (group,) = inputs.attention.groups
-        real = n * w
+        n = group.batch_size
         static.input_ids.zero_()[:real].copy_(inputs.input_ids)
         static.positions.zero_()[:real].copy_(inputs.positions)
         static.slot_mapping.fill_(self.pad_slot)[:real].copy_(inputs.attention.slot_mapping)
