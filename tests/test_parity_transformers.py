@@ -179,6 +179,14 @@ def assert_match(ours: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
         assert ref[row, ours_top[row]] >= ref[row].max() - 1e-4, f"{what}: argmax differs at {row}"
 
 
+def assert_tree_nodes_match(ours: torch.Tensor, hf_model: HFModel, context: list[int], tree_toks: list[int],
+                            parents: list[int], what: str) -> None:
+    """Each tree node's logits equal HF's on the context plus the node's root-to-node path."""
+    for node in range(len(tree_toks)):
+        seq = context + [tree_toks[i] for i in path_to(parents, node)]
+        assert_match(ours[node : node + 1], hf_model.logits(seq)[-1:], f"{what} {node}")
+
+
 def random_tree(seed: int, n: int) -> tuple[list[int], list[int]]:
     """A random token tree of n nodes (root token included) with distinct tokens among siblings.
 
@@ -263,9 +271,7 @@ def test_tree_nodes_and_commit(hf_model: HFModel):
     (ours,) = runner.forward([Tree("r", tree_toks, parents)])
     assert ours.shape == (len(tree_toks), VOCAB)
     assert runner.num_tokens("r") == len(prompt)  # still pending
-    for node in range(len(tree_toks)):
-        seq = prompt + [tree_toks[i] for i in path_to(parents, node)]
-        assert_match(ours[node : node + 1], hf_model.logits(seq)[-1:], f"tree node {node}")
+    assert_tree_nodes_match(ours, hf_model, prompt, tree_toks, parents, "tree node")
 
     path = deepest_gapped_path(parents)
     runner.commit_tree("r", path)
@@ -315,9 +321,7 @@ def test_ragged_batch(hf_model: HFModel):
     assert_match(p_out, hf_model.logits(p_prompt)[6:], "p chunk 2")
     d_seq = d_prompt + [d_tok]
     assert_match(d_out, hf_model.logits(d_seq)[-1:], "d decode")
-    for node in range(len(tree_toks)):
-        seq = t_prompt + [tree_toks[i] for i in path_to(parents, node)]
-        assert_match(t_out[node : node + 1], hf_model.logits(seq)[-1:], f"t tree node {node}")
+    assert_tree_nodes_match(t_out, hf_model, t_prompt, tree_toks, parents, "t tree node")
 
     # Pass 3 after committing t's path: a tree for d, decode tokens for t and p.
     path = deepest_gapped_path(parents)
