@@ -3,4 +3,4 @@
 # Extra arguments go to the main job.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 ensure_venv
-exec "$VENV/bin/specserve" smoke "$@"
+exec "$VENV/bin/specserve" up "$@"

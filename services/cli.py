@@ -81,6 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
     target = sub.add_parser("target", help="run the target service (batched tree verification)")
     TargetConfig.add_flags(target)
     target.set_defaults(func=_service("specserve.target.server"))
+
+    from specserve.gateway import profile as profiling
+    from specserve.gateway.config import GatewayConfig
+
+    gateway = sub.add_parser("gateway", help="run the gateway (OpenAI API, admission, speculation policy)")
+    GatewayConfig.add_flags(gateway)
+    gateway.set_defaults(func=_service("specserve.gateway.server"))
+    prof = sub.add_parser("profile", help="measure the target: budget B and baseline iteration latency")
+    profiling.add_flags(prof)
+    prof.set_defaults(func=profiling.main)
+
+    from specserve import up as up_cmd
+
+    up = sub.add_parser("up", help="start target, draft and gateway (the main command)")
+    up_cmd.add_flags(up)
+    up.set_defaults(func=up_cmd.main)
     return parser
 
 

@@ -6,22 +6,35 @@ port, and the line carries the real one). Tests, benchmarks and `specserve up` u
 
 from __future__ import annotations
 
+import collections
 import os
+import socket
 import subprocess
 import sys
 import threading
 
-READY_TIMEOUT_S = 120
+READY_TIMEOUT_S = 180
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for services that must keep their port across restarts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class ServiceProcess:
-    def __init__(self, kind: str, *args: str, threads: int = 1, log_level: str = "WARNING"):
+    def __init__(self, kind: str, *args: str, threads: int = 1, log_level: str = "WARNING",
+                 inherit_stderr: bool = False):
         cmd = [sys.executable, "-m", "specserve.cli", kind, "--port", "0", "--threads", str(threads), *args]
         env = dict(os.environ, SPECSERVE_LOG_LEVEL=log_level)
-        self.kind = kind
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.stderr: list[str] = []
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        self.kind, self.args, self.threads = kind, args, threads
+        # stdout carries only the ready line; stderr (logs) goes to the terminal or into a bounded buffer.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if inherit_stderr else subprocess.PIPE,
+                                     text=True, env=env)
+        self.stderr: collections.deque[str] = collections.deque(maxlen=2000)
+        if not inherit_stderr:
+            threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         ready: list[str] = []
         reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
@@ -30,6 +43,7 @@ class ServiceProcess:
             self.stop()
             raise RuntimeError(f"the {kind} service did not start: {''.join(self.stderr)[-2000:]}")
         self.address = ready[0].split()[-1]
+        threading.Thread(target=lambda: collections.deque(self.proc.stdout, maxlen=0), daemon=True).start()
 
     def alive(self) -> bool:
         return self.proc.poll() is None

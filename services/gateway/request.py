@@ -1,0 +1,73 @@
+"""One generation request as the engine tracks it, and the events it sends to its HTTP handler."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from specserve.gateway.slo import SloClass
+from specserve.shared.messages import SamplingSpec
+
+
+@dataclass(slots=True)
+class Tokens:
+    """New output tokens of one step (already cut at EOS, max_tokens and the context length)."""
+
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class Finished:
+    reason: str  # "stop", "length", "abort" or "error"
+    error: str | None = None  # what went wrong, when reason == "error"
+
+
+@dataclass(eq=False, slots=True)
+class GenRequest:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingSpec
+    max_tokens: int  # output tokens allowed (already capped by the context length)
+    slo: SloClass
+    stop_ids: frozenset[int]  # token ids that end the output (EOS); not streamed as text
+    kv_blocks: int = 0  # target KV blocks reserved for it while admitted
+    arrival: float = field(default_factory=time.perf_counter)  # perf_counter seconds
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Tokens / Finished for the handler
+    admitted_at: float | None = None
+    prefilled: int = 0  # prompt tokens already in the target's KV
+    output: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # perf_counter seconds, one per output token
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
+    verified: list[tuple[int, int]] = field(default_factory=list)  # (engine step, tree nodes sent incl. root)
+    draft_unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen
+    finish_reason: str | None = None
+
+    @property
+    def committed(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.output) and self.finish_reason is None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output)
+
+    def tpot_s(self) -> float | None:
+        """Mean seconds per output token after the first (None with fewer than 2 tokens)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    def report(self) -> dict:
+        """The `specserve` extension object of a response: SLO and speculation per step."""
+        tpot = self.tpot_s()
+        return {"slo": {"tier": self.slo.name, "tpot_ms": self.slo.tpot_ms, "ttft_ms": self.slo.ttft_ms},
+                "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
+                "steps": [[step, nodes, acc] for (step, nodes), acc in zip(self.verified, self.accepted)]}
+
+    def slo_met(self) -> bool:
+        tpot = self.tpot_s()
+        return tpot is None or tpot * 1e3 <= self.slo.tpot_ms

@@ -1,0 +1,262 @@
+"""The gateway's HTTP server: OpenAI-compatible endpoints on aiohttp (uvloop), one Engine behind them.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streaming as SSE, or one JSON body),
+GET /v1/models, GET /v1/slo_classes, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+
+from specserve.gateway.api import Generation, ModelInfo, build_request, resolve_slo
+from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine import Engine, ServiceUnavailable
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.metrics import GatewayMetrics
+from specserve.gateway.policy import make_policy
+from specserve.gateway.protocol import (
+    ApiError,
+    messages_of,
+    parse_chat,
+    parse_completion,
+    prompt_of,
+    sampling_of,
+)
+from specserve.gateway.slo import default_classes, parse_class
+
+log = logging.getLogger("specserve.gateway")
+_json = msgspec.json.Encoder()
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return web.Response(status=exc.status, body=_json.encode(exc.body()), content_type="application/json")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer, info: ModelInfo, engine: Engine, classes, profile_path):
+        self.config, self.tokenizer, self.info, self.engine = config, tokenizer, info, engine
+        self.classes, self.profile_path = classes, profile_path
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=8 * 2**20, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/slo_classes", self.slo_classes)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            self.engine.metrics.on_error(exc.code or "invalid_request")
+            return error_response(exc)
+        except ServiceUnavailable as exc:
+            return error_response(ApiError(str(exc), status=503, type="service_unavailable"))
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return error_response(ApiError(exc.reason, status=exc.status,
+                                               type="invalid_request_error" if exc.status < 500 else "server_error"))
+            raise
+
+    # ---- endpoints ---------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion(await request.read())
+        self._check_model(req.model)
+        prompt = prompt_of(req)
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        return await self._serve(request, req, ids, "cmpl", chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = parse_chat(await request.read())
+        self._check_model(req.model)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages_of(req), add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # a template that rejects the conversation
+            raise ApiError(f"the chat template could not render these messages: {exc}", param="messages") from None
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return await self._serve(request, req, list(ids), "chatcmpl", chat=True)
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.info.name, "object": "model", "created": 0, "owned_by": "specserve",
+            "root": self.config.model, "max_model_len": self.info.max_model_len}]})
+
+    async def slo_classes(self, _request: web.Request) -> web.Response:
+        lat = self.engine.latency
+        return web.json_response({
+            "classes": {n: {"tpot_ms": c.tpot_ms, "ttft_ms": c.ttft_ms} for n, c in self.classes.items()},
+            "budget_tokens": lat.budget_tokens, "baseline_iteration_ms": lat.baseline_iteration_ms,
+            "policy": self.engine.policy.describe(), "profile": str(self.profile_path)})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        e = self.engine
+        body = {"status": "ok" if e.target_up else "degraded", "target": e.target_up,
+                "draft": e.draft is not None if e.policy.uses_draft else None,
+                "running": len(e.running), "waiting": len(e.waiting)}
+        return web.json_response(body, status=200 if e.target_up else 503)
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text=self.engine.metrics.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+    # ---- one generation ----------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model not in (self.info.name, self.config.model):
+            raise ApiError(f"The model `{model}` does not exist; this server serves `{self.info.name}`.",
+                           param="model", code="model_not_found")
+
+    async def _serve(self, request: web.Request, req, prompt_ids: list[int], prefix: str, chat: bool):
+        sampling = sampling_of(req)
+        slo = resolve_slo(self.classes, req.service_tier, req.slo)
+        gen_req = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix)
+        self.engine.submit(gen_req)
+        gen = Generation(self.engine, gen_req, self.tokenizer, sampling.stop)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return await self._stream(request, gen, chat, usage)
+        text = "".join([piece async for piece in gen.pieces()])
+        if gen.finish_reason == "error":
+            raise web.HTTPInternalServerError(reason=gen.error or "generation failed")
+        choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response({"id": gen_req.rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": gen.created, "model": self.info.name, "choices": [choice],
+                                  "usage": gen.usage(), "service_tier": slo.name, "specserve": gen_req.report()})
+
+    async def _stream(self, request: web.Request, gen: Generation, chat: bool, usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        base = {"id": gen.req.rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": gen.created, "model": self.info.name}
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return b"data: " + _json.encode({**base, "choices": [choice]}) + b"\n\n"
+
+        if chat:  # the role chunk first (anchors.md §3)
+            await resp.write(chunk(None, None, role=True))
+        async for piece in gen.pieces():
+            await resp.write(chunk(piece, None))
+        if gen.finish_reason == "error":
+            err = {"error": {"message": gen.error, "type": "server_error", "param": None, "code": 500}}
+            await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+        else:
+            await resp.write(chunk(None, gen.finish_reason))
+        if usage:
+            last = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.req.report()}
+            await resp.write(b"data: " + _json.encode(last) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+# ---- process -------------------------------------------------------------------------------------
+async def load_latency(config: GatewayConfig, vocab_size: int) -> tuple[LatencyModel, Path]:
+    """The profile (budget B, baseline latency, curve); measured against the target now if missing."""
+    from specserve.gateway import profile as profiling
+    from specserve.shared.service_client import TargetClient
+
+    path = Path(config.profile) if config.profile else profiling.default_profile_path(config.model, config.device)
+    if path.is_file():
+        prof = profiling.Profile.load(path)
+    else:
+        print(f"no profile at {path}: measuring the target now (specserve profile)", file=sys.stderr, flush=True)
+        target = await TargetClient.connect(config.target)
+        try:
+            prof = await profiling.measure(target, vocab_size=vocab_size)
+        finally:
+            await target.close()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.model, prof.device = config.model, config.device
+        prof.save(path)
+        print(f"profile saved to {path}: B = {prof.budget_tokens} tokens, baseline iteration "
+              f"{prof.baseline_iteration_ms:.2f} ms", file=sys.stderr, flush=True)
+    budget = config.budget if config.budget else prof.budget_tokens
+    return LatencyModel(budget, prof.baseline_iteration_ms, list(prof.curve)), path
+
+
+def model_info(config: GatewayConfig):
+    from transformers import AutoTokenizer
+
+    from specserve.shared.model_config import ModelConfig
+    from specserve.shared.service_base import exit_on_load_error
+
+    cfg = exit_on_load_error(lambda: ModelConfig.from_dir(config.model))
+    tokenizer = exit_on_load_error(lambda: AutoTokenizer.from_pretrained(config.model))
+    stops = set(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    return tokenizer, ModelInfo(config.served_model_name, cfg.max_position_embeddings, cfg.vocab_size,
+                                frozenset(stops))
+
+
+async def run(config: GatewayConfig) -> int:
+    policy = make_policy(config.policy, config.max_depth, config.max_width, config.max_added)
+    tokenizer, info = model_info(config)
+    latency, profile_path = await load_latency(config, info.vocab_size)
+    classes = default_classes(latency.baseline_iteration_ms)
+    for spec in config.slo_classes:
+        cls = parse_class(spec)
+        classes[cls.name] = cls
+    engine = Engine(policy, latency, GatewayMetrics(info.name), config.draft, config.target,
+                    max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens)
+    await engine.start()
+    gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(f"ready gateway http://{config.host}:{port}", flush=True)
+    log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, latency.budget_tokens,
+             latency.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await engine.close()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = GatewayConfig.from_args(args)
+    try:
+        make_policy(config.policy)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(config.threads)
+    import uvloop
+
+    try:
+        return uvloop.run(run(config))
+    except (ConnectionError, OSError) as exc:
+        print(f"error: cannot reach the services ({config.draft}, {config.target}): {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,82 @@
+"""Start `specserve up` (and extra gateways on its services) as real processes for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+
+from specserve.launch import ServiceProcess
+
+
+class Up:
+    """`specserve up` in its own process group, as a terminal would run it; parses its ready lines."""
+
+    def __init__(self, *args: str, timeout_s: float = 240):
+        cmd = [sys.executable, "-m", "specserve.cli", "up", "--port", "0", "--threads", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.stderr: deque[str] = deque(maxlen=500)
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        self.addresses: dict[str, str] = {}
+        self.lines: list[str] = []
+        done = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("ready "):
+                    _, name, address = line.split()
+                    self.addresses[name] = address
+                if line.startswith("specserve is up"):
+                    done.set()
+            done.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not done.wait(timeout_s) or "gateway" not in self.addresses:
+            self.interrupt()
+            raise RuntimeError(f"specserve up did not start: {''.join(self.lines)}{''.join(self.stderr)[-3000:]}")
+        self.url = self.addresses["gateway"]
+
+    @property
+    def draft(self) -> str:
+        return self.addresses["draft"]
+
+    @property
+    def target(self) -> str:
+        return self.addresses["target"]
+
+    def interrupt(self, timeout_s: float = 60) -> int:
+        """Ctrl-C: SIGINT to the whole process group; returns up's exit status."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def gateway(up: Up, policy: str, *args: str) -> ServiceProcess:
+    """Another gateway on `up`'s draft and target services, started the way `up` starts its own."""
+    return ServiceProcess("gateway", "--draft", up.draft, "--target", up.target, "--policy", policy, *args)
+
+
+def service_pid(kind: str, address: str) -> int:
+    """The pid of the `specserve <kind>` process listening at address (found through /proc)."""
+    port = address.rsplit(":", 1)[1]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"specserve.cli" in argv and kind.encode() in argv and port.encode() in argv:
+            return int(entry)
+    raise LookupError(f"no {kind} process on port {port}")

@@ -1,0 +1,325 @@
+"""The gateway end to end: `specserve up` as real processes, driven over HTTP by the official openai client.
+
+One `specserve up` (adaserve) serves the module; other policies run as extra gateways on the same
+draft and target services, started the way `up` starts its own. The first `up` finds no profile
+and measures one (profile on first start); `--budget 24` then pins B so the tests do not depend
+on this machine's timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specserve.shared.service_client import DraftClient, TargetClient
+from tests.gateway_procs import Up, gateway, service_pid
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = ROOT / "models" / "target"
+_SHORT = [json.loads(line)["prompt"] for line in (ROOT / "bench/workloads/short.jsonl").read_text().splitlines()]
+# Six prompts the demo target continues for 40+ tokens, then one it ends at once (EOS first).
+PROMPTS = [_SHORT[i] for i in (1, 2, 5, 6, 7, 8, 0)]
+MAX_TOKENS = 40
+POLICIES = ["none", "chain:4", "tree:1,1,3,1,1,1,1,1", "equal-greedy", "global-greedy"]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
+    server = Up("--profile", str(profile), "--", "--budget", "24")
+    assert profile.is_file(), "the gateway did not profile on first start"
+    assert json.loads(profile.read_text())["budget_tokens"] >= 8
+    yield server
+    server.interrupt()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def aclient(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+async def complete_all(url: str, prompts: list[str], **kw) -> list[str]:
+    c = aclient(url)
+    results = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                          temperature=0, **kw) for p in prompts])
+    await c.close()
+    return [r.choices[0].text for r in results]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    """Greedy output of the target alone, with transformers."""
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="float32").eval()
+    out = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)  # EOS from generation_config
+        out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+    return out
+
+
+async def service_stats(up: Up):
+    out = []
+    for cls, address in ((DraftClient, up.draft), (TargetClient, up.target)):
+        c = await cls.connect(address)
+        out.append(await c.stats())
+        await c.close()
+    return out
+
+
+def wait_all_free(up: Up, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = asyncio.run(service_stats(up))
+        if all(s.free_blocks == s.total_blocks and s.resident_requests == 0 for s in stats):
+            return
+        assert time.monotonic() < deadline, f"KV not freed: {stats}"
+        time.sleep(0.3)
+
+
+# ---- API shape -------------------------------------------------------------------------------------
+def test_completions_non_streaming(up):
+    r = client(up.url).completions.create(model="target", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].text
+
+
+def test_chat_streaming_event_order(up):
+    """Role chunk, content deltas, finish chunk, usage chunk, then [DONE], as raw SSE."""
+    body = {"model": "target", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{up.url}/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] <= 10
+    final = chunks[-2]["choices"][0]
+    assert final["finish_reason"] in ("stop", "length") and final["delta"] == {}
+    middle = chunks[1:-2]
+    assert middle and all(c["choices"][0]["finish_reason"] is None and c["choices"][0]["delta"]["content"]
+                          for c in middle)
+
+
+def test_chat_non_streaming_and_completion_streaming_agree(up):
+    c = client(up.url)
+    chat = c.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi there"}],
+                                     max_tokens=16, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi there"}],
+                                       max_tokens=16, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == chat.choices[0].message.content
+    text = c.completions.create(model="target", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text
+    streamed = c.completions.create(model="target", prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for ch in streamed:
+        if ch.choices:
+            pieces.append(ch.choices[0].text)
+        else:
+            usage = ch.usage
+    assert "".join(pieces) == text and usage is not None and usage.completion_tokens >= 1
+
+
+def test_models_health_metrics(up):
+    models = client(up.url).models.list()
+    assert [m.id for m in models.data] == ["target"]
+    assert httpx.get(f"{up.url}/health").status_code == 200
+    metrics = httpx.get(f"{up.url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+                 "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"):
+        assert name in metrics
+    slo = httpx.get(f"{up.url}/v1/slo_classes").json()
+    assert slo["budget_tokens"] == 24 and set(slo["classes"]) >= {"critical", "search", "chat"}
+
+
+def test_stop_strings_and_seeded_sampling(up):
+    c = client(up.url)
+    full = c.completions.create(model="target", prompt=PROMPTS[2], max_tokens=30, temperature=0).choices[0].text
+    stop = full[5:8]
+    cut = c.completions.create(model="target", prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.index(stop)]
+    streamed = c.completions.create(model="target", prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
+                                    stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == cut.choices[0].text
+    a, b = (c.completions.create(model="target", prompt=PROMPTS[3], max_tokens=20, temperature=0.9, seed=7)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+
+
+# ---- losslessness -------------------------------------------------------------------------------
+def test_greedy_identical_across_policies(up, reference):
+    """Every policy, with the prompts sent concurrently (so they batch), equals the target alone."""
+    assert asyncio.run(complete_all(up.url, PROMPTS)) == reference  # adaserve, the up's own policy
+    for policy in POLICIES:
+        g = gateway(up, policy, "--budget", "24")
+        try:
+            assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
+        finally:
+            g.stop()
+    wait_all_free(up)
+
+
+# ---- load and isolation --------------------------------------------------------------------------
+def test_32_concurrent_streams(up):
+    async def one(c, i):
+        pieces, usage, finish = [], None, None
+        stream = await c.chat.completions.create(
+            model="target", messages=[{"role": "user", "content": PROMPTS[i % 6][:80]}],
+            max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
+            service_tier=["critical", "search", "chat"][i % 3])
+        async for ch in stream:
+            if ch.choices:
+                pieces.append(ch.choices[0].delta.content or "")
+                finish = ch.choices[0].finish_reason or finish
+            else:
+                usage = ch.usage
+        return "".join(pieces), finish, usage
+
+    async def run():
+        c = aclient(up.url)
+        out = await asyncio.gather(*[one(c, i) for i in range(32)])
+        await c.close()
+        return out
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    for text, finish, usage in results:  # a chat prompt may end at once (EOS first): 0 tokens is valid
+        assert finish in ("stop", "length") and usage is not None and 0 <= usage.completion_tokens <= 12
+        assert (finish == "length") == (usage.completion_tokens == 12) and bool(text) == (usage.completion_tokens > 0)
+    assert sum(u.completion_tokens for _, _, u in results) > 32
+    # identical prompts, greedy: identical outputs whatever the batch
+    by_prompt = {}
+    for i, (text, _, _) in enumerate(results):
+        by_prompt.setdefault(i % 6, set()).add(text)
+    assert all(len(texts) == 1 for texts in by_prompt.values())
+    wait_all_free(up)
+
+
+def test_tight_slo_gets_larger_trees(up):
+    """Same prompt, same batch: the request with the tight TPOT SLO is given more tree nodes."""
+    async def run():
+        c = aclient(up.url)
+        kw = dict(model="target", prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0)
+        out = await asyncio.gather(c.completions.create(**kw, extra_body={"slo": {"tpot_ms": 1}}),
+                                   c.completions.create(**kw, extra_body={"slo": {"tpot_ms": 100000}}))
+        await c.close()
+        return out
+
+    tight, loose = (r.model_extra["specserve"] for r in asyncio.run(run()))
+    assert tight["slo"]["tpot_ms"] == 1 and loose["slo"]["tpot_ms"] == 100000
+    t_steps = {s: n for s, n, _ in tight["steps"]}
+    shared = [(t_steps[s], n) for s, n, _ in loose["steps"] if s in t_steps]
+    assert len(shared) >= 3, (tight, loose)
+    assert sum(t for t, _ in shared) > sum(n for _, n in shared), shared
+    assert all(t >= n for t, n in shared), shared
+
+
+def test_disconnect_frees_kv_everywhere(up):
+    body = {"model": "target", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{up.url}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    # the connection is closed here, mid-generation
+    wait_all_free(up)
+    metrics = httpx.get(f"{up.url}/metrics").text
+    assert 'finished_reason="abort"' in metrics
+
+
+BAD = [
+    (b"{not json", None),
+    (b"[]", None),
+    (json.dumps({"model": "nope", "prompt": "x"}).encode(), "model"),
+    (json.dumps({"model": "target", "prompt": "x", "n": 2}).encode(), "n"),
+    (json.dumps({"model": "target", "prompt": "x", "max_tokens": -3}).encode(), "max_tokens"),
+    (json.dumps({"model": "target", "prompt": "x", "temperature": 9}).encode(), "temperature"),
+    (json.dumps({"model": "target", "prompt": "x", "service_tier": "platinum"}).encode(), "service_tier"),
+    (json.dumps({"model": "target", "prompt": [5, 99999]}).encode(), "prompt"),
+    (json.dumps({"model": "target", "prompt": "x " * 5000}).encode(), "prompt"),
+    (json.dumps({"model": "target", "prompt": "x", "max_tokens": 4096}).encode(), "max_tokens"),
+    (json.dumps({"model": "target", "prompt": "x", "slo": {"tpot_ms": -1}}).encode(), "slo.tpot_ms"),
+]
+
+
+def test_bad_requests_get_400_while_others_continue(up, reference):
+    async def run():
+        c = aclient(up.url)
+        good = asyncio.ensure_future(c.completions.create(model="target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                          temperature=0, stream=True))
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=up.url, timeout=60) as h:
+            bad = [await h.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                   for body, _ in BAD]
+        text = "".join([ch.choices[0].text async for ch in await good if ch.choices])
+        await c.close()
+        return bad, text
+
+    bad, text = asyncio.run(run())
+    for resp, (body, param) in zip(bad, BAD):
+        assert resp.status_code == 400, (body[:60], resp.text)
+        err = resp.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error"
+        assert err["param"] == param, (body[:60], err)
+    assert text == reference[0]
+    with pytest.raises(openai.BadRequestError):
+        client(up.url).completions.create(model="target", prompt="x", n=2)
+    wait_all_free(up)
+
+
+# ---- crashes and Ctrl-C ----------------------------------------------------------------------------
+def test_draft_crash_is_survived_losslessly(up, reference):
+    """Kill the draft mid-run: requests still finish with the target's greedy output, `up` restarts
+    the draft on its address, and the gateway speculates again."""
+    async def run():
+        c = aclient(up.url)
+        tasks = [asyncio.ensure_future(c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                            temperature=0)) for p in PROMPTS[:3]]
+        await asyncio.sleep(0.5)
+        os.kill(service_pid("draft", up.draft), signal.SIGKILL)
+        out = [r.choices[0].text for r in await asyncio.gather(*tasks)]
+        await c.close()
+        return out
+
+    assert asyncio.run(run()) == reference[:3]
+    deadline = time.monotonic() + 90
+    while httpx.get(f"{up.url}/health").json()["draft"] is not True:
+        assert time.monotonic() < deadline, "the draft did not come back"
+        time.sleep(0.5)
+    r = client(up.url).completions.create(model="target", prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference[5]
+    assert any(nodes > 1 for _, nodes, _ in r.model_extra["specserve"]["steps"]), "no speculation after restart"
+    wait_all_free(up)
+
+
+def test_up_stops_cleanly_on_ctrl_c(up):
+    server = Up("--policy", "none", "--profile", up_profile(up))
+    pids = [service_pid(k, server.addresses[k]) for k in ("draft", "target")]
+    assert client(server.url).completions.create(model="target", prompt="x", max_tokens=3).choices
+    assert server.interrupt() == 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
+
+
+def up_profile(up: Up) -> str:
+    return httpx.get(f"{up.url}/v1/slo_classes").json()["profile"]
