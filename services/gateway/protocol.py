@@ -90,7 +90,25 @@ class ChatMessage(Struct):
     content: str | list[dict[str, Any]] | None = None
 
 
-class CompletionRequest(Struct):
+class _SamplingFields(Struct, kw_only=True):
+    """The fields both endpoints share (sampling, streaming, the SLO)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    service_tier: str | None = None
+    slo: SloSpec | None = None
+    presence_penalty: float | None = None  # refused when nonzero
+    frequency_penalty: float | None = None  # refused when nonzero
+    logit_bias: dict[str, float] | None = None  # refused when non-empty
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/completions``. `prompt` is a string, a token-id list, or a one-element list of either.
 
     msgspec allows only one array type in a union, so `prompt` is declared as ``str | list[...]``
@@ -101,48 +119,22 @@ class CompletionRequest(Struct):
     model: str
     prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None = until the context is full
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = 1
-    service_tier: str | None = None
-    slo: SloSpec | None = None
     # Known features we do not implement: refused when they ask for anything.
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
 
-class ChatCompletionRequest(Struct):
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/chat/completions``. `max_completion_tokens` wins over `max_tokens` when both are given."""
 
     model: str
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = 1
-    service_tier: str | None = None
-    slo: SloSpec | None = None
     # Known features we do not implement: refused when they ask for anything.
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ def make_policy(name: str, max_depth: int = 8, max_width: int = 4, max_added: in
         if kind in budgeted and not arg:
             return budgeted[kind](max_depth, max_width, max_added)
     except ValueError as exc:
-        raise ValueError(f"bad policy {name!r}: {exc}") from None
+        raise ValueError(f"bad policy {name!r}: {exc}; choose one of: {', '.join(NAMES)}") from None
     raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(NAMES)}")
 
 
