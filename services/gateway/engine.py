@@ -22,7 +22,6 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.metrics import GatewayMetrics
@@ -37,29 +36,6 @@ SERVICE_ERRORS = (ConnectionError, OSError, asyncio.IncompleteReadError, Runtime
 
 class ServiceUnavailable(Exception):
     """The target service cannot be reached: new requests get 503."""
-
-
-@dataclass(slots=True)
-class IterationRecord:
-    """Timings of one iteration, ms; what the benchmark's time breakdown adds up."""
-
-    step: int
-    total_ms: float
-    draft_ms: float
-    target_ms: float
-    schedule_ms: float
-    prefill_tokens: int
-    tree_tokens: int
-    decoding: int
-
-
-@dataclass
-class EngineStats:
-    iterations: int = 0
-    draft_ms: float = 0.0
-    target_ms: float = 0.0
-    schedule_ms: float = 0.0
-    recent: list[IterationRecord] = field(default_factory=list)
 
 
 class Engine:
@@ -85,7 +61,6 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._last_connect = 0.0
         self.step = 0
-        self.stats = EngineStats()
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -277,7 +252,7 @@ class Engine:
         self.free_blocks = reply.free_blocks
         outcomes = self._commit(outputs, {p.rid: len(p.tokens) for p in prefill}, {v.rid: v for v in verify})
         total_ms = (time.perf_counter() - t0) * 1e3
-        self._record(step, total_ms, draft_ms, target_ms, batch, verify, outcomes)
+        self._record(total_ms, draft_ms, target_ms, batch, verify, outcomes)
         if decoding:
             self.latency.observe(total_ms, draft_ms, target_ms)
             self.policy.observe(batch, outcomes, total_ms)
@@ -357,28 +332,20 @@ class Engine:
         if not first and keep:
             gap = now - r.token_times[-1]
             self.metrics.on_tokens(len(keep), gap)
+        if first:  # the draft has seen nothing yet: its first call carries the prompt too
+            r.draft_unsent = list(r.prompt)
         r.output.extend(keep)
         r.token_times.extend([now] * len(keep))
         r.draft_unsent.extend(keep)
-        if first and keep:
-            r.draft_unsent = r.prompt + keep
         if keep:
             r.events.put_nowait(Tokens(keep))
         if reason is not None:
             self._finish(r, reason)
 
-    def _record(self, step: int, total_ms: float, draft_ms: float, target_ms: float, batch: BatchView,
+    def _record(self, total_ms: float, draft_ms: float, target_ms: float, batch: BatchView,
                 verify: list[VerifyItem], outcomes: list[Outcome]) -> None:
         schedule_ms = max(0.0, total_ms - draft_ms - target_ms)
         tree_tokens = sum(len(v.tokens) for v in verify)
-        s = self.stats
-        s.iterations += 1
-        s.draft_ms += draft_ms
-        s.target_ms += target_ms
-        s.schedule_ms += schedule_ms
-        s.recent.append(IterationRecord(step, total_ms, draft_ms, target_ms, schedule_ms, batch.prefill_tokens,
-                                        tree_tokens, len(batch.requests)))
-        del s.recent[:-256]
         speculated = [o for o in outcomes if o.verified > 1]
         max_len = max((o.verified for o in speculated), default=1)
         per_pos = [sum(1 for o in speculated if o.accepted > i) for i in range(max_len - 1)]

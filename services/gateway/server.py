@@ -22,7 +22,7 @@ from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine import Engine, ServiceUnavailable
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.metrics import GatewayMetrics
-from specserve.gateway.policy import make_policy
+from specserve.gateway.policy import Policy, make_policy
 from specserve.gateway.protocol import (
     ApiError,
     messages_of,
@@ -211,8 +211,7 @@ def model_info(config: GatewayConfig):
                                 frozenset(stops))
 
 
-async def run(config: GatewayConfig) -> int:
-    policy = make_policy(config.policy, config.max_depth, config.max_width, config.max_added)
+async def run(config: GatewayConfig, policy: Policy) -> int:
     tokenizer, info = model_info(config)
     latency, profile_path = await load_latency(config, info.vocab_size)
     classes = default_classes(latency.baseline_iteration_ms)
@@ -246,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = GatewayConfig.from_args(args)
     try:
-        make_policy(config.policy)
+        policy = make_policy(config.policy, config.max_depth, config.max_width, config.max_added)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -256,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
     import uvloop
 
     try:
-        return uvloop.run(run(config))
+        return uvloop.run(run(config, policy))
     except (ConnectionError, OSError) as exc:
         print(f"error: cannot reach the services ({config.draft}, {config.target}): {exc}", file=sys.stderr)
         return 1
