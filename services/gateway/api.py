@@ -62,7 +62,8 @@ def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: 
                        f"whole pool ({engine.total_blocks * engine.block_size} tokens)", param="max_tokens")
     spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
                         None if sampling.seed is None else sampling.seed % 2**63)
-    return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo, info.stop_ids)
+    return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo,
+                      frozenset() if sampling.ignore_eos else info.stop_ids)
 
 
 class Generation:

@@ -231,7 +231,7 @@ class Engine:
         prefill = self._prefill_items(step)
         decoding = [r for r in self.running if r.decoding]
         batch = self._batch(decoding, sum(len(p.tokens) for p in prefill))
-        trees, draft_ms = await self._speculate(batch, decoding, step)
+        trees, draft_ms, draft_service_ms = await self._speculate(batch, decoding, step)
         selected = self.policy.select(batch, trees, self.latency) if decoding else {}
         verify = []
         for r in decoding:
@@ -252,7 +252,8 @@ class Engine:
         self.free_blocks = reply.free_blocks
         outcomes = self._commit(outputs, {p.rid: len(p.tokens) for p in prefill}, {v.rid: v for v in verify})
         total_ms = (time.perf_counter() - t0) * 1e3
-        self._record(total_ms, draft_ms, target_ms, batch, verify, outcomes)
+        self._record(total_ms, draft_ms, target_ms, batch, verify, outcomes,
+                     draft_service_ms, min(reply.total_ms, target_ms))
         if decoding:
             self.latency.observe(total_ms, draft_ms, target_ms)
             self.policy.observe(batch, outcomes, total_ms)
@@ -260,21 +261,21 @@ class Engine:
     async def _speculate(self, batch: BatchView, decoding: list[GenRequest], step: int):
         trees = {r.rid: CandidateTree.root_only(r.output[-1]) for r in decoding}
         if not decoding or not self.policy.uses_draft or self.draft is None:
-            return trees, 0.0
+            return trees, 0.0, 0.0
         plan = self.policy.plan(batch, self.latency)
         items = [SpeculateItem(r.rid, step, r.draft_unsent, r.committed, plan.shapes[r.rid].depth,
                                plan.shapes[r.rid].width) for r in decoding if plan.shapes[r.rid].depth > 0]
         if not items:
-            return trees, 0.0
+            return trees, 0.0, 0.0
         t0 = time.perf_counter()
         try:
-            candidates, _ = await self.draft.speculate(items)
+            candidates, reply = await self.draft.speculate(items)
         except SERVICE_ERRORS as exc:
             log.error("draft call failed (%s): speculation is off until it is back", exc)
             self.draft = None
             for r in self.running:
                 self._resync_draft(r)
-            return trees, (time.perf_counter() - t0) * 1e3
+            return trees, (time.perf_counter() - t0) * 1e3, 0.0
         by_rid = {r.rid: r for r in decoding}
         for cand in candidates:
             r = by_rid[cand.rid]
@@ -284,7 +285,8 @@ class Engine:
                 continue
             r.draft_unsent = []
             trees[r.rid] = CandidateTree(cand.tokens, cand.parents, cand.path_prob)
-        return trees, (time.perf_counter() - t0) * 1e3
+        call_ms = (time.perf_counter() - t0) * 1e3
+        return trees, call_ms, min(reply.total_ms, call_ms)
 
     def _resync_draft(self, r: GenRequest) -> None:
         """Forget the draft's copy: release it there and resend every committed token next time."""
@@ -343,14 +345,19 @@ class Engine:
             self._finish(r, reason)
 
     def _record(self, total_ms: float, draft_ms: float, target_ms: float, batch: BatchView,
-                verify: list[VerifyItem], outcomes: list[Outcome]) -> None:
+                verify: list[VerifyItem], outcomes: list[Outcome], draft_service_ms: float,
+                target_service_ms: float) -> None:
+        """Split the iteration: inside the draft and target services, transport (the rest of those two
+        calls), and scheduling (everything outside the calls)."""
         schedule_ms = max(0.0, total_ms - draft_ms - target_ms)
+        transport_ms = (draft_ms - draft_service_ms) + (target_ms - target_service_ms)
         tree_tokens = sum(len(v.tokens) for v in verify)
         speculated = [o for o in outcomes if o.verified > 1]
         max_len = max((o.verified for o in speculated), default=1)
         per_pos = [sum(1 for o in speculated if o.accepted > i) for i in range(max_len - 1)]
-        self.metrics.on_iteration(batch.prefill_tokens + tree_tokens, draft_ms / 1e3, target_ms / 1e3,
-                                  schedule_ms / 1e3, len(speculated), sum(o.verified - 1 for o in speculated),
-                                  sum(o.accepted for o in speculated), per_pos)
+        self.metrics.on_iteration(batch.prefill_tokens + tree_tokens, draft_service_ms / 1e3,
+                                  target_service_ms / 1e3, schedule_ms / 1e3, len(speculated),
+                                  sum(o.verified - 1 for o in speculated), sum(o.accepted for o in speculated),
+                                  per_pos, transport_s=transport_ms / 1e3)
         kv = 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
         self.metrics.set_load(len(self.running), len(self.waiting), kv)

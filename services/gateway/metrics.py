@@ -267,11 +267,15 @@ class GatewayMetrics:
                                                (*m, "position"))
         # ---- specserve
         self.draft_seconds = r.counter("specserve:iteration_draft_seconds_total",
-                                       "Seconds spent in draft speculation calls.", m)
+                                       "Seconds the draft service spent in speculation calls (inside the service).", m)
         self.target_seconds = r.counter("specserve:iteration_target_seconds_total",
-                                        "Seconds spent in target forward calls.", m)
+                                        "Seconds the target service spent in forward calls (inside the service).", m)
+        self.transport_seconds = r.counter("specserve:iteration_transport_seconds_total",
+                                           "Seconds of draft and target calls spent outside the services "
+                                           "(serialization, sockets, waiting for the reply).", m)
         self.schedule_seconds = r.counter("specserve:iteration_schedule_seconds_total",
-                                          "Seconds spent admitting requests and selecting tree nodes.", m)
+                                          "Seconds of iterations outside service calls: admission, policy, "
+                                          "node selection, commit, streaming.", m)
         self.iterations = r.counter("specserve:iterations_total", "Engine iterations run.", m)
         self.requests_received = r.counter("specserve:requests_received_total", "Requests received (queued).", m)
         self.slo = r.counter("specserve:request_slo_total",
@@ -330,14 +334,16 @@ class GatewayMetrics:
 
     # ---- engine iterations -------------------------------------------------------------------
     def on_iteration(self, tokens: int, draft_s: float, target_s: float, schedule_s: float, drafts: int,
-                     draft_tokens: int, accepted: int, accepted_per_pos: list[int]) -> None:
+                     draft_tokens: int, accepted: int, accepted_per_pos: list[int], transport_s: float = 0.0) -> None:
         """One engine iteration: `tokens` in the target pass (prefill chunks + tree nodes), the time of its
-        phases, `drafts` requests that verified draft tokens, `draft_tokens` draft (non-root) nodes
+        phases (draft and target inside the services, transport, scheduling), `drafts` requests that
+        verified draft tokens, `draft_tokens` draft (non-root) nodes
         verified, `accepted` of them accepted, and the accepted count per depth (index 0 = depth 1)."""
         name = self.model_name
         self.iteration_tokens.observe(tokens, model_name=name)
         self.draft_seconds.inc(draft_s, model_name=name)
         self.target_seconds.inc(target_s, model_name=name)
+        self.transport_seconds.inc(transport_s, model_name=name)
         self.schedule_seconds.inc(schedule_s, model_name=name)
         self.iterations.inc(model_name=name)
         self.spec_drafts.inc(drafts, model_name=name)

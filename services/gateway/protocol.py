@@ -103,6 +103,7 @@ class _SamplingFields(Struct, kw_only=True):
     n: int | None = 1
     service_tier: str | None = None
     slo: SloSpec | None = None
+    ignore_eos: bool | None = None  # vLLM's extension: keep generating past EOS (benchmarks use it)
     presence_penalty: float | None = None  # refused when nonzero
     frequency_penalty: float | None = None  # refused when nonzero
     logit_bias: dict[str, float] | None = None  # refused when non-empty
@@ -147,6 +148,7 @@ class Sampling:
     seed: int | None
     max_tokens: int | None  # None = until the context is full (the server fills it in)
     stop: tuple[str, ...]  # empty strings dropped
+    ignore_eos: bool = False  # EOS tokens do not end the output (they are generated like any token)
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -331,6 +333,7 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest) -> Sampling:
         seed=req.seed,
         max_tokens=max_tokens,
         stop=tuple(s for s in stops if s),
+        ignore_eos=bool(req.ignore_eos),
     )
 
 
