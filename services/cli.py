@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     profiling.add_flags(prof)
     prof.set_defaults(func=profiling.main)
 
+    from specserve.bench import runner as bench_runner
+
+    bench = sub.add_parser("bench", help="load-test a running gateway: SLO attainment, goodput, TTFT, TPOT")
+    bench_runner.add_flags(bench)
+    bench.set_defaults(func=bench_runner.main)
+
     from specserve import up as up_cmd
 
     up = sub.add_parser("up", help="start target, draft and gateway (the main command)")

@@ -1,0 +1,1 @@
+"""`specserve bench`: the load generator (arrivals, workload mix, streamed requests, metrics)."""

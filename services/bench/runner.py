@@ -1,0 +1,227 @@
+"""`specserve bench`: stream a timed request mix at a running gateway and report SLO attainment and goodput.
+
+    specserve bench --url http://127.0.0.1:8000 --request-rate 4 --num-requests 200 --ignore-eos
+
+Requests arrive by a Poisson process (`--burstiness 1`), a burstier gamma process (`--burstiness
+< 1`), or at the times of a trace file (`--trace`, rescaled to `--request-rate` if given). Each one
+is a streamed /v1/completions call with its category's `service_tier` (and `slo`, if the mix gives
+a TPOT). The output is a JSONL of per-request records, a JSON summary beside it, and a table on
+stdout; the summary also carries the server's iteration split read from /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import msgspec
+
+from specserve.bench.arrivals import gamma_arrivals, load_trace, trace_arrivals
+from specserve.bench.client import send
+from specserve.bench.records import RequestRecord, summarize
+from specserve.bench.scrape import PARTS, scrape, server_delta
+from specserve.bench.workload import DEFAULT_MIX, BenchRequest, build_requests, parse_mix
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    url: str = "http://127.0.0.1:8000"  # the gateway's base URL (without /v1)
+    model: str | None = None  # model id to send (default: the server's first model)
+    num_requests: int = 100
+    request_rate: float = math.inf  # requests/s (inf: all at once)
+    burstiness: float = 1.0  # gamma shape of the gaps: 1 = Poisson, < 1 burstier
+    trace: str | None = None  # file of arrival timestamps to replay
+    max_concurrency: int | None = None  # most requests in flight (None: no limit)
+    mix: str = DEFAULT_MIX  # TIER=SHARE:WORKLOAD[:TPOT_MS],...
+    max_tokens: int | None = None  # override every prompt row's max_tokens
+    ignore_eos: bool = False  # generate exactly max_tokens (vLLM's ignore_eos)
+    sequential_prompts: bool = False  # each prompt set in its file order instead of drawn at random
+    seed: int = 0
+    out: str | None = None  # per-request JSONL; the summary goes to <out minus .jsonl>.summary.json
+    label: str | None = None  # names the run in the summary (default: the server's policy)
+    timeout_s: float = 600.0  # per request
+    progress: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
+    p.add_argument("--model", default=None, help="model id to send (default: the server's)")
+    p.add_argument("--num-requests", "-n", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    p.add_argument("--trace", default=None,
+                   help="replay arrival timestamps from this file (one per line, or JSONL with 'timestamp'); "
+                        "rescaled to --request-rate when that is given")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--mix", default=DEFAULT_MIX,
+                   help=f"categories TIER=SHARE:WORKLOAD[:TPOT_MS],... (default {DEFAULT_MIX})")
+    p.add_argument("--max-tokens", type=int, default=None, help="override each prompt's max_tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (vLLM's ignore_eos)")
+    p.add_argument("--sequential-prompts", action="store_true",
+                   help="take each category's prompts in file order (cycling) instead of at random")
+    p.add_argument("--seed", type=int, default=0, help="seeds arrivals, category order and prompt choice")
+    p.add_argument("--out", default=None,
+                   help="per-request JSONL (default: specserve-bench-<time>.jsonl); summary beside it")
+    p.add_argument("--label", default=None, help="names the run in the summary (default: the server's policy)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout, s")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def arrival_times(cfg: BenchConfig) -> list[float]:
+    if cfg.trace is not None:
+        rate = None if math.isinf(cfg.request_rate) else cfg.request_rate
+        return trace_arrivals(load_trace(cfg.trace), cfg.num_requests, rate)
+    return gamma_arrivals(cfg.num_requests, cfg.request_rate, cfg.burstiness, cfg.seed)
+
+
+def summary_path(out: Path) -> Path:
+    return out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
+
+
+async def _server_info(session: aiohttp.ClientSession, url: str) -> tuple[dict, list[str]]:
+    async with session.get(f"{url}/v1/slo_classes") as resp:
+        resp.raise_for_status()
+        info = await resp.json()
+    async with session.get(f"{url}/v1/models") as resp:
+        resp.raise_for_status()
+        models = [m["id"] for m in (await resp.json())["data"]]
+    return info, models
+
+
+async def run_bench(cfg: BenchConfig) -> tuple[dict, list[RequestRecord]]:
+    """Run the benchmark; returns (summary, records) and writes both if `cfg.out` is set."""
+    if cfg.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    categories = parse_mix(cfg.mix)
+    requests = build_requests(categories, cfg.num_requests, cfg.seed, cfg.max_tokens,
+                              sequential=cfg.sequential_prompts)
+    times = arrival_times(cfg)
+    url = cfg.url.rstrip("/").removesuffix("/v1")
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)  # concurrency is ours to limit, not the pool's
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        try:
+            info, models = await _server_info(session, url)
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ConnectionError(f"no specserve gateway answers at {url}: {exc}") from None
+        classes = info["classes"]
+        unknown = sorted({c.tier for c in categories} - set(classes) - {"priority", "default", "auto", "flex"})
+        if unknown:
+            raise ValueError(f"the server has no SLO class {', '.join(unknown)} (it has {', '.join(classes)})")
+        model = cfg.model or models[0]
+        records = [_record(r, classes, t) for r, t in zip(requests, times)]
+        before = await scrape(session, url)
+        summary_server, duration = await _drive(session, url, model, cfg, requests, records, times)
+        after = await scrape(session, url)
+    summary = summarize(records, duration, server_delta(before, after))
+    summary["label"] = cfg.label or info.get("policy")
+    summary["policy"] = info.get("policy")
+    summary["server"] = {"budget_tokens": info.get("budget_tokens"),
+                         "baseline_iteration_ms": info.get("baseline_iteration_ms"),
+                         "classes": classes} | summary_server
+    summary["config"] = asdict(cfg) | {"request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate}
+    if cfg.out:
+        out = Path(cfg.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in records))
+        summary_path(out).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary, records
+
+
+def _record(req: BenchRequest, classes: dict, scheduled: float) -> RequestRecord:
+    cls = classes.get(req.category) or classes.get("critical" if req.category == "priority" else "chat")
+    return RequestRecord(index=req.index, category=req.category, workload=req.workload, prompt_id=req.prompt_id,
+                         slo_tpot_ms=req.tpot_ms or cls["tpot_ms"], slo_ttft_ms=cls["ttft_ms"],
+                         scheduled_s=scheduled, sent_s=scheduled, max_tokens=req.max_tokens)
+
+
+async def _drive(session, url, model, cfg: BenchConfig, requests, records, times) -> tuple[dict, float]:
+    from tqdm import tqdm
+
+    endpoint = f"{url}/v1/completions"
+    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not cfg.progress, file=sys.stderr,
+               dynamic_ncols=True)
+    met = errors = 0
+    end = 0.0
+    t_start = time.perf_counter()
+
+    async def one(req: BenchRequest, record: RequestRecord, at: float) -> None:
+        nonlocal met, errors, end
+        delay = t_start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if limit is not None:
+            async with limit:
+                await send(session, endpoint, req, record, model, cfg.ignore_eos, t_start)
+        else:
+            await send(session, endpoint, req, record, model, cfg.ignore_eos, t_start)
+        end = max(end, time.perf_counter())
+        met += record.tpot_met
+        errors += not record.ok
+        bar.update(1)
+        bar.set_postfix(slo_met=f"{met}/{bar.n}", errors=errors, refresh=False)
+
+    try:
+        await asyncio.gather(*(one(r, rec, t) for r, rec, t in zip(requests, records, times)))
+    finally:
+        bar.close()
+    first = min(r.sent_s for r in records)
+    return {"offered_rate": (len(times) - 1) / times[-1] if times[-1] > 0 else None}, (end - t_start) - first
+
+
+def format_summary(s: dict) -> str:
+    """The summary as a small plain-text report (overall, then per category, then the iteration split)."""
+
+    def f(v, spec=".1f", scale=1.0):
+        return "-" if v is None else format(v * scale, spec)
+
+    lines = [f"label {s.get('label')}  policy {s.get('policy')}  requests {s['requests']}  "
+             f"completed {s['completed']}  errors {s['errors']}  duration {s['duration_s']:.1f} s",
+             f"TPOT SLO attainment {f(s['attainment'], '.1f', 100)} %   goodput {f(s['goodput_tok_s'])} tok/s   "
+             f"throughput {f(s['throughput_tok_s'])} tok/s",
+             f"TTFT p50 {f(s['ttft_p50_ms'])} ms  p99 {f(s['ttft_p99_ms'])} ms   "
+             f"TPOT p50 {f(s['tpot_p50_ms'], '.2f')} ms  p99 {f(s['tpot_p99_ms'], '.2f')} ms   "
+             f"tokens/step {f(s['tokens_per_step'], '.2f')}   acceptance {f(s.get('acceptance_rate'), '.2f')}",
+             "",
+             f"{'category':<10} {'SLO ms':>7} {'n':>5} {'attain %':>9} {'goodput':>9} {'TPOT p50':>9} "
+             f"{'TTFT p50':>9} {'tok/step':>8}"]
+    for name, c in s["categories"].items():
+        lines.append(f"{name:<10} {c['slo_tpot_ms']:>7.1f} {c['requests']:>5} {f(c['attainment'], '.1f', 100):>9} "
+                     f"{f(c['goodput_tok_s']):>9} {f(c['tpot_p50_ms'], '.2f'):>9} {f(c['ttft_p50_ms']):>9} "
+                     f"{f(c['tokens_per_step'], '.2f'):>8}")
+    it = s.get("iteration")
+    if it and it["iterations"]:
+        shares = "  ".join(f"{p} {f(it['share'][p], '.1f', 100)} %" for p in PARTS)
+        lines += ["", f"iterations {it['iterations']}  mean {f(it['mean_ms'], '.2f')} ms   {shares}"]
+    for kind, n in s.get("error_kinds", {}).items():
+        lines.append(f"error x{n}: {kind}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = BenchConfig.from_args(args)
+    if cfg.out is None:
+        cfg.out = time.strftime("specserve-bench-%Y%m%d-%H%M%S.jsonl")
+    try:
+        summary, _ = asyncio.run(run_bench(cfg))
+    except (ValueError, ConnectionError, OSError) as exc:
+        print(f"specserve bench: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"\nrecords: {cfg.out}\nsummary: {summary_path(Path(cfg.out))}")
+    return 0 if summary["completed"] else 1
