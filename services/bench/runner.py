@@ -28,6 +28,7 @@ from specserve.bench.client import send
 from specserve.bench.records import RequestRecord, summarize
 from specserve.bench.scrape import PARTS, scrape, server_delta
 from specserve.bench.workload import DEFAULT_MIX, BenchRequest, build_requests, parse_mix
+from specserve.gateway.slo import ALIASES
 
 
 @dataclass(slots=True)
@@ -119,7 +120,7 @@ async def run_bench(cfg: BenchConfig) -> tuple[dict, list[RequestRecord]]:
         except (aiohttp.ClientError, OSError) as exc:
             raise ConnectionError(f"no specserve gateway answers at {url}: {exc}") from None
         classes = info["classes"]
-        unknown = sorted({c.tier for c in categories} - set(classes) - {"priority", "default", "auto", "flex"})
+        unknown = sorted({c.tier for c in categories} - set(classes) - set(ALIASES))  # aliases: as the server
         if unknown:
             raise ValueError(f"the server has no SLO class {', '.join(unknown)} (it has {', '.join(classes)})")
         model = cfg.model or models[0]
@@ -128,7 +129,7 @@ async def run_bench(cfg: BenchConfig) -> tuple[dict, list[RequestRecord]]:
         summary_server, duration = await _drive(session, url, model, cfg, requests, records, times)
         after = await scrape(session, url)
     summary = summarize(records, duration, server_delta(before, after))
-    summary["label"] = cfg.label or info.get("policy")
+    summary["label"] = cfg.label or (info.get("policy") or {}).get("name")  # the policy's name, not its dict
     summary["policy"] = info.get("policy")
     summary["server"] = {"budget_tokens": info.get("budget_tokens"),
                          "baseline_iteration_ms": info.get("baseline_iteration_ms"),
@@ -190,7 +191,9 @@ def format_summary(s: dict) -> str:
     def f(v, spec=".1f", scale=1.0):
         return "-" if v is None else format(v * scale, spec)
 
-    lines = [f"label {s.get('label')}  policy {s.get('policy')}  requests {s['requests']}  "
+    policy = s.get("policy")
+    policy = policy.get("name") if isinstance(policy, dict) else policy
+    lines = [f"label {s.get('label')}  policy {policy}  requests {s['requests']}  "
              f"completed {s['completed']}  errors {s['errors']}  duration {s['duration_s']:.1f} s",
              f"TPOT SLO attainment {f(s['attainment'], '.1f', 100)} %   goodput {f(s['goodput_tok_s'])} tok/s   "
              f"throughput {f(s['throughput_tok_s'])} tok/s",
