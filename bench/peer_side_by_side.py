@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": best["tokens_per_s"], "tpot_ms": None, "tokens_per_step": None}
         rounds.append(row)
     report = {"rounds": rounds, "policies": policies, "prompts": args.prompts, "profile": args.profile}
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(sweep.relative_paths(report), indent=1) + "\n")
     print(markdown(report))
     return 0
 

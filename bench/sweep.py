@@ -129,7 +129,21 @@ def measure_profile(path: Path, threads: int, quick: bool) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"specserve profile failed:\n{done.stderr[-2000:]}")
-    return json.loads(path.read_text())
+    profile = relative_paths(json.loads(path.read_text()))
+    path.write_text(json.dumps(profile, indent=1) + "\n")
+    return profile
+
+
+def relative_paths(obj):
+    """`obj` with every string path inside this checkout made relative to it (results are committed)."""
+    root = f"{ROOT}/"
+    if isinstance(obj, str):
+        return obj.removeprefix(root)
+    if isinstance(obj, dict):
+        return {k: relative_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [relative_paths(v) for v in obj]
+    return obj
 
 
 def slo_classes(url: str) -> dict:
@@ -252,6 +266,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
         "solo": solo,
         "hf_peer": None if args.quick else run_hf_peer(out_dir / "hf_peer.json", settings["solo_requests"]),
     }
+    results = relative_paths(results)
     (out_dir / "sweep.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
 
