@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -211,7 +212,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
     calibration: dict[str, dict] = {}
     rates = sorted(settings["rates"])
     runs = settings["runs"]
-    n_policies = len(args.policies.split(";")) if args.policies else 6
+    n_policies = len(args.policies.split(";") if args.policies else policies_for(0))
     n_points = (len(ks) if len(ks) > 1 else 0) + n_policies * (runs * len(rates) + 1)
     bar = tqdm(total=n_points, desc="sweep", unit="point", file=sys.stderr, dynamic_ncols=True)
     if len(ks) > 1:
@@ -619,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rates is not None and (not args.rates or any(not (r > 0 and math.isfinite(r)) for r in args.rates)):
         ap.error("--rates must be positive, finite numbers")
 
+    if importlib.util.find_spec("matplotlib") is None:  # fail now, not after a 25-minute sweep
+        print("sweep: the figures need matplotlib: .venv/bin/pip install -e '.[bench]'", file=sys.stderr)
+        return 2
     if args.replot:
         results = json.loads(Path(args.replot).read_text())
     else:
