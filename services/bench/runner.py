@@ -144,7 +144,7 @@ async def run_bench(cfg: BenchConfig) -> tuple[dict, list[RequestRecord]]:
 
 
 def _record(req: BenchRequest, classes: dict, scheduled: float) -> RequestRecord:
-    cls = classes.get(req.category) or classes.get("critical" if req.category == "priority" else "chat")
+    cls = classes[ALIASES.get(req.category, req.category)]  # the class the server resolves the tier to
     return RequestRecord(index=req.index, category=req.category, workload=req.workload, prompt_id=req.prompt_id,
                          slo_tpot_ms=req.tpot_ms or cls["tpot_ms"], slo_ttft_ms=cls["ttft_ms"],
                          scheduled_s=scheduled, sent_s=scheduled, max_tokens=req.max_tokens)
