@@ -38,7 +38,7 @@ def accept_tree(
     """logits [n_nodes, V]: the target's next-token logits at every node of the tree."""
     children = children_by_token(tokens, parents)
     if params.is_greedy:
-        choices = logits.argmax(-1).tolist()
+        choices: list[int] = logits.argmax(-1).tolist()
 
         def draw(node: int) -> int:
             return choices[node]

@@ -11,6 +11,7 @@ that precede it (chunk) or are its ancestors (tree), and nothing of other reques
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,8 @@ def paged_attention(
         return _group_attention(q, layer, kv_cache, meta.groups[0], window)
     out = torch.empty_like(q)
     for group in meta.groups:
-        out.index_copy_(0, group.rows, _group_attention(q.index_select(0, group.rows), layer, kv_cache, group, window))
+        rows = cast(torch.Tensor, group.rows)  # None only for a lone group covering all rows, handled above
+        out.index_copy_(0, rows, _group_attention(q.index_select(0, rows), layer, kv_cache, group, window))
     return out
 
 

@@ -12,6 +12,8 @@ Not exercised on CPU machines: the socket path is the tested one.
 
 from __future__ import annotations
 
+from typing import cast
+
 import msgspec
 import torch
 
@@ -25,7 +27,7 @@ class CudaIpcUnavailable(RuntimeError):
 class CudaIpc:
     """Export (sender) and open (receiver) for one link."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         if not torch.cuda.is_available():
             raise CudaIpcUnavailable("CUDA IPC needs a CUDA device")
         self._keep_alive: list[torch.Tensor] = []
@@ -38,12 +40,12 @@ class CudaIpc:
         tensor = tensor.detach().contiguous()
         self._keep_alive.append(tensor)
         shared = tensor.untyped_storage()._share_cuda_()  # (device, handle, size, offset, refcounter..., event...)
-        offset = tensor.storage_offset() * tensor.element_size()  # bytes into the shared storage
+        offset = int(tensor.storage_offset()) * tensor.element_size()  # bytes into the shared storage
         return TensorMeta(name, _NAMES[tensor.dtype], list(tensor.shape), 0, msgspec.msgpack.encode(list(shared)),
                           tensor.device.index or 0, offset)
 
     def open(self, meta: TensorMeta, dtype: torch.dtype) -> torch.Tensor:
-        shared = msgspec.msgpack.decode(meta.ipc)
+        shared = msgspec.msgpack.decode(cast(bytes, meta.ipc))  # only called for a meta with a handle
         storage = torch.UntypedStorage._new_shared_cuda(*shared)
         count = 1
         for dim in meta.shape:

@@ -55,7 +55,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, self.layer, kv_cache, meta, self.window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return projected
 
 
 class MLP(nn.Module):
@@ -67,7 +68,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -78,9 +80,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp
 
 
 class DecoderModel(nn.Module):
@@ -116,4 +120,5 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.model.norm(x.index_select(0, logits_indices))
-        return self.lm_head(x).float()
+        logits: torch.Tensor = self.lm_head(x)
+        return logits.float()

@@ -44,7 +44,8 @@ class ModelConfig:
 
     @property
     def rope_type(self) -> str:
-        return self.rope.get("rope_type", "default")
+        rope_type: str = self.rope.get("rope_type", "default")
+        return rope_type
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

@@ -77,6 +77,8 @@ def _yarn(dim: int, base: float, params: dict, max_pos: int) -> tuple[torch.Tens
 class RotaryEmbedding(torch.nn.Module):
     """Applies RoPE (rotate-half layout) to q and k at arbitrary per-token positions."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config)

@@ -10,6 +10,19 @@ Error handling, per connection:
   connection is closed, since the byte stream cannot be resynchronized;
 - a client that disconnects mid-call is noticed when the reply cannot be written; the call's work
   is complete and consistent (the engines are atomic per call) and nothing else is affected.
+
+What a failed RpcClient.call means to its caller:
+- TRANSPORT_ERRORS (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError, FrameError,
+  ReplyOutOfStep): the peer or the connection is gone, or the reply stream can no longer be trusted
+  (an unreadable frame, a reply to another call). Drop this client and reconnect.
+- RemoteError: the peer is alive and answered this call with an Error (it refused or failed that
+  call); the connection stays in step and usable.
+- UnexpectedReply: the peer answered in step but with another message type than the call expects
+  (a different or mismatched service, or a bug). Like ReplyOutOfStep it is an RpcProtocolError;
+  unlike it, it is not a transport error, since the connection is still in step.
+- MessageError (transport.py): the reply frame was read whole but its content could not be decoded;
+  the connection is still in step.
+All of RemoteError and RpcProtocolError are RuntimeErrors.
 """
 
 from __future__ import annotations
@@ -19,7 +32,9 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar, cast
 
+import msgspec
 import torch
 
 from specserve.shared.messages import Error, Message
@@ -33,18 +48,57 @@ from specserve.shared.transport import (
     write_frame,
 )
 
+if TYPE_CHECKING:
+    from specserve.shared.cuda_ipc import CudaIpc
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message, dict[str, torch.Tensor]], Awaitable[tuple[Message, Tensors | None]]]
+ReplyT = TypeVar("ReplyT", bound=msgspec.Struct)
 
 
 class RemoteError(RuntimeError):
-    """The service answered a call with an Error."""
+    """The service answered a call with an Error: it is alive and refused or failed that call."""
 
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class RpcProtocolError(RuntimeError):
+    """A reply that does not belong to the call it answers."""
+
+
+class ReplyOutOfStep(RpcProtocolError):
+    """The reply carries another call's id: the stream is out of step (a transport error)."""
+
+    def __init__(self, call_id: int, reply_id: int):
+        super().__init__(f"reply to call {reply_id} arrived for call {call_id}")
+        self.call_id = call_id
+        self.reply_id = reply_id
+
+
+class UnexpectedReply(RpcProtocolError):
+    """The service answered in step, but with another message type than the call expects."""
+
+    def __init__(self, call: Message, expected: type, reply: Message):
+        super().__init__(f"{type(call).__name__} expects a {expected.__name__} reply, "
+                         f"the service answered {type(reply).__name__}")
+        self.expected = expected
+        self.reply = reply
+
+
+# The peer or the connection is gone, or the reply stream cannot be trusted: reconnect. (ConnectionError
+# and TimeoutError are OSErrors; they are listed for the reader.) RemoteError is not among them.
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
+    ConnectionError,
+    OSError,
+    asyncio.IncompleteReadError,
+    TimeoutError,
+    FrameError,
+    ReplyOutOfStep,
+)
 
 
 def parse_address(address: str) -> tuple[str, str | int]:
@@ -59,7 +113,7 @@ def parse_address(address: str) -> tuple[str, str | int]:
     return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
 
 
-def _ipc(enabled: bool):
+def _ipc(enabled: bool) -> CudaIpc | None:
     if not enabled:
         return None
     from specserve.shared.cuda_ipc import CudaIpc
@@ -75,15 +129,16 @@ class RpcServer:
         self.max_frame_bytes = max_frame_bytes
         self.cuda_ipc = cuda_ipc
         self._server: asyncio.AbstractServer | None = None
-        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self, address: str) -> str:
         """Listen; return the bound address (with the real port when port 0 was asked for)."""
         host, port = parse_address(address)
         if host == "unix":
+            path = cast(str, port)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(port)
-            self._server = await asyncio.start_unix_server(self._serve, path=port, limit=2**20)
+                os.unlink(path)
+            self._server = await asyncio.start_unix_server(self._serve, path=path, limit=2**20)
             return address
         self._server = await asyncio.start_server(self._serve, host, port, limit=2**20)
         bound = self._server.sockets[0].getsockname()
@@ -99,7 +154,7 @@ class RpcServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
+        task = cast("asyncio.Task[None]", asyncio.current_task())  # never None inside a connection's task
         self._connections[task] = writer
         try:
             await self._loop(reader, writer)
@@ -156,12 +211,13 @@ class RpcClient:
                       cuda_ipc: bool = False) -> RpcClient:
         host, port = parse_address(address)
         if host == "unix":
-            reader, writer = await asyncio.open_unix_connection(port, limit=2**20)
+            reader, writer = await asyncio.open_unix_connection(cast(str, port), limit=2**20)
         else:
             reader, writer = await asyncio.open_connection(host, port, limit=2**20)
         return cls(reader, writer, address, max_frame_bytes, cuda_ipc)
 
-    async def _round_trip(self, body: Message, tensors: Tensors | None):
+    async def _round_trip(self, body: Message,
+                          tensors: Tensors | None) -> tuple[int, tuple[int, Message, dict[str, torch.Tensor]]]:
         async with self._lock:
             self._next_id += 1
             call_id = self._next_id
@@ -170,19 +226,27 @@ class RpcClient:
             await write_frame(self.writer, call_id, body, tensors, self.ipc)
             return call_id, await read_frame(self.reader, self.max_frame_bytes, self.ipc)
 
-    async def call(self, body: Message, tensors: Tensors | None = None) -> tuple[Message, dict[str, torch.Tensor]]:
-        """Returns the reply and its tensors; raises RemoteError if the service answered Error.
+    async def call(self, body: Message, reply_type: type[ReplyT],
+                   tensors: Tensors | None = None) -> tuple[ReplyT, dict[str, torch.Tensor]]:
+        """Send `body` and return its reply, which must be a `reply_type`, and the reply's tensors.
 
+        Raises RemoteError if the service answered Error, UnexpectedReply if it answered another
+        message type, and one of TRANSPORT_ERRORS if the connection failed (see the module docstring).
         A caller that is cancelled (a timeout) does not cancel the round trip: it still reads its
         own reply, so the connection stays in step for the next call.
         """
+        if not (isinstance(reply_type, type) and issubclass(reply_type, msgspec.Struct)):
+            raise TypeError(f"call(body, reply_type, tensors): reply_type must be a message class, "
+                            f"not {reply_type!r}")
         task = asyncio.ensure_future(self._round_trip(body, tensors))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # orphaned errors are retrieved
         call_id, (reply_id, reply, out) = await asyncio.shield(task)
         if reply_id not in (call_id, -1):
-            raise RuntimeError(f"reply to call {reply_id} arrived for call {call_id}")
+            raise ReplyOutOfStep(call_id, reply_id)
         if isinstance(reply, Error):
             raise RemoteError(reply.code, reply.message)
+        if not isinstance(reply, reply_type):
+            raise UnexpectedReply(body, reply_type, reply)
         return reply, out
 
     async def close(self) -> None:

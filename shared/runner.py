@@ -135,10 +135,11 @@ class ModelRunner:
         for i, (entry, start) in enumerate(zip(entries, starts)):
             if isinstance(entry, Tree):
                 self._pending[entry.request_id] = _Pending(start, list(entry.parents))
-            elif i in prior_parents:
-                self._pending[entry.request_id].parents.extend(entry.parents)
             elif isinstance(entry, DraftNodes):
-                self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
+                if i in prior_parents:  # only DraftNodes entries have prior parents
+                    self._pending[entry.request_id].parents.extend(entry.parents)
+                else:
+                    self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
         return list(torch.split(logits, inputs.logits_splits))
 
     def commit_tree(self, request_id: str, path: Sequence[int]) -> None:
@@ -173,4 +174,5 @@ class ModelRunner:
 
 
 def _run_model(model: CausalLM, kv: KVCache, inputs: ModelInputs) -> torch.Tensor:
-    return model(inputs.input_ids, inputs.positions, kv, inputs.attention, inputs.logits_indices)
+    logits: torch.Tensor = model(inputs.input_ids, inputs.positions, kv, inputs.attention, inputs.logits_indices)
+    return logits

@@ -6,7 +6,9 @@ replies back into per-request results. The gateway, the tests and the benchmarks
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 import torch
 
@@ -38,7 +40,7 @@ def _flat(lists: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t for toks in lists for t in toks], dtype=torch.int32)
 
 
-def _cut(flat: torch.Tensor, counts: list[int]) -> list[list]:
+def _cut(flat: torch.Tensor, counts: list[int]) -> list[list[Any]]:
     return split_flat(flat.tolist(), counts)
 
 
@@ -98,17 +100,20 @@ class _ServiceClient:
         self.rpc = rpc
 
     @classmethod
-    async def connect(cls, address: str):
+    async def connect(cls, address: str) -> Self:
         return cls(await RpcClient.connect(address))
 
     async def health(self) -> HealthReply:
-        return (await self.rpc.call(Health()))[0]
+        reply, _ = await self.rpc.call(Health(), HealthReply)
+        return reply
 
     async def stats(self) -> StatsReply:
-        return (await self.rpc.call(Stats()))[0]
+        reply, _ = await self.rpc.call(Stats(), StatsReply)
+        return reply
 
     async def release(self, rids: list[str]) -> ReleaseReply:
-        return (await self.rpc.call(Release(list(rids))))[0]
+        reply, _ = await self.rpc.call(Release(list(rids)), ReleaseReply)
+        return reply
 
     async def close(self) -> None:
         await self.rpc.close()
@@ -117,28 +122,31 @@ class _ServiceClient:
 class DraftClient(_ServiceClient):
     async def speculate(self, items: list[SpeculateItem]) -> tuple[list[Candidate], SpeculateReply]:
         entries = [SpeculateEntry(i.rid, i.step, len(i.new_tokens), i.num_committed, i.depth, i.width) for i in items]
-        reply, out = await self.rpc.call(Speculate(entries), {"tokens": _flat([i.new_tokens for i in items])})
+        reply, out = await self.rpc.call(Speculate(entries), SpeculateReply,
+                                         {"tokens": _flat([i.new_tokens for i in items])})
         counts = [t.num_nodes for t in reply.trees]
         tokens, parents, probs = (_cut(out[k], counts) for k in ("tokens", "parents", "path_prob"))
         return [Candidate(t.rid, t.step, tok, par, pp, t.depth, t.error)
                 for t, tok, par, pp in zip(reply.trees, tokens, parents, probs)], reply
 
     async def offload(self) -> TransitionReply:
-        return (await self.rpc.call(Offload()))[0]
+        reply, _ = await self.rpc.call(Offload(), TransitionReply)
+        return reply
 
     async def reload(self) -> TransitionReply:
-        return (await self.rpc.call(Reload()))[0]
+        reply, _ = await self.rpc.call(Reload(), TransitionReply)
+        return reply
 
 
 class TargetClient(_ServiceClient):
-    async def forward(self, prefill: list[PrefillItem] = (),
-                      verify: list[VerifyItem] = ()) -> tuple[list[StepOutput], ForwardReply]:
+    async def forward(self, prefill: Sequence[PrefillItem] = (),
+                      verify: Sequence[VerifyItem] = ()) -> tuple[list[StepOutput], ForwardReply]:
         msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling) for p in prefill],
                       [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens)) for v in verify])
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),
                    "tree_parents": _flat([v.parents for v in verify])}
-        reply, out = await self.rpc.call(msg, tensors)
+        reply, out = await self.rpc.call(msg, ForwardReply, tensors)
         tokens = _cut(out["tokens"], [r.num_tokens for r in reply.results])
         return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error)
                 for r, toks in zip(reply.results, tokens)], reply

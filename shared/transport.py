@@ -15,11 +15,15 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from specserve.shared.messages import Message
+
+if TYPE_CHECKING:
+    from specserve.shared.cuda_ipc import CudaIpc
 
 MAGIC = b"SSF1"
 PREFIX = struct.Struct("!4sIQ")
@@ -82,9 +86,11 @@ _call_id_decoder = msgspec.msgpack.Decoder(_CallId)
 Tensors = Mapping[str, torch.Tensor]
 
 
-def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None, ipc=None) -> list:
-    """The frame as a list of buffers for writelines. ipc: a cuda_ipc.IpcExporter, or None."""
-    metas, buffers = [], []
+def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None,
+                 ipc: CudaIpc | None = None) -> list[bytes | memoryview]:
+    """The frame as a list of buffers for writelines. ipc: a cuda_ipc.CudaIpc, or None."""
+    metas: list[TensorMeta] = []
+    buffers: list[bytes | memoryview] = []
     for name, tensor in (tensors or {}).items():
         if tensor.dtype not in _NAMES:
             raise TypeError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
@@ -92,7 +98,9 @@ def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None, ip
             metas.append(ipc.export(name, tensor))
             continue
         tensor = tensor.detach().to("cpu").contiguous()
-        raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B") if tensor.numel() else b""
+        # ndarray is a buffer, but numpy's stubs declare its __buffer__ only for Python >= 3.12.
+        raw = (memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+               if tensor.numel() else b"")
         metas.append(TensorMeta(name, _NAMES[tensor.dtype], list(tensor.shape), len(raw)))
         if len(raw):
             buffers.append(raw)
@@ -101,17 +109,20 @@ def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None, ip
     return [PREFIX.pack(MAGIC, len(header), payload_len), header, *buffers]
 
 
-def split_flat(values: list, counts: list[int]) -> list[list]:
+def split_flat(values: list[Any], counts: list[int]) -> list[list[Any]]:
     """Cut a flat list (a payload tensor's .tolist()) into consecutive per-entry slices."""
-    out, at = [], 0
+    out: list[list[Any]] = []
+    at = 0
     for count in counts:
         out.append(values[at : at + count])
         at += count
     return out
 
 
-def decode_tensors(metas: list[TensorMeta], payload: bytearray, ipc=None) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
+def decode_tensors(metas: list[TensorMeta], payload: bytearray,
+                   ipc: CudaIpc | None = None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
     for meta in metas:
         dtype = _DTYPES.get(meta.dtype)
         if dtype is None:
@@ -140,7 +151,7 @@ def decode_tensors(metas: list[TensorMeta], payload: bytearray, ipc=None) -> dic
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, ipc=None
+    reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, ipc: CudaIpc | None = None
 ) -> tuple[int, Message, dict[str, torch.Tensor]]:
     """Read one frame. Raises IncompleteReadError at a clean EOF, FrameError when the stream is
     unusable, and MessageError (after consuming the whole frame) when only its content is bad."""
@@ -170,7 +181,7 @@ async def read_frame(
 
 
 async def write_frame(writer: asyncio.StreamWriter, call_id: int, body: Message, tensors: Tensors | None = None,
-                      ipc=None) -> None:
+                      ipc: CudaIpc | None = None) -> None:
     writer.writelines(encode_frame(call_id, body, tensors, ipc))
     await writer.drain()
 

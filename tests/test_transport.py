@@ -28,8 +28,18 @@ from specserve.shared.messages import (
     SpeculateEntry,
     SpeculateReply,
     Stats,
+    StatsReply,
 )
-from specserve.shared.rpc import RemoteError, RpcClient, RpcServer, parse_address
+from specserve.shared.rpc import (
+    TRANSPORT_ERRORS,
+    RemoteError,
+    ReplyOutOfStep,
+    RpcClient,
+    RpcProtocolError,
+    RpcServer,
+    UnexpectedReply,
+    parse_address,
+)
 from specserve.shared.transport import (
     MAGIC,
     PREFIX,
@@ -337,10 +347,10 @@ def test_echo_server_many_calls_on_one_connection(kind, tmp_path):
             assert address == f"unix:{tmp_path / 'rpc.sock'}"
         client = await RpcClient.connect(address)
         try:
-            assert await client.call(Health()) == (HEALTHY, {})
+            assert await client.call(Health(), HealthReply) == (HEALTHY, {})
             for step in range(1, 4):
                 body, tensors = speculate(step)
-                reply, out = await client.call(body, tensors)
+                reply, out = await client.call(body, SpeculateReply, tensors)
                 assert reply == SpeculateReply(
                     [DraftTree("a", step, 2, 3), DraftTree("b", step, 3, 0)], 1.5, 2.5, 4.0, 2, 9)
                 assert list(out) == ["tokens", "parents", "path_prob"]
@@ -348,9 +358,9 @@ def test_echo_server_many_calls_on_one_connection(kind, tmp_path):
                 assert_same(out["parents"], torch.tensor([-1, 0, 1, 2, 3], dtype=torch.int32))
                 assert_same(out["path_prob"], (torch.tensor([0, 7, 14, 21, 28]) + step).float() / 4)
             with pytest.raises(RemoteError) as err:
-                await client.call(Stats())
+                await client.call(Stats(), StatsReply)
             assert (err.value.code, err.value.message) == ("unsupported", "Stats")
-            assert await client.call(Health()) == (HEALTHY, {})
+            assert await client.call(Health(), HealthReply) == (HEALTHY, {})
         finally:
             await client.close()
             await server.close()
@@ -403,13 +413,13 @@ def test_handler_exception_is_remote_internal_error_and_the_connection_survives(
         client = await RpcClient.connect(await server.start(server_address(kind, tmp_path)))
         try:
             with pytest.raises(RemoteError) as err:
-                await client.call(Release(["x", "y"]))
+                await client.call(Release(["x", "y"]), ReleaseReply)
             assert err.value.code == "internal"
             assert err.value.message == "RuntimeError: release of ['x', 'y'] exploded"
             assert str(err.value) == "internal: RuntimeError: release of ['x', 'y'] exploded"
-            assert await client.call(Health()) == (HEALTHY, {})
+            assert await client.call(Health(), HealthReply) == (HEALTHY, {})
             body, tensors = speculate(5)
-            reply, out = await client.call(body, tensors)
+            reply, out = await client.call(body, SpeculateReply, tensors)
             assert reply.trees == [DraftTree("a", 5, 2, 3), DraftTree("b", 5, 3, 0)]
             assert_same(out["tokens"], tensors["tokens"] + 1)
         finally:
@@ -445,6 +455,96 @@ def test_untrusted_frame_gets_an_error_reply_and_the_connection_closes(kind, tmp
     assert eof1 == b"" and eof2 == b""
 
 
+# ---- typed calls: the reply type is checked, and what each failure means ---------------------
+
+
+def test_typed_call_returns_the_reply_type():
+    async def main():
+        server = RpcServer(echo)
+        client = await RpcClient.connect(await server.start("127.0.0.1:0"))
+        try:
+            health, none = await client.call(Health(), HealthReply)
+            body, tensors = speculate(2)
+            spec, out = await client.call(body, SpeculateReply, tensors)
+            with pytest.raises(TypeError, match="reply_type must be a message class"):
+                await client.call(body, tensors)  # the old call(body, tensors) form: refused before sending
+            again, _ = await client.call(Health(), HealthReply)  # and the connection is still in step
+        finally:
+            await client.close()
+            await server.close()
+        return health, none, spec, out, again
+
+    health, none, spec, out, again = run(main())
+    assert type(health) is HealthReply and health == HEALTHY and none == {}
+    assert type(spec) is SpeculateReply and spec.trees == [DraftTree("a", 2, 2, 3), DraftTree("b", 2, 3, 0)]
+    assert_same(out["tokens"], speculate(2)[1]["tokens"] + 1)
+    assert again == HEALTHY
+
+
+async def answers_stats_with_health(body, tensors):
+    if isinstance(body, Stats):
+        return HEALTHY, None
+    return await echo(body, tensors)
+
+
+def test_reply_of_another_type_is_an_unexpected_reply_and_the_connection_survives():
+    async def main():
+        server = RpcServer(answers_stats_with_health)
+        client = await RpcClient.connect(await server.start("127.0.0.1:0"))
+        try:
+            with pytest.raises(UnexpectedReply) as err:
+                await client.call(Stats(), StatsReply)
+            assert await client.call(Health(), HealthReply) == (HEALTHY, {})
+        finally:
+            await client.close()
+            await server.close()
+        return err.value
+
+    err = run(main())
+    assert err.expected is StatsReply and err.reply == HEALTHY
+    assert str(err) == "Stats expects a StatsReply reply, the service answered HealthReply"
+    assert isinstance(err, RpcProtocolError) and isinstance(err, RuntimeError)
+    assert not isinstance(err, RemoteError)  # the service did not refuse the call
+    assert not isinstance(err, TRANSPORT_ERRORS)  # the connection is in step
+
+
+def test_remote_error_is_not_a_transport_error():
+    assert not issubclass(RemoteError, TRANSPORT_ERRORS)
+    assert not issubclass(UnexpectedReply, TRANSPORT_ERRORS)
+    for exc in (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError, TimeoutError, FrameError,
+                ReplyOutOfStep):
+        assert issubclass(exc, TRANSPORT_ERRORS), exc
+
+
+def test_reply_with_another_call_id_is_a_transport_error():
+    """A peer that answers with the wrong call id: the stream is out of step."""
+
+    async def wrong_id(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        call_id, _, _ = await read_frame(reader)
+        writer.write(frame_bytes(call_id + 7, HEALTHY))
+        await writer.drain()
+        await reader.read()  # until the client closes
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(wrong_id, "127.0.0.1", 0)
+        host, port = server.sockets[0].getsockname()[:2]
+        client = await RpcClient.connect(f"{host}:{port}")
+        try:
+            with pytest.raises(ReplyOutOfStep) as err:
+                await client.call(Health(), HealthReply)
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+        return err.value
+
+    err = run(main())
+    assert (err.call_id, err.reply_id) == (1, 8)
+    assert str(err) == "reply to call 8 arrived for call 1"
+    assert isinstance(err, TRANSPORT_ERRORS) and isinstance(err, RpcProtocolError)
+
+
 # ---- known problems (see the report that came with this file) ---------------------------------
 
 
@@ -460,9 +560,9 @@ def test_unencodable_reply_is_an_internal_error_not_a_dropped_connection():
         client = await RpcClient.connect(await server.start("127.0.0.1:0"))
         try:
             with pytest.raises(RemoteError) as err:
-                await client.call(Stats())
+                await client.call(Stats(), StatsReply)
             assert err.value.code == "internal"
-            assert await client.call(Health()) == (HEALTHY, {})
+            assert await client.call(Health(), HealthReply) == (HEALTHY, {})
         finally:
             await client.close()
             await server.close()
@@ -484,14 +584,14 @@ def test_cancelled_call_does_not_desynchronize_the_connection():
         server = RpcServer(slow)
         client = await RpcClient.connect(await server.start("127.0.0.1:0"))
         try:
-            call = asyncio.ensure_future(client.call(Release(["a"])))
+            call = asyncio.ensure_future(client.call(Release(["a"]), ReleaseReply))
             await started.wait()
             call.cancel()  # e.g. the caller's timeout fired while the service was working
             with pytest.raises(asyncio.CancelledError):
                 await call
             release.set()
             # The next call must get its own reply, not the cancelled call's.
-            assert await client.call(Health()) == (HEALTHY, {})
+            assert await client.call(Health(), HealthReply) == (HEALTHY, {})
         finally:
             await client.close()
             await server.close()
