@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.gateway.config import GatewayConfig
 
     gateway = sub.add_parser("gateway", help="run the gateway (OpenAI API, admission, speculation policy)")
-    GatewayConfig.add_flags(gateway)
+    GatewayConfig.add_all_flags(gateway)
     gateway.set_defaults(func=_service("specserve.gateway.server"))
     prof = sub.add_parser("profile", help="measure the target: budget B and baseline iteration latency")
     profiling.add_flags(prof)
@@ -116,8 +116,14 @@ def _service(module: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.shared.settings import SettingsError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except SettingsError as exc:  # a bad SPECSERVE_* variable of this subcommand (read only by it)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """What the draft and target services share: common flags, thread setup, and the serving loop.
 
-Each service has one config dataclass (services/<name>/config.py). Its common fields come from
-the flags below, each with an environment variable SPECSERVE_<SERVICE>_<FLAG> as its default.
+Each service has one config dataclass (services/<name>/config.py) starting from ServiceConfig's
+common fields; each field is a flag and an environment variable SPECSERVE_<SERVICE>_<FIELD>
+(specserve.shared.settings).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -17,11 +17,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from specserve.shared.messages import Error, Health, HealthReply, Message, Release, ReleaseReply, Stats
 from specserve.shared.rpc import RpcServer
+from specserve.shared.settings import Settings, option
 from specserve.shared.transport import DEFAULT_MAX_FRAME_BYTES, Tensors, split_flat
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -38,49 +40,27 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def add_common_flags(parser: argparse.ArgumentParser, service: str, port: int, model: Path, kv_blocks: int) -> None:
-    def env(flag: str, default):
-        return os.environ.get(f"SPECSERVE_{service.upper()}_{flag.upper()}", default)
+@dataclass(slots=True, kw_only=True)
+class ServiceConfig(Settings):
+    """The fields every service's config dataclass starts with: its common flags.
 
-    parser.add_argument("--model", default=env("model", str(model)), help=f"Hugging Face model directory "
-                        f"(env SPECSERVE_{service.upper()}_MODEL; default: the bundled demo {service})")
-    parser.add_argument("--device", default=env("device", "cpu"), help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=env("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--host", default=env("host", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("port", port)), help="TCP port (0 picks a free one)")
-    parser.add_argument("--unix-socket", default=env("unix_socket", None),
-                        help="listen on this Unix socket path instead of TCP")
-    parser.add_argument("--kv-blocks", type=int, default=int(env("kv_blocks", kv_blocks)),
-                        help="KV pool size in blocks")
-    parser.add_argument("--block-size", type=int, default=int(env("block_size", 16)), help="tokens per KV block")
-    parser.add_argument("--threads", type=int, default=int(env("threads", default_threads())),
-                        help="torch intra-op threads")
-    parser.add_argument("--max-frame-mb", type=int, default=int(env("max_frame_mb", DEFAULT_MAX_FRAME_BYTES >> 20)),
-                        help="largest message accepted, MiB")
+    A service subclasses it, sets `env_prefix` (`SPECSERVE_<SERVICE>_`) and gives `model` and
+    `port` their defaults with `override_default` (they have none here)."""
 
-
-@dataclass(slots=True)
-class ServiceConfig:
-    """The fields every service's config dataclass starts with (the common flags above)."""
-
-    model: str  # Hugging Face model directory
-    device: str  # "cpu" or "cuda[:N]"
-    dtype: str  # "float32", "bfloat16" or "float16"
-    host: str
-    port: int  # TCP port; 0 picks a free one (printed on the ready line)
-    unix_socket: str | None  # listen on this path instead of TCP
-    kv_blocks: int  # KV pool size, blocks
-    block_size: int  # tokens per KV block
-    threads: int  # torch intra-op threads
-    max_frame_mb: int  # largest accepted message, MiB
+    model: str = option(help="Hugging Face model directory")
+    device: str = option("cpu", "cpu or cuda[:N]")
+    dtype: str = option("float32", "weights and KV dtype", choices=["float32", "bfloat16", "float16"])
+    host: str = option("127.0.0.1", "TCP host to listen on")
+    port: int = option(help="TCP port (0 picks a free one; the ready line names it)")
+    unix_socket: str | None = option(None, "listen on this Unix socket path instead of TCP")
+    kv_blocks: int = option(4096, "KV pool size, blocks")
+    block_size: int = option(16, "tokens per KV block")
+    threads: int = option(default_factory=default_threads, help="torch intra-op threads, half the cores by default")
+    max_frame_mb: int = option(DEFAULT_MAX_FRAME_BYTES >> 20, "largest message accepted, MiB")
 
     @property
     def address(self) -> str:
         return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}"
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace):
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
 
 
 class ServiceHost:
@@ -141,9 +121,12 @@ def serve(host: ServiceHost, address: str, max_frame_bytes: int) -> int:
     return 0
 
 
-def release_handler(release: Callable[[str], bool], free_blocks: Callable[[], int]):
-    def handle(msg: Release, _tensors) -> tuple[Message, None]:
-        released, unknown = [], []
+def release_handler(
+    release: Callable[[str], bool], free_blocks: Callable[[], int]
+) -> Callable[[Release, dict[str, torch.Tensor]], tuple[Message, None]]:
+    def handle(msg: Release, _tensors: dict[str, torch.Tensor]) -> tuple[Message, None]:
+        released: list[str] = []
+        unknown: list[str] = []
         for rid in msg.rids:
             (released if release(rid) else unknown).append(rid)
         return ReleaseReply(released, unknown, free_blocks()), None
@@ -151,7 +134,10 @@ def release_handler(release: Callable[[str], bool], free_blocks: Callable[[], in
     return handle
 
 
-def exit_on_load_error(fn: Callable[[], object]):
+_T = TypeVar("_T")
+
+
+def exit_on_load_error(fn: Callable[[], _T]) -> _T:
     """Load a model, turning a bad model directory into one clear line and exit status 2."""
     from specserve.shared.model_config import ModelLoadError
 

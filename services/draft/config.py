@@ -2,35 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import dataclass
 
-from specserve.shared.service_base import MODELS, ServiceConfig, add_common_flags
+from specserve.shared.service_base import MODELS, ServiceConfig
+from specserve.shared.settings import option, override_default
 
-DEFAULT_PORT = 8101
 
-
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class DraftConfig(ServiceConfig):
-    """The common service fields, plus the draft's own."""
+    """The common service fields, plus the draft's own. Each field is a flag (`--max-depth`) and a
+    variable (`SPECSERVE_DRAFT_MAX_DEPTH`); see specserve.shared.settings."""
 
-    prefill_chunk: int = 512  # most committed tokens of one request appended per pass, tokens
-    max_batch_tokens: int = 4096  # most tokens in one catch-up pass, tokens
-    max_depth: int = 16  # largest beam depth d accepted
-    max_width: int = 16  # largest beam width w accepted
-    cuda_graphs: bool = True  # capture the beam steps as CUDA graphs (CUDA only)
+    env_prefix = "SPECSERVE_DRAFT_"
 
-    @staticmethod
-    def add_flags(parser: argparse.ArgumentParser) -> None:
-        add_common_flags(parser, "draft", DEFAULT_PORT, MODELS / "draft", kv_blocks=4096)
-        env = os.environ.get
-        parser.add_argument("--prefill-chunk", type=int, default=int(env("SPECSERVE_DRAFT_PREFILL_CHUNK", 512)),
-                            help="most tokens of one request appended per pass")
-        parser.add_argument("--max-batch-tokens", type=int, default=int(env("SPECSERVE_DRAFT_MAX_BATCH_TOKENS", 4096)),
-                            help="most tokens per catch-up pass")
-        parser.add_argument("--max-depth", type=int, default=16)
-        parser.add_argument("--max-width", type=int, default=16)
-        parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                            default=env("SPECSERVE_DRAFT_CUDA_GRAPHS", "1") != "0",
-                            help="run the beam steps eagerly on CUDA too")
+    model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "draft"))
+    port: int = override_default(ServiceConfig, "port", 8101)
+    prefill_chunk: int = option(512, "most committed tokens of one request appended per pass")
+    max_batch_tokens: int = option(4096, "most tokens in one catch-up pass")
+    max_depth: int = option(16, "largest beam depth d accepted")
+    max_width: int = option(16, "largest beam width w accepted")
+    cuda_graphs: bool = option(True, "run the beam steps eagerly on CUDA too, without CUDA graphs", negate=True)

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from specserve.shared.service_base import MODELS, ServiceConfig, add_common_flags
+from specserve.shared.service_base import MODELS, ServiceConfig
+from specserve.shared.settings import override_default
 
-DEFAULT_PORT = 8102
 
-
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class TargetConfig(ServiceConfig):
-    """The common service fields (model, device, dtype, address, KV pool, threads, frame limit)."""
+    """The common service fields (model, device, dtype, address, KV pool, threads, frame limit).
+    Each field is a flag (`--kv-blocks`) and a variable (`SPECSERVE_TARGET_KV_BLOCKS`); see
+    specserve.shared.settings."""
 
-    @staticmethod
-    def add_flags(parser: argparse.ArgumentParser) -> None:
-        add_common_flags(parser, "target", DEFAULT_PORT, MODELS / "target", kv_blocks=4096)
+    env_prefix = "SPECSERVE_TARGET_"
+
+    model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "target"))
+    port: int = override_default(ServiceConfig, "port", 8102)
