@@ -331,17 +331,51 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="target",position
 
 
 def test_parse_counters():
-    text = """# HELP vllm:x A counter.
-# TYPE vllm:x counter
-vllm:x{model_name="a"} 1
-vllm:x{model_name="b",le="+Inf"} 2.5
+    text = """# HELP vllm:x_total A counter.
+# TYPE vllm:x_total counter
+vllm:x_total{model_name="a"} 1
+vllm:x_total{model_name="b\\\\ \\"q\\""} 2.5
 
+# HELP vllm:lat_seconds A histogram.
+# TYPE vllm:lat_seconds histogram
+vllm:lat_seconds_bucket{le="0.5",model_name="a"} 1.0
+vllm:lat_seconds_bucket{le="+Inf",model_name="a"} 3.0
+vllm:lat_seconds_sum{model_name="a"} 2.25
+vllm:lat_seconds_count{model_name="a"} 3.0
+vllm:hist_total_bucket{le="+Inf"} 2
 specserve:y 1e3
-garbage here
-{nolabelname} 4
-vllm:z{model_name="a"} NaN-ish
 """
-    assert parse_counters(text) == {"vllm:x": 3.5, "specserve:y": 1000.0}
+    # keyed by each sample's own name (the parser's family names drop a counter's _total), summed over labels
+    assert parse_counters(text) == {
+        "vllm:x_total": 3.5, "vllm:lat_seconds_bucket": 4.0, "vllm:lat_seconds_sum": 2.25,
+        "vllm:lat_seconds_count": 3.0, "vllm:hist_total_bucket": 2.0, "specserve:y": 1000.0}
+    assert parse_counters("") == {}
+    for bad in ("garbage here\n", "{nolabelname} 4\n", 'vllm:z{model_name="a"} NaN-ish\n', "# TYPE\n"):
+        with pytest.raises(ValueError, match="not a Prometheus text exposition"):
+            parse_counters(text + bad)
+
+
+def test_parse_counters_reads_the_gateways_own_exposition():
+    from specserve.gateway.metrics import GatewayMetrics
+    from tests.test_gateway_metrics import sample_records
+
+    m = GatewayMetrics('org/"m"\\v1')
+    before = parse_counters(m.render())
+    assert before["specserve:iterations_total"] == 0 and before["vllm:request_success_total"] == 0
+    for record in sample_records():
+        m.on_iteration(record)
+    m.on_finished("stop", 12, 8, 0.9, 0.05, "chat", True)
+    m.on_finished("length", 3, 1, 2.0, None, "chat", False)
+    after = parse_counters(m.render())
+    assert after["vllm:request_success_total"] == 2  # over finished_reason
+    assert after["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == 6  # over position
+    assert after["vllm:iteration_tokens_total_sum"] == 47 and after["vllm:iteration_tokens_total_count"] == 2
+    assert not any(name.endswith("_created") for name in after)
+    d = server_delta(before, after)
+    assert d["iteration"]["iterations"] == 2
+    assert d["iteration"]["seconds"] == pytest.approx(
+        {"draft": 0.010, "target": 0.035, "transport": 0.004, "schedule": 0.003})
+    assert d["acceptance_rate"] == 6 / 16 and d["mean_acceptance_length"] == 1 + 6 / 4
 
 
 def test_server_delta():

@@ -1,57 +1,124 @@
-"""The gateway's Prometheus exposition: rendered text parsed back gives exact values after known calls."""
+"""The gateway's Prometheus exposition: `GatewayMetrics.render()` parsed back with prometheus_client's own
+parser gives the exported names, types, labels and help, and exact values after known calls."""
 
 from __future__ import annotations
 
 import math
-import re
 
+import prometheus_client
 import pytest
+from prometheus_client import exposition
+from prometheus_client.parser import text_string_to_metric_families
 
-from specserve.gateway.metrics import GatewayMetrics, Registry
+from specserve.gateway.metrics import (
+    CONTENT_TYPE,
+    ITERATION_TOKENS_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    GatewayMetrics,
+)
+from specserve.gateway.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 
 MODEL = "demo"
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
+M = ("model_name",)
+
+# Every exported metric as the TYPE line names it: (type, label names besides le, help text).
+EXPORTED = {
+    "vllm:num_requests_running": ("gauge", M, "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": ("gauge", M, "Number of requests waiting to be processed."),
+    "vllm:kv_cache_usage_perc": ("gauge", M, "KV-cache usage. 1 means 100 percent usage."),
+    "vllm:prompt_tokens_total": ("counter", M, "Number of prefill tokens processed."),
+    "vllm:generation_tokens_total": ("counter", M, "Number of generation tokens processed."),
+    "vllm:request_success_total": ("counter", (*M, "finished_reason"), "Count of successfully processed requests."),
+    "vllm:num_preemptions_total": ("counter", M, "Cumulative number of preemption from the engine."),
+    "vllm:time_to_first_token_seconds": ("histogram", M, "Histogram of time to first token in seconds."),
+    "vllm:inter_token_latency_seconds": ("histogram", M, "Histogram of inter-token latency in seconds."),
+    "vllm:request_time_per_output_token_seconds": ("histogram", M,
+                                                   "Histogram of time_per_output_token_seconds per request."),
+    "vllm:e2e_request_latency_seconds": ("histogram", M, "Histogram of e2e request latency in seconds."),
+    "vllm:request_queue_time_seconds": ("histogram", M, "Histogram of time spent in WAITING phase for request."),
+    "vllm:iteration_tokens_total": ("histogram", M, "Histogram of number of tokens per engine_step."),
+    "vllm:spec_decode_num_drafts_total": ("counter", M, "Number of spec decoding drafts."),
+    "vllm:spec_decode_num_draft_tokens_total": ("counter", M, "Number of draft tokens."),
+    "vllm:spec_decode_num_accepted_tokens_total": ("counter", M, "Number of accepted tokens."),
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": ("counter", (*M, "position"),
+                                                           "Accepted tokens per draft position (0 = first draft "
+                                                           "token)."),
+    "specserve:iteration_draft_seconds_total": ("counter", M, "Seconds the draft service spent in speculation "
+                                                              "calls (inside the service)."),
+    "specserve:iteration_target_seconds_total": ("counter", M, "Seconds the target service spent in forward calls "
+                                                               "(inside the service)."),
+    "specserve:iteration_transport_seconds_total": ("counter", M, "Seconds of draft and target calls spent outside "
+                                                                  "the services (serialization, sockets, waiting "
+                                                                  "for the reply)."),
+    "specserve:iteration_schedule_seconds_total": ("counter", M, "Seconds of iterations outside service calls: "
+                                                                 "admission, policy, node selection, commit, "
+                                                                 "streaming."),
+    "specserve:iterations_total": ("counter", M, "Engine iterations run."),
+    "specserve:draft_catchup_seconds_total": ("counter", M, "Seconds the draft spent appending committed tokens to "
+                                                            "its KV (catch-up), inside Speculate calls on the "
+                                                            "critical path."),
+    "specserve:draft_beam_seconds_total": ("counter", M, "Seconds the draft spent in beam steps, inside Speculate "
+                                                         "calls."),
+    "specserve:draft_sync_seconds_total": ("counter", M, "Seconds the draft spent in eager syncs (depth-0 calls "
+                                                         "beside the target pass)."),
+    "specserve:requests_received_total": ("counter", M, "Requests received (queued)."),
+    "specserve:request_slo_total": ("counter", (*M, "tier", "met"),
+                                    "Finished requests by SLO tier and whether the SLO was met."),
+    "specserve:budget_tokens": ("gauge", M, "Token budget B of one target pass (roots included)."),
+    "specserve:request_errors_total": ("counter", (*M, "code"), "Requests that ended in an error, by code."),
+    "specserve:replica_up": ("gauge", (*M, "replica"), "Whether the replica is up (1) or not (0)."),
+    "specserve:replica_running": ("gauge", (*M, "replica"), "Requests running on the replica."),
+    "specserve:replica_kv_usage_perc": ("gauge", (*M, "replica"),
+                                        "KV-cache usage of the replica. 1 means 100 percent usage."),
+}
+BOUNDS = {
+    "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
+    "vllm:inter_token_latency_seconds": TOKEN_LATENCY_BUCKETS,
+    "vllm:request_time_per_output_token_seconds": TOKEN_LATENCY_BUCKETS,
+    "vllm:e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_queue_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:iteration_tokens_total": ITERATION_TOKENS_BUCKETS,
+}
+# As vLLM sets them (pinned here, so a change to the module's constants shows up as a failure).
+VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0, 160.0, 640.0, 2560.0)
+VLLM_TOKEN_LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0)
+VLLM_REQUEST_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), value)
-
-
-def parse(text: str) -> tuple[dict, dict, dict]:
-    """(samples {(name, frozenset(labels)): value}, types {name: type}, helps {name: text})."""
-    samples, types, helps = {}, {}, {}
+def parse(text: str) -> dict:
+    """{(sample name, frozenset(labels)): value}, through prometheus_client's parser; no sample twice."""
     assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name, _, help_text = line[7:].partition(" ")
-            helps[name] = help_text
-            continue
-        if line.startswith("# TYPE "):
-            name, kind = line[7:].split(" ")
-            assert name not in types, f"{name} typed twice"
-            types[name] = kind
-            continue
-        match = _SAMPLE.match(line)
-        assert match, f"not a sample line: {line!r}"
-        labels = {}
-        rest = match["labels"] or ""
-        while rest:
-            lm = _LABEL.match(rest)
-            assert lm, f"bad labels in {line!r}"
-            labels[lm.group(1)] = _unescape(lm.group(2))
-            rest = rest[lm.end():]
-        key = (match["name"], frozenset(labels.items()))
-        assert key not in samples, f"duplicate sample {line!r}"
-        samples[key] = float(match["value"])
-    return samples, types, helps
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in samples, f"duplicate sample {key}"
+            samples[key] = s.value
+    return samples
 
 
-def value(samples: dict, name: str, **labels) -> float:
-    return samples[(name, frozenset({"model_name": MODEL, **{k: str(v) for k, v in labels.items()}}.items()))]
+def typed(text: str) -> dict[str, tuple[str, str]]:
+    """{name on the TYPE line: (type, help)}, in the order rendered, via the parser's families."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + "_total" if family.type == "counter" else family.name  # the parser drops _total
+        assert name not in out, f"{name} rendered twice"
+        out[name] = (family.type, family.documentation)
+    return out
+
+
+def value(samples: dict, name: str, model: str = MODEL, **labels) -> float:
+    return samples[(name, frozenset({"model_name": model, **{k: str(v) for k, v in labels.items()}}.items()))]
 
 
 def buckets(samples: dict, name: str, **labels) -> list[tuple[float, float]]:
+    """[(le, cumulative count)] of one histogram series, by increasing le."""
     want = {"model_name": MODEL, **labels}
     out = []
     for (n, ls), v in samples.items():
@@ -62,86 +129,36 @@ def buckets(samples: dict, name: str, **labels) -> list[tuple[float, float]]:
     return sorted(out)
 
 
-def test_registry_render_format_and_label_escaping():
-    reg = Registry()
-    c = reg.counter("app:things_total", 'Things "done".\nSecond line \\ backslash.', ("kind",))
-    g = reg.gauge("app:level", "A level.")
-    c.inc(kind='a "quoted"\nline \\ end')
-    c.inc(2.5, kind='a "quoted"\nline \\ end')
-    c.inc(kind="plain")
-    g.set(-3.5)
-    text = reg.render()
-    assert '# HELP app:things_total Things "done".\\nSecond line \\\\ backslash.' in text
-    assert 'app:things_total{kind="a \\"quoted\\"\\nline \\\\ end"} 3.5' in text.splitlines()
-    samples, types, _ = parse(text)
-    assert types == {"app:things_total": "counter", "app:level": "gauge"}
-    assert samples[("app:things_total", frozenset({("kind", 'a "quoted"\nline \\ end')}))] == 3.5
-    assert samples[("app:things_total", frozenset({("kind", "plain")}))] == 1.0
-    assert samples[("app:level", frozenset())] == -3.5
+def label_names(samples: dict) -> dict[str, set[frozenset[str]]]:
+    """{sample name: the label-name sets its samples carry (le left out)}."""
+    out: dict[str, set] = {}
+    for n, ls in samples:
+        out.setdefault(n, set()).add(frozenset(k for k, _ in ls) - {"le"})
+    return out
 
 
-def test_registry_rejects_misuse():
-    reg = Registry()
-    c = reg.counter("x_total", "x", ("a",))
-    with pytest.raises(ValueError):
-        c.inc(-1, a="1")
-    with pytest.raises(ValueError):
-        c.inc(b="1")  # wrong label name
-    with pytest.raises(ValueError):
-        c.inc()  # missing label
-    with pytest.raises(ValueError):
-        reg.gauge("x_total", "again")
-    with pytest.raises(ValueError):
-        reg.histogram("h", "h", [1.0, 0.5])
-    with pytest.raises(ValueError):
-        reg.histogram("h2", "h", [1.0], labelnames=("le",))
+def sample_records() -> list[IterationRecord]:
+    """Two iterations with known totals (47 tokens; draft 10 ms, target 35, transport 4, schedule 3;
+    16 draft tokens, 6 accepted: 4, 2 and 0 at positions 0, 1, 2)."""
+    return [
+        # 40 tokens (25 prompt + 3 trees of 5); draft 10 ms inside its service, target 20 ms inside, a 24 ms
+        # call (4 ms transport), 1 ms outside the calls; 12 draft tokens, 2 + 2 + 1 accepted (per position 3, 2)
+        IterationRecord(
+            1, [RequestStep("a", 0, verified=5, accepted=2, depth=4), RequestStep("b", 0, verified=5, accepted=2),
+                RequestStep("c", 0, verified=5, accepted=1), RequestStep("p", 0, prompt_tokens=25)],
+            [ReplicaStep(0, prefill_tokens=25, tree_nodes=15, call_ms=24.0, service_ms=20.0)],
+            DraftStep(requests=3, call_ms=10.0, service_ms=10.0, catchup_ms=3.0, beam_ms=6.0, sync_service_ms=0.5),
+            target_phase_ms=24.0, total_ms=35.0),
+        # 7 tokens, no draft call, target 15 ms, 2 ms outside; one tree of 5 with 1 accepted
+        IterationRecord(
+            2, [RequestStep("a", 0, verified=5, accepted=1), RequestStep("q", 0, prompt_tokens=2)],
+            [ReplicaStep(0, prefill_tokens=2, tree_nodes=5, call_ms=15.0, service_ms=15.0)],
+            target_phase_ms=15.0, total_ms=17.0),
+    ]
 
 
-def test_histogram_buckets_are_cumulative_and_le_inclusive():
-    reg = Registry()
-    h = reg.histogram("lat_seconds", "latency", [0.1, 0.5, 1.0], ("route",))
-    for v in (0.05, 0.1, 0.3, 0.5, 0.7, 2.0, 100.0):
-        h.observe(v, route="/a")
-    h.observe(0.2, route="/b")
-    samples, types, _ = parse(reg.render())
-    assert types == {"lat_seconds": "histogram"}
-
-    def series(route):
-        bs = {}
-        for (n, ls), v in samples.items():
-            d = dict(ls)
-            if n == "lat_seconds_bucket" and d["route"] == route:
-                bs[d["le"]] = v
-        return bs
-
-    assert series("/a") == {"0.1": 2, "0.5": 4, "1.0": 5, "+Inf": 7}
-    assert series("/b") == {"0.1": 0, "0.5": 1, "1.0": 1, "+Inf": 1}
-    assert samples[("lat_seconds_count", frozenset({("route", "/a")}))] == 7
-    assert samples[("lat_seconds_sum", frozenset({("route", "/a")}))] == pytest.approx(103.65)
-    # an unlabelled histogram renders at once, all zeros, with the +Inf bucket added once
-    reg2 = Registry()
-    reg2.histogram("n", "n", [1, 2, math.inf])
-    s2, _, _ = parse(reg2.render())
-    assert s2[("n_bucket", frozenset({("le", "+Inf")}))] == 0
-    assert s2[("n_count", frozenset())] == 0 and s2[("n_sum", frozenset())] == 0
-    assert sum(1 for (name, _) in s2 if name == "n_bucket") == 3
-
-
-def test_gateway_metrics_after_a_known_sequence():
-    m = GatewayMetrics(MODEL)
-    fresh, types, helps = parse(m.render())
-    # everything a dashboard queries exists from the start, at zero
-    for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:num_preemptions_total", "vllm:spec_decode_num_drafts_total", "specserve:budget_tokens",
-                 "vllm:time_to_first_token_seconds_count", "vllm:iteration_tokens_total_count"):
-        assert value(fresh, name) == 0, name
-    assert value(fresh, "vllm:request_success_total", finished_reason="stop") == 0
-    assert types["vllm:prompt_tokens_total"] == "counter"
-    assert types["vllm:kv_cache_usage_perc"] == "gauge"
-    assert types["vllm:e2e_request_latency_seconds"] == "histogram"
-    assert types["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == "counter"
-    assert all(helps.values())
-
+def drive(m: GatewayMetrics) -> None:
+    """A known sequence of engine calls; the expected values are in test_values_after_a_known_sequence."""
     m.set_budget(24)
     for _ in range(3):
         m.on_queued()
@@ -152,8 +169,8 @@ def test_gateway_metrics_after_a_known_sequence():
     m.on_tokens(4, 0.08)  # four tokens after 80 ms: 4 samples of 20 ms
     m.on_tokens(2, 0.5)  # two tokens after 500 ms: 2 samples of 250 ms
     m.on_tokens(0, 1.0)  # nothing
-    m.on_iteration(40, 0.010, 0.020, 0.001, drafts=3, draft_tokens=12, accepted=5, accepted_per_pos=[3, 2])
-    m.on_iteration(7, 0.0, 0.015, 0.002, drafts=1, draft_tokens=4, accepted=1, accepted_per_pos=[1, 0, 0])
+    for record in sample_records():
+        m.on_iteration(record)
     m.on_finished("stop", 12, 8, 0.9, 0.05, "chat", True)
     m.on_finished("length", 30, 1, 2.0, None, "urgent", False)
     m.on_finished("stop", 5, 3, 0.4, 0.1, "chat", None)
@@ -161,8 +178,67 @@ def test_gateway_metrics_after_a_known_sequence():
     m.on_error("too_large")
     m.on_error("bad_request")
     m.on_preempted()
+    m.on_preempted(2)
     m.set_load(running=2, waiting=5, kv_usage=0.375)
-    s, _, _ = parse(m.render())
+    m.set_replica("r0", up=True, running=3, kv_usage=0.5)
+    m.set_replica("r1", up=False, running=0, kv_usage=0.0)
+
+
+# ------------------------------------------------------------------------------------------------ names
+def test_every_exported_name_type_help_and_labels():
+    m = GatewayMetrics(MODEL)
+    drive(m)
+    text = m.render()
+    assert typed(text) == {name: (kind, doc) for name, (kind, _, doc) in EXPORTED.items()}
+    # the raw TYPE lines name counters with their _total, as Prometheus (and vLLM's dashboards) see them
+    type_lines = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert type_lines == [f"# TYPE {name} {kind}" for name, (kind, _, _) in EXPORTED.items()]
+    names = label_names(parse(text))
+    for name, (kind, labels, _) in EXPORTED.items():
+        series = [f"{name}_bucket", f"{name}_sum", f"{name}_count"] if kind == "histogram" else [name]
+        for s in series:
+            assert names[s] == {frozenset(labels)}, s
+
+
+def test_histogram_bucket_bounds_are_vllms():
+    assert TTFT_BUCKETS == VLLM_TTFT and TOKEN_LATENCY_BUCKETS == VLLM_TOKEN_LATENCY
+    assert REQUEST_LATENCY_BUCKETS == VLLM_REQUEST_LATENCY and ITERATION_TOKENS_BUCKETS == VLLM_ITERATION_TOKENS
+    s = parse(GatewayMetrics(MODEL).render())
+    for name, bounds in BOUNDS.items():
+        assert [le for le, _ in buckets(s, name)] == [*map(float, bounds), math.inf], name
+    # le as Prometheus writes it: 1.0, not 1; +Inf last
+    text = GatewayMetrics(MODEL).render()
+    assert 'vllm:iteration_tokens_total_bucket{le="1.0",model_name="demo"} 0.0' in text.splitlines()
+    assert 'vllm:iteration_tokens_total_bucket{le="+Inf",model_name="demo"} 0.0' in text.splitlines()
+
+
+def test_fresh_metrics_have_the_zero_series_dashboards_query():
+    s = parse(GatewayMetrics(MODEL).render())
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "specserve:iteration_draft_seconds_total",
+                 "specserve:iteration_target_seconds_total", "specserve:iteration_schedule_seconds_total",
+                 "specserve:iterations_total", "specserve:requests_received_total", "specserve:budget_tokens"):
+        assert value(s, name) == 0, name
+    for name in BOUNDS:
+        assert value(s, f"{name}_count") == 0 and value(s, f"{name}_sum") == 0, name
+        assert all(count == 0 for _, count in buckets(s, name)), name
+    for reason in ("stop", "length", "abort"):
+        assert value(s, "vllm:request_success_total", finished_reason=reason) == 0
+    # label sets that only calls create have no series yet
+    present = {n for n, _ in s}
+    for name in ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "specserve:request_slo_total",
+                 "specserve:request_errors_total", "specserve:replica_up", "specserve:replica_running",
+                 "specserve:replica_kv_usage_perc"):
+        assert name not in present, name
+
+
+# ------------------------------------------------------------------------------------------------ values
+def test_values_after_a_known_sequence():
+    m = GatewayMetrics(MODEL)
+    drive(m)
+    s = parse(m.render())
 
     assert value(s, "vllm:num_requests_running") == 2
     assert value(s, "vllm:num_requests_waiting") == 5
@@ -174,24 +250,21 @@ def test_gateway_metrics_after_a_known_sequence():
     assert value(s, "vllm:request_success_total", finished_reason="stop") == 2
     assert value(s, "vllm:request_success_total", finished_reason="length") == 1
     assert value(s, "vllm:request_success_total", finished_reason="abort") == 0
-    assert value(s, "vllm:num_preemptions_total") == 1
+    assert value(s, "vllm:num_preemptions_total") == 3
     assert value(s, "specserve:request_errors_total", code="too_large") == 2
     assert value(s, "specserve:request_errors_total", code="bad_request") == 1
     assert value(s, "specserve:request_slo_total", tier="chat", met="true") == 1
     assert value(s, "specserve:request_slo_total", tier="urgent", met="false") == 1
-    assert ("specserve:request_slo_total", frozenset({("model_name", MODEL), ("tier", "chat"),
-                                                      ("met", "false")})) not in s
+    slo = {dict(ls)["tier"] + "/" + dict(ls)["met"] for n, ls in s if n == "specserve:request_slo_total"}
+    assert slo == {"chat/true", "urgent/false"}  # slo_met=None counts nothing
 
     assert value(s, "vllm:request_queue_time_seconds_count") == 2
     assert value(s, "vllm:request_queue_time_seconds_sum") == pytest.approx(1.4)
     assert buckets(s, "vllm:request_queue_time_seconds")[:5] == [(0.3, 1), (0.5, 1), (0.8, 1), (1.0, 1), (1.5, 2)]
     assert value(s, "vllm:time_to_first_token_seconds_count") == 1
     assert value(s, "vllm:time_to_first_token_seconds_sum") == pytest.approx(0.03)
-
-    itl = dict(buckets(s, "vllm:inter_token_latency_seconds"))
-    assert value(s, "vllm:inter_token_latency_seconds_count") == 7
-    assert value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.02 + 0.08 + 0.5)
-    assert itl[0.01] == 0 and itl[0.025] == 5 and itl[0.2] == 5 and itl[0.3] == 7 and itl[math.inf] == 7
+    assert dict(buckets(s, "vllm:time_to_first_token_seconds"))[0.02] == 0
+    assert dict(buckets(s, "vllm:time_to_first_token_seconds"))[0.04] == 1
 
     assert value(s, "vllm:request_time_per_output_token_seconds_count") == 2  # None is not observed
     assert value(s, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.15)
@@ -203,10 +276,15 @@ def test_gateway_metrics_after_a_known_sequence():
     iters = dict(buckets(s, "vllm:iteration_tokens_total"))
     assert iters[1.0] == 0 and iters[8.0] == 1 and iters[32.0] == 1 and iters[64.0] == 2
     assert value(s, "vllm:iteration_tokens_total_sum") == 47
+    assert value(s, "vllm:iteration_tokens_total_count") == 2
     assert value(s, "specserve:iterations_total") == 2
     assert value(s, "specserve:iteration_draft_seconds_total") == pytest.approx(0.010)
     assert value(s, "specserve:iteration_target_seconds_total") == pytest.approx(0.035)
+    assert value(s, "specserve:iteration_transport_seconds_total") == pytest.approx(0.004)
     assert value(s, "specserve:iteration_schedule_seconds_total") == pytest.approx(0.003)
+    assert value(s, "specserve:draft_catchup_seconds_total") == pytest.approx(0.003)
+    assert value(s, "specserve:draft_beam_seconds_total") == pytest.approx(0.006)
+    assert value(s, "specserve:draft_sync_seconds_total") == pytest.approx(0.0005)
     assert value(s, "vllm:spec_decode_num_drafts_total") == 4
     assert value(s, "vllm:spec_decode_num_draft_tokens_total") == 16
     assert value(s, "vllm:spec_decode_num_accepted_tokens_total") == 6
@@ -214,19 +292,124 @@ def test_gateway_metrics_after_a_known_sequence():
     assert value(s, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=1) == 2
     assert value(s, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=2) == 0
 
+    assert value(s, "specserve:replica_up", replica="r0") == 1
+    assert value(s, "specserve:replica_running", replica="r0") == 3
+    assert value(s, "specserve:replica_kv_usage_perc", replica="r0") == 0.5
+    assert value(s, "specserve:replica_up", replica="r1") == 0
+    assert value(s, "specserve:replica_running", replica="r1") == 0
+
     # every histogram series is cumulative, ends in +Inf, and its +Inf bucket equals its count
-    for name, kind in types.items():
-        if kind != "histogram":
-            continue
+    for name in BOUNDS:
         bs = buckets(s, name)
         assert bs[-1][0] == math.inf, name
         assert all(a[1] <= b[1] for a, b in zip(bs, bs[1:])), name
         assert bs[-1][1] == value(s, f"{name}_count"), name
 
 
+def test_gauges_are_set_not_added():
+    m = GatewayMetrics(MODEL)
+    m.set_load(running=4, waiting=1, kv_usage=0.9)
+    m.set_load(running=1, waiting=0, kv_usage=0.25)
+    m.set_budget(32)
+    m.set_budget(16)
+    m.set_replica("a", up=True, running=7, kv_usage=0.75)
+    m.set_replica("a", up=False, running=2, kv_usage=0.125)
+    s = parse(m.render())
+    assert value(s, "vllm:num_requests_running") == 1 and value(s, "vllm:num_requests_waiting") == 0
+    assert value(s, "vllm:kv_cache_usage_perc") == 0.25
+    assert value(s, "specserve:budget_tokens") == 16
+    assert value(s, "specserve:replica_up", replica="a") == 0
+    assert value(s, "specserve:replica_running", replica="a") == 2
+    assert value(s, "specserve:replica_kv_usage_perc", replica="a") == 0.125
+
+
+def test_itl_chunk_of_count_tokens_gives_count_observations_of_the_gap_over_count():
+    m = GatewayMetrics(MODEL)
+    m.on_tokens(5, 0.5)  # 5 observations of 0.1 s
+    s = parse(m.render())
+    assert value(s, "vllm:inter_token_latency_seconds_count") == 5
+    assert value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.5)
+    itl = dict(buckets(s, "vllm:inter_token_latency_seconds"))
+    assert itl[0.075] == 0 and itl[0.1] == 5  # 0.1 itself lands in le="0.1" (le is inclusive)
+    m.on_tokens(1, 0.5)  # one observation of 0.5 s
+    m.on_tokens(0, 3.0)  # no tokens: nothing
+    m.on_tokens(-1, 3.0)
+    s = parse(m.render())
+    itl = dict(buckets(s, "vllm:inter_token_latency_seconds"))
+    assert value(s, "vllm:inter_token_latency_seconds_count") == 6
+    assert value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(1.0)
+    assert itl[0.4] == 5 and itl[0.5] == 6 and itl[math.inf] == 6
+
+
+def test_histogram_buckets_are_cumulative_and_le_inclusive():
+    m = GatewayMetrics(MODEL)
+    for v in (0.0005, 0.001, 0.003, 0.005, 0.7, 3000.0):  # 3000 is above the last bound, 2560
+        m.on_first_token(v)
+    s = parse(m.render())
+    ttft = buckets(s, "vllm:time_to_first_token_seconds")
+    assert ttft[:4] == [(0.001, 2), (0.005, 4), (0.01, 4), (0.02, 4)]
+    assert dict(ttft)[0.75] == 5 and dict(ttft)[2560.0] == 5 and dict(ttft)[math.inf] == 6
+    assert value(s, "vllm:time_to_first_token_seconds_count") == 6
+    assert value(s, "vllm:time_to_first_token_seconds_sum") == pytest.approx(3000.7095)
+
+
+# ------------------------------------------------------------------------------------------------ exposition
 def test_model_name_label_is_escaped():
-    m = GatewayMetrics('org/"model"\\v1')
+    odd = 'org/"model"\\v1\nx'
+    m = GatewayMetrics(odd)
     m.on_queued()
-    s, _, _ = parse(m.render())
-    key = ("specserve:requests_received_total", frozenset({("model_name", 'org/"model"\\v1')}))
-    assert s[key] == 1
+    m.on_error('say "no"')
+    text = m.render()
+    # as written on the line: backslash, double quote and line feed escaped
+    assert 'specserve:requests_received_total{model_name="org/\\"model\\"\\\\v1\\nx"} 1.0' in text.splitlines()
+    s = parse(text)
+    assert value(s, "specserve:requests_received_total", model=odd) == 1
+    assert value(s, "specserve:request_errors_total", model=odd, code='say "no"') == 1
+    assert value(s, "vllm:request_success_total", model=odd, finished_reason="abort") == 0
+
+
+def test_instances_do_not_share_state():
+    a, b = GatewayMetrics(MODEL), GatewayMetrics(MODEL)  # same model name, same metric names, one process
+    assert a.registry is not b.registry and a.registry is not prometheus_client.REGISTRY
+    a.on_queued()
+    a.on_iteration(sample_records()[1])
+    a.set_budget(8)
+    sa, sb = parse(a.render()), parse(b.render())
+    assert value(sa, "specserve:requests_received_total") == 1 and value(sb, "specserve:requests_received_total") == 0
+    assert value(sa, "specserve:iterations_total") == 1 and value(sb, "specserve:iterations_total") == 0
+    assert value(sa, "specserve:budget_tokens") == 8 and value(sb, "specserve:budget_tokens") == 0
+    assert ("vllm:spec_decode_num_accepted_tokens_per_pos_total" in {n for n, _ in sa}
+            and "vllm:spec_decode_num_accepted_tokens_per_pos_total" not in {n for n, _ in sb})
+    # nothing lands in the process-global default registry
+    assert prometheus_client.REGISTRY.get_sample_value("specserve:requests_received_total",
+                                                       {"model_name": MODEL}) is None
+
+
+def test_no_created_samples():
+    m = GatewayMetrics(MODEL)
+    drive(m)
+    text = m.render()
+    assert "_created" not in text
+    assert not [n for n, _ in parse(text) if n.endswith("_created")]
+    # ... though the registry itself has them (the rendering drops them, per registry, not process-wide)
+    assert "_created" in exposition.generate_latest(m.registry).decode()
+
+
+def test_content_type_is_the_text_format_generate_latest_writes():
+    assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+    # the library's name for it (newer releases; in older ones CONTENT_TYPE_LATEST was this same string)
+    assert CONTENT_TYPE == getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
+    # what the library serves a scraper that asks for nothing in particular: generate_latest, with this type
+    encoder, content_type = exposition.choose_encoder("")
+    assert encoder is exposition.generate_latest and content_type == CONTENT_TYPE
+    m = GatewayMetrics(MODEL)
+    drive(m)
+    raw = exposition.generate_latest(m.registry).decode()
+    assert m.render() == "".join(line + "\n" for line in raw.splitlines() if "_created" not in line)
+
+
+def test_registry_rejects_a_second_gateway_metrics():
+    registry = prometheus_client.CollectorRegistry()
+    GatewayMetrics(MODEL, registry)
+    with pytest.raises(ValueError):
+        GatewayMetrics("other", registry)  # same names in one registry

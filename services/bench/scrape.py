@@ -12,28 +12,25 @@ other runs gives the numbers of this run alone:
 
 from __future__ import annotations
 
-import re
-
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)")
 PARTS = ("draft", "target", "transport", "schedule")
 
 
 def parse_counters(text: str) -> dict[str, float]:
-    """Sum of every sample of each metric name, over all label sets (comments skipped)."""
+    """Sum of every sample of each sample name, over all label sets, from a text exposition (0.0.4).
+
+    Keyed by the sample's own name, as written on its line (`vllm:prompt_tokens_total`,
+    `..._bucket`, `..._sum`, `..._count`), not by the family name the parser groups it under
+    (which has no `_total` for a counter). Text that is not a valid exposition raises ValueError."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        try:
-            value = float(m["value"])
-        except ValueError:
-            continue
-        out[m["name"]] = out.get(m["name"], 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    except ValueError as exc:
+        raise ValueError(f"not a Prometheus text exposition: {exc}") from exc
     return out
 
 
