@@ -6,4 +6,6 @@ ensure_venv test
 cd "$ROOT"
 echo "[specserve] ruff check"
 "$VENV/bin/ruff" check .
+echo "[specserve] mypy (the gateway and shared/)"
+"$VENV/bin/mypy" -p specserve.gateway -p specserve.shared
 exec "$VENV/bin/python" -m pytest "$@"

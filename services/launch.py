@@ -20,7 +20,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (for services that must keep their port across restarts)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class ServiceProcess:
@@ -33,17 +34,19 @@ class ServiceProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if inherit_stderr else subprocess.PIPE,
                                      text=True, env=env)
         self.stderr: collections.deque[str] = collections.deque(maxlen=2000)
-        if not inherit_stderr:
-            threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        stdout, stderr = self.proc.stdout, self.proc.stderr
+        assert stdout is not None
+        if stderr is not None:
+            threading.Thread(target=lambda: self.stderr.extend(stderr), daemon=True).start()
         ready: list[str] = []
-        reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
+        reader = threading.Thread(target=lambda: ready.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(READY_TIMEOUT_S)
         if not ready or not ready[0].startswith("ready"):
             self.stop()
             raise RuntimeError(f"the {kind} service did not start: {''.join(self.stderr)[-2000:]}")
         self.address = ready[0].split()[-1]
-        threading.Thread(target=lambda: collections.deque(self.proc.stdout, maxlen=0), daemon=True).start()
+        threading.Thread(target=lambda: collections.deque(stdout, maxlen=0), daemon=True).start()
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -8,80 +8,90 @@ all three: the gateway first, then the draft and the target.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
+from specserve.gateway.policy import policy_help
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_base import MODELS, default_threads
+from specserve.shared.settings import Settings, option
 
 RESTART_AFTER_S = 2.0  # wait this long before restarting a crashed draft or target
 
 
+@dataclass(slots=True, kw_only=True)
+class UpConfig(Settings):
+    """Each field is a flag (`--draft-model`) and a variable (`SPECSERVE_DRAFT_MODEL`); see
+    specserve.shared.settings. `gateway_args` takes everything after `--` and has no variable."""
+
+    env_prefix = "SPECSERVE_"
+
+    host: str = option("127.0.0.1", "the gateway's HTTP host")
+    port: int = option(8000, "the gateway's HTTP port (0: any free)")
+    policy: str = option("adaserve", f"the speculation policy: {policy_help()}")
+    targets: int = option(1, "target replicas to start (the gateway spreads requests over them)")
+    model: str = option(default_factory=lambda: str(MODELS / "target"), help="target model directory")
+    draft_model: str = option(default_factory=lambda: str(MODELS / "draft"), help="draft model directory")
+    device: str = option("cpu", "cpu or cuda[:N], for both model services")
+    dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
+    threads: int = option(default_factory=default_threads, help="torch threads of each model service, "
+                          "half the cores by default")
+    profile: str | None = option(None, "profile file (measured on first start if missing)",
+                                 default_text="~/.cache/specserve/profile-<model>-<device>.json")
+    log_level: str = option("WARNING", "log level of the three services")
+    restart: bool = option(True, "do not restart a draft or target service that exits", negate=True)
+    gateway_args: list[str] = option(default_factory=list, remainder=True,
+                                     help="after --: more gateway flags (e.g. -- --budget 32 --slo-class gold=20)")
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    parser.add_argument("--host", default=env("SPECSERVE_HOST", "127.0.0.1"), help="the gateway's HTTP host")
-    parser.add_argument("--port", type=int, default=int(env("SPECSERVE_PORT", 8000)), help="HTTP port (0: any free)")
-    parser.add_argument("--policy", default=env("SPECSERVE_POLICY", "adaserve"),
-                        help="adaserve | none | chain:K | tree:W1,W2,... | equal-greedy | global-greedy")
-    parser.add_argument("--model", default=env("SPECSERVE_MODEL", str(MODELS / "target")),
-                        help="target model directory (default: the bundled demo target)")
-    parser.add_argument("--draft-model", default=env("SPECSERVE_DRAFT_MODEL", str(MODELS / "draft")),
-                        help="draft model directory (default: the bundled demo draft)")
-    parser.add_argument("--device", default=env("SPECSERVE_DEVICE", "cpu"), help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=env("SPECSERVE_DTYPE", "float32"),
-                        choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=int(env("SPECSERVE_THREADS", default_threads())),
-                        help="torch threads of each model service")
-    parser.add_argument("--profile", default=env("SPECSERVE_PROFILE", None),
-                        help="profile file (measured on first start if missing)")
-    parser.add_argument("--log-level", default=env("SPECSERVE_LOG_LEVEL", "WARNING"))
-    parser.add_argument("--no-restart", dest="restart", action="store_false",
-                        help="do not restart a draft or target service that exits")
-    parser.add_argument("gateway_args", nargs=argparse.REMAINDER,
-                        help="after --: more gateway flags (e.g. -- --budget 32 --slo-class gold=20)")
+    UpConfig.add_flags(parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    config = UpConfig.from_args(args)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    common = ["--device", args.device, "--dtype", args.dtype]
-    specs = {
-        "target": ["--model", args.model, *common, "--port", str(free_port())],
-        "draft": ["--model", args.draft_model, *common, "--port", str(free_port())],
-    }
+    common = ["--device", config.device, "--dtype", config.dtype]
+    targets = ["target"] if config.targets == 1 else [f"target-{i}" for i in range(config.targets)]
+    specs = {name: ["target", "--model", config.model, *common, "--port", str(free_port())] for name in targets}
+    specs["draft"] = ["draft", "--model", config.draft_model, *common, "--port", str(free_port())]
     procs: dict[str, ServiceProcess] = {}
 
-    def start(kind: str) -> ServiceProcess:
-        print(f"starting {kind} ...", file=sys.stderr, flush=True)
-        proc = ServiceProcess(kind, *specs[kind], threads=args.threads, log_level=args.log_level,
+    def start(name: str) -> ServiceProcess:
+        print(f"starting {name} ...", file=sys.stderr, flush=True)
+        kind, *rest = specs[name]
+        proc = ServiceProcess(kind, *rest, threads=config.threads, log_level=config.log_level,
                               inherit_stderr=True)
-        print(f"ready {kind} {proc.address}", flush=True)
+        print(f"ready {name} {proc.address}", flush=True)
         return proc
 
     try:
-        for kind in ("target", "draft"):
-            procs[kind] = start(kind)
-        extra = [a for a in args.gateway_args if a != "--"]
-        specs["gateway"] = ["--draft", procs["draft"].address, "--target", procs["target"].address,
-                            "--model", args.model, "--device", args.device, "--policy", args.policy,
-                            "--host", args.host, "--port", str(args.port),
-                            *(["--profile", args.profile] if args.profile else []), *extra]
+        for name in [*targets, "draft"]:
+            procs[name] = start(name)
+        extra = [a for a in config.gateway_args if a != "--"]
+        specs["gateway"] = ["gateway", "--draft", procs["draft"].address,
+                            *[arg for t in targets for arg in ("--target", procs[t].address)],
+                            "--model", config.model, "--device", config.device, "--policy", config.policy,
+                            "--host", config.host, "--port", str(config.port),
+                            *(["--profile", config.profile] if config.profile else []), *extra]
         procs["gateway"] = start("gateway")
         url = procs["gateway"].address
         _wait_healthy(url)
-        print(f"specserve is up: {url}/v1 (policy {args.policy}; Ctrl-C stops all three)", flush=True)
+        print(f"specserve is up: {url}/v1 (policy {config.policy}, {config.targets} target replica"
+              f"{'s' if config.targets > 1 else ''}; Ctrl-C stops them all)", flush=True)
         while not stopping.wait(0.5):
-            for kind in ("target", "draft"):
-                if not procs[kind].alive() and args.restart:
-                    print(f"the {kind} service exited ({procs[kind].proc.returncode}); restarting it",
+            for name in [*targets, "draft"]:
+                if not procs[name].alive() and config.restart:
+                    print(f"the {name} service exited ({procs[name].proc.returncode}); restarting it",
                           file=sys.stderr, flush=True)
                     time.sleep(RESTART_AFTER_S)
-                    procs[kind] = start(kind)
+                    procs[name] = start(name)
             if not procs["gateway"].alive():
                 print(f"the gateway exited ({procs['gateway'].proc.returncode}); stopping", file=sys.stderr)
                 return 1
@@ -90,9 +100,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        for kind in ("gateway", "draft", "target"):
-            if kind in procs:
-                procs[kind].stop()
+        for name in ["gateway", "draft", *targets]:
+            if name in procs:
+                procs[name].stop()
         print("specserve stopped", file=sys.stderr, flush=True)
 
 

@@ -60,7 +60,11 @@ async def complete_all(url: str, prompts: list[str], **kw) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[str]:
-    """Greedy output of the target alone, with transformers."""
+    return transformers_greedy()
+
+
+def transformers_greedy() -> list[str]:
+    """Greedy output of the target alone on PROMPTS, with transformers."""
     tok = AutoTokenizer.from_pretrained(TARGET)
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="float32").eval()
     out = []

@@ -224,9 +224,9 @@ def test_plan_eq_8_9(cls, budget, n, d_max, w_max, d, w):
     assert d == max(1, min(d_max, math.ceil(budget / n))) and w == max(1, min(w_max, budget // n))
     pol = cls(max_depth=d_max, max_width=w_max)
     batch = BatchView([req(f"r{i}", remaining=1000) for i in range(n)])
-    plan = pol.plan(batch, model(budget))
-    assert list(plan.shapes) == [f"r{i}" for i in range(n)]
-    assert all(s == Shape(d, w) for s in plan.shapes.values())
+    shapes = pol.shapes(batch, model(budget))
+    assert list(shapes) == [f"r{i}" for i in range(n)]
+    assert all(s == Shape(d, w) for s in shapes.values())
 
 
 @pytest.mark.parametrize("cls", BUDGETED)
@@ -235,12 +235,12 @@ def test_plan_budget_is_reduced_by_prefill_tokens(cls):
     reqs = [req(f"r{i}") for i in range(4)]
     m = model(40)
     assert BatchView(reqs).tree_budget(m) == 40
-    assert list(pol.plan(BatchView(reqs), m).shapes.values()) == [Shape(8, 8)] * 4  # ceil/floor(40/4) = 10 -> 8
+    assert list(pol.shapes(BatchView(reqs), m).values()) == [Shape(8, 8)] * 4  # ceil/floor(40/4) = 10 -> 8
     batch = BatchView(reqs, prefill_tokens=26)  # 14 left: ceil(3.5) = 4, floor(3.5) = 3
     assert batch.tree_budget(m) == 14
-    assert list(pol.plan(batch, m).shapes.values()) == [Shape(4, 3)] * 4
+    assert list(pol.shapes(batch, m).values()) == [Shape(4, 3)] * 4
     batch = BatchView(reqs, prefill_tokens=35)  # 5 left: ceil(1.25) = 2, floor = 1
-    assert list(pol.plan(batch, m).shapes.values()) == [Shape(2, 1)] * 4
+    assert list(pol.shapes(batch, m).values()) == [Shape(2, 1)] * 4
 
 
 @pytest.mark.parametrize("cls", BUDGETED)
@@ -255,27 +255,27 @@ def test_plan_no_drafting_when_roots_use_the_budget(cls, budget, prefill, n):
     batch = BatchView([req(f"r{i}") for i in range(n)], prefill_tokens=prefill)
     m = model(budget)
     assert batch.tree_budget(m) == n  # never below one root per request
-    plan = cls().plan(batch, m)
-    assert len(plan.shapes) == n and all(s.depth == 0 for s in plan.shapes.values())
+    shapes = cls().shapes(batch, m)
+    assert len(shapes) == n and all(s.depth == 0 for s in shapes.values())
 
 
 @pytest.mark.parametrize("cls", BUDGETED)
 def test_plan_one_token_over_the_roots_still_drafts(cls):
     batch = BatchView([req(f"r{i}") for i in range(3)], prefill_tokens=6)
-    plan = cls().plan(batch, model(10))  # tree budget 4 > n = 3: ceil(4/3) = 2, floor = 1
-    assert list(plan.shapes.values()) == [Shape(2, 1)] * 3
+    shapes = cls().shapes(batch, model(10))  # tree budget 4 > n = 3: ceil(4/3) = 2, floor = 1
+    assert list(shapes.values()) == [Shape(2, 1)] * 3
 
 
 @pytest.mark.parametrize("cls", BUDGETED)
 def test_plan_depth_capped_at_remaining_minus_one(cls):
     reqs = [req("a", remaining=1), req("b", remaining=2), req("c", remaining=4), req("d", remaining=100)]
-    plan = cls(max_depth=8, max_width=4).plan(BatchView(reqs), model(100))  # d = min(8, 25) = 8, w = 4
-    assert plan.shapes == {"a": Shape(0, 4), "b": Shape(1, 4), "c": Shape(3, 4), "d": Shape(8, 4)}
+    shapes = cls(max_depth=8, max_width=4).shapes(BatchView(reqs), model(100))  # d = min(8, 25) = 8, w = 4
+    assert shapes == {"a": Shape(0, 4), "b": Shape(1, 4), "c": Shape(3, 4), "d": Shape(8, 4)}
 
 
 def test_plan_empty_batch():
     for cls in BUDGETED:
-        assert cls().plan(BatchView([]), model(8)).shapes == {}
+        assert cls().shapes(BatchView([]), model(8)) == {}
 
 
 # ---------------------------------------------------------------- AdaServe: Figure 2
@@ -299,8 +299,8 @@ def figure2():
 
 def test_figure2_plan():
     batch, _ = figure2()
-    plan = AdaServe(max_depth=3, max_width=2).plan(batch, model(8))
-    assert plan.shapes == {"r0": Shape(3, 2), "r1": Shape(3, 2)}
+    shapes = AdaServe(max_depth=3, max_width=2).shapes(batch, model(8))
+    assert shapes == {"r0": Shape(3, 2), "r1": Shape(3, 2)}
 
 
 def test_figure2_selection():
@@ -584,7 +584,7 @@ def test_random_subtree_of_selection_is_consistent():
 def test_chain_plan_and_select_all():
     pol = Chain(3)
     batch = BatchView([req("a", remaining=100), req("b", remaining=2), req("c", remaining=1)])
-    assert pol.plan(batch, model(8)).shapes == {"a": Shape(3, 1), "b": Shape(1, 1), "c": Shape(0, 1)}
+    assert pol.shapes(batch, model(8)) == {"a": Shape(3, 1), "b": Shape(1, 1), "c": Shape(0, 1)}
     trees = {"a": tree([-1, 0, 1, 2], [1.0, 0.5, 0.2, 0.01]), "b": tree([-1, 0], [1.0, 0.1]),
              "c": CandidateTree.root_only(5)}
     # budget-blind: everything is verified even when B is smaller
@@ -594,7 +594,7 @@ def test_chain_plan_and_select_all():
 def test_expansion_tree_plan():
     pol = make_policy("tree:1,1,3,1,1,1,1,1")
     batch = BatchView([req("a"), req("b", remaining=4)])
-    assert pol.plan(batch, model(8)).shapes == {"a": Shape(8, 3), "b": Shape(3, 3)}
+    assert pol.shapes(batch, model(8)) == {"a": Shape(8, 3), "b": Shape(3, 3)}
 
 
 def test_expansion_tree_hand_example():
@@ -661,10 +661,9 @@ def test_expansion_tree_specinfer_shape():
 def test_none_policy():
     pol = Policy()
     batch = BatchView([req("a"), req("b", remaining=1)])
-    assert pol.plan(batch, model(100)).shapes == {"a": Shape(0, 1), "b": Shape(0, 1)}
+    assert pol.shapes(batch, model(100)) == {"a": Shape(0, 1), "b": Shape(0, 1)}
     trees = {"a": tree([-1, 0, 1], [1.0, 0.9, 0.8]), "b": CandidateTree.root_only(3)}
     assert pol.select(batch, trees, model(100)) == {"a": [0], "b": [0]}
-    assert pol.admit(["x", "y"], batch, model(100)) == ["x", "y"]
     assert pol.describe() == {"name": "none"}
 
 

@@ -7,17 +7,22 @@ formats them as SSE chunks or one JSON body.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specserve.gateway.detokenize import IncrementalDetokenizer, StopMatcher
-from specserve.gateway.engine import Engine
-from specserve.gateway.protocol import ApiError, Sampling
-from specserve.gateway.request import Finished, GenRequest
+from specserve.gateway.engine import Engine, ServiceUnavailable
+from specserve.gateway.protocol import ApiError, Sampling, SloSpec
+from specserve.gateway.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.slo import SloClass, resolve
 from specserve.shared.messages import SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(slots=True)
@@ -32,7 +37,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def resolve_slo(classes: dict[str, SloClass], tier: str | None, slo) -> SloClass:
+def resolve_slo(classes: dict[str, SloClass], tier: str | None, slo: SloSpec | None) -> SloClass:
     cls = resolve(classes, tier, slo.tpot_ms if slo else None, slo.ttft_ms if slo else None)
     if cls is None:
         raise ApiError(f"unknown service_tier {tier!r}; configured classes: {', '.join(sorted(classes))}",
@@ -59,7 +64,7 @@ def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: 
                        code="context_length_exceeded")
     if engine.total_blocks and engine.kv_blocks_for(len(prompt), max_tokens) > engine.total_blocks:
         raise ApiError(f"{len(prompt)} prompt tokens + max_tokens {max_tokens} need more KV than the target's "
-                       f"whole pool ({engine.total_blocks * engine.block_size} tokens)", param="max_tokens")
+                       f"whole pool ({engine.total_blocks * engine.pool.block_size} tokens)", param="max_tokens")
     spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
                         None if sampling.seed is None else sampling.seed % 2**63)
     return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo,
@@ -69,7 +74,7 @@ def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: 
 class Generation:
     """One submitted request's output as text pieces; aborts the request if the consumer leaves."""
 
-    def __init__(self, engine: Engine, req: GenRequest, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, engine: Engine, req: GenRequest, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]):
         self.engine, self.req = engine, req
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt)
         self.stop = StopMatcher(stops)
@@ -77,12 +82,33 @@ class Generation:
         self.created = int(time.time())
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self._early: Finished | None = None  # the request ended before it was admitted
+
+    async def admitted(self) -> None:
+        """Wait until the engine admits the request (before any response byte is sent); a request
+        refused or failed before admission raises ServiceUnavailable (503, with Retry-After)."""
+        try:
+            event = await self.req.events.get()
+        except asyncio.CancelledError:
+            self.engine.abort(self.req.rid)
+            raise
+        if isinstance(event, Admitted):
+            return
+        assert isinstance(event, Finished), event
+        self.finish_reason, self.error = event.reason, event.error
+        if event.reason in ("rejected", "error"):
+            raise ServiceUnavailable(event.error or "the request was refused", event.retry_after_s)
+        self._early = event
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text deltas; `finish_reason` (and `error`) are set when it ends."""
+        if self._early is not None:
+            return
         try:
             while True:
                 event = await self.req.events.get()
+                if isinstance(event, Admitted):
+                    continue
                 if isinstance(event, Finished):
                     tail, _ = self.stop.feed(self.detok.flush())
                     tail += self.stop.flush()
@@ -90,6 +116,7 @@ class Generation:
                     if tail:
                         yield tail
                     return
+                assert isinstance(event, Tokens)
                 text = []
                 for token in event.tokens:
                     self.completion_tokens += 1

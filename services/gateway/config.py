@@ -4,68 +4,59 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from specserve.gateway.policy import option_classes, policy_help
+from specserve.gateway.routing import ROUTERS
 from specserve.shared.service_base import MODELS
+from specserve.shared.settings import Settings, option
 
-DEFAULT_PORT = 8000
 
+@dataclass(slots=True, kw_only=True)
+class GatewayConfig(Settings):
+    """Each field is a flag (`max_running` -> `--max-running`) and an environment variable
+    (`SPECSERVE_GATEWAY_MAX_RUNNING`); its default is declared here only. A new setting is one
+    line: `name: int = option(DEFAULT, "help")` (see specserve.shared.settings)."""
 
-@dataclass(slots=True)
-class GatewayConfig:
-    draft: str  # draft service address (host:port or unix:/path)
-    target: str  # target service address
-    model: str  # the target's model directory: tokenizer, chat template and context length come from it
-    served_model_name: str  # the id clients send as "model"
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT  # 0 picks a free port (printed on the ready line)
-    device: str = "cpu"  # the services' device (names the profile file)
-    policy: str = "adaserve"  # see specserve.gateway.policy.NAMES
-    max_depth: int = 8  # D_max, beam depth cap
-    max_width: int = 4  # W_max, beam width cap
-    max_added: int = 16  # n_max, most nodes the SLO phase adds to one request
-    profile: str | None = None  # profile file (budget B, baseline latency); default: per model and device
-    budget: int | None = None  # override the profiled budget B, tokens per target pass
-    max_running: int = 64  # most requests decoding at once
-    max_prefill_tokens: int = 256  # most prompt tokens per iteration (chunked prefill), tokens
-    slo_classes: list[str] = field(default_factory=list)  # extra/overriding classes, NAME=TPOT_MS[:TTFT_MS]
-    threads: int = 1  # torch threads when the gateway profiles on first start
+    env_prefix = "SPECSERVE_GATEWAY_"
+
+    draft: str = option("127.0.0.1:8101", "draft service address (host:port or unix:/path)")
+    target: list[str] = option(default_factory=lambda: ["127.0.0.1:8102"],
+                               help="a target replica's address (host:port or unix:/path); repeat it for N "
+                                    "replicas (env: comma-separated)")
+    router: str = option("round-robin", "how new requests are spread over the target replicas",
+                         choices=tuple(ROUTERS))
+    model: str = option(default_factory=lambda: str(MODELS / "target"),
+                        help="the target's model directory (tokenizer, chat template, context length)")
+    served_model_name: str | None = option(None, "model id clients send as \"model\"",
+                                           default_text="the model directory's name")
+    host: str = option("127.0.0.1", "HTTP host")
+    port: int = option(8000, "HTTP port (0: any free; the ready line names it)")
+    device: str = option("cpu", "the services' device (names the profile file)")
+    policy: str = option("adaserve", f"the speculation policy: {policy_help()}")
+    profile: str | None = option(None, "profile file from `specserve profile` (budget B, baseline latency; "
+                                 "measured on first start if missing)",
+                                 default_text="~/.cache/specserve/profile-<model>-<device>.json")
+    budget: int | None = option(None, "override the profiled budget B, tokens per target pass",
+                                default_text="the profile's")
+    max_running: int = option(64, "most requests bound to one target replica at once")
+    max_prefill_tokens: int = option(256, "most prompt tokens in one replica's pass (chunked prefill)")
+    call_timeout_s: float = option(30.0, "deadline of every draft and target call, seconds; a service that misses "
+                                   "it is marked down and reconnected")
+    draft_sync: str = option("lazy", "lazy: requests that do not speculate send their committed tokens to the "
+                             "draft with their next speculation; eager: every iteration, beside the target pass",
+                             choices=("lazy", "eager"))
+    slo_classes: list[str] = option(default_factory=list, flag="--slo-class",
+                                    help="add or override an SLO class: NAME=TPOT_MS[:TTFT_MS]")
+    threads: int = option(1, "torch threads of a target started to profile")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
-        values = {name: getattr(args, name) for name in cls.__dataclass_fields__}
-        if not values["served_model_name"]:
-            values["served_model_name"] = os.path.basename(os.path.normpath(values["model"]))
-        return cls(**values)
+    def add_all_flags(cls, parser: argparse.ArgumentParser) -> None:
+        """The gateway's flags, then every registered policy's options (policy/__init__.py)."""
+        cls.add_flags(parser)
+        for options in option_classes():
+            options.add_flags(parser.add_argument_group(f"{options.__name__} ({options.__doc__})"))
 
-    @staticmethod
-    def add_flags(parser: argparse.ArgumentParser) -> None:
-        def env(flag: str, default):
-            return os.environ.get(f"SPECSERVE_GATEWAY_{flag.upper()}", default)
-
-        parser.add_argument("--draft", default=env("draft", "127.0.0.1:8101"), help="draft service address")
-        parser.add_argument("--target", default=env("target", "127.0.0.1:8102"), help="target service address")
-        parser.add_argument("--model", default=env("model", str(MODELS / "target")),
-                            help="the target's model directory (tokenizer, chat template, context length)")
-        parser.add_argument("--served-model-name", default=env("served_model_name", None),
-                            help="model id clients use (default: the model directory's name)")
-        parser.add_argument("--host", default=env("host", "127.0.0.1"))
-        parser.add_argument("--port", type=int, default=int(env("port", DEFAULT_PORT)), help="HTTP port (0: any free)")
-        parser.add_argument("--device", default=env("device", "cpu"), help="the services' device (names the profile)")
-        parser.add_argument("--policy", default=env("policy", "adaserve"),
-                            help="adaserve | none | chain:K | tree:W1,W2,... | equal-greedy | global-greedy")
-        parser.add_argument("--max-depth", type=int, default=int(env("max_depth", 8)), help="D_max, beam depth cap")
-        parser.add_argument("--max-width", type=int, default=int(env("max_width", 4)), help="W_max, beam width cap")
-        parser.add_argument("--max-added", type=int, default=int(env("max_added", 16)),
-                            help="n_max, most nodes AdaServe's SLO phase adds to one request")
-        parser.add_argument("--profile", default=env("profile", None),
-                            help="profile file from `specserve profile` (measured on first start if missing)")
-        parser.add_argument("--budget", type=int, default=env("budget", None),
-                            help="override the profiled budget B (tokens per target pass)")
-        parser.add_argument("--max-running", type=int, default=int(env("max_running", 64)))
-        parser.add_argument("--max-prefill-tokens", type=int, default=int(env("max_prefill_tokens", 256)),
-                            help="most prompt tokens per iteration (chunked prefill)")
-        parser.add_argument("--slo-class", dest="slo_classes", action="append", default=[],
-                            help="add or override an SLO class: NAME=TPOT_MS[:TTFT_MS] (repeatable)")
-        parser.add_argument("--threads", type=int, default=int(env("threads", 1)),
-                            help="torch threads of a target started to profile")
+    def __post_init__(self) -> None:
+        if not self.served_model_name:  # after __init__ it is always a name
+            self.served_model_name = os.path.basename(os.path.normpath(self.model))

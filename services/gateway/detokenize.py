@@ -53,7 +53,8 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = None  # decode(self._tokens[prefix_offset:read_offset]), cached
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
+        return text
 
     def _prefix(self) -> str:
         if self._prefix_text is None:

@@ -1,18 +1,23 @@
-"""The gateway's step loop: admit, speculate, select, verify, stream.
+"""The gateway's step loop: snapshot, plan, speculate, select, verify, commit, record.
 
 One asyncio task runs iterations back to back while there is work. Each iteration:
 
-1. releases finished and aborted requests in both services;
-2. admits waiting requests while KV blocks and `max_running` allow (reserving prompt + max_tokens);
-3. cuts prompt chunks within `max_prefill_tokens` (chunked prefill);
-4. asks the policy for speculation shapes and calls the draft for the requests that get d > 0;
-5. asks the policy which candidate nodes to verify;
-6. sends the prefill chunks and the trees to the target in one call;
-7. hands every request its emitted tokens (cut at EOS / max_tokens) and records timings.
+1. reconnects services that are down and sends the releases they are owed (executor, pool);
+2. takes a snapshot of the state and asks the scheduler for one `IterationPlan` (admissions,
+   deferrals, rejections, prompt chunks, speculation shapes, replicas, the draft's residency);
+3. applies the admissions: each request is bound to its replica and reserves its KV blocks there;
+4. changes the draft's residency if the plan says so, then calls the draft for the requests with
+   d > 0 (one call for every replica);
+5. asks the policy, per replica, which candidate nodes to verify;
+6. sends every replica its prompt chunks and trees, all replicas at once (with the eager draft
+   sync beside them, if on);
+7. hands every request its emitted tokens (cut at EOS / max_tokens), and builds the one
+   `IterationRecord` that metrics, the replicas' latency models and the policy consume.
 
-Service failures never take the gateway down: a draft that fails is skipped (root-only trees,
-plain decoding) and reconnected; each request's draft state is rebuilt from its tokens. A target
-that fails ends the requests it held with an error; new requests get 503 until it is back.
+Failures stay where they belong: an error on one entry ends that request; a service that answers a
+whole call with an error stays up and only that call's requests are ended (target) or fall back to
+plain decoding (draft); a service that cannot be reached is marked down, its requests end with an
+error (target) or speculation pauses (draft), and it is reconnected when it is back.
 """
 
 from __future__ import annotations
@@ -22,52 +27,65 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.executor import Executor, Failure, TargetPass
 from specserve.gateway.metrics import GatewayMetrics
-from specserve.gateway.policy import BatchView, CandidateTree, Outcome, Policy, RequestView
-from specserve.gateway.request import Finished, GenRequest, Tokens
-from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
+from specserve.gateway.plan import (
+    DraftView,
+    IterationPlan,
+    Limits,
+    PrefillView,
+    Residency,
+    SchedulerView,
+    WaitingView,
+)
+from specserve.gateway.policy import CandidateTree, Policy, RequestView
+from specserve.gateway.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
+from specserve.gateway.record import IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.scheduler import Scheduler
+from specserve.shared.rpc import TRANSPORT_ERRORS
+from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
 
 log = logging.getLogger("specserve.gateway")
-RECONNECT_INTERVAL_S = 1.0
-SERVICE_ERRORS = (ConnectionError, OSError, asyncio.IncompleteReadError, RuntimeError)
 
 
 class ServiceUnavailable(Exception):
-    """The target service cannot be reached: new requests get 503."""
+    """No target replica can be reached (or the request was refused): the HTTP answer is 503."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class EngineLimits:
+    max_running: int = 64  # most requests bound to one replica
+    max_prefill_tokens: int = 256  # most prompt tokens in one replica's pass
+    tree_slack_tokens: int = 64  # KV reserved per request beyond prompt + max_tokens (tree slots)
+    draft_max_depth: int = 16  # the draft service's caps (its --max-depth / --max-width defaults)
+    draft_max_width: int = 16
 
 
 class Engine:
-    def __init__(self, policy: Policy, latency: LatencyModel, metrics: GatewayMetrics, draft_address: str,
-                 target_address: str, *, max_running: int = 64, max_prefill_tokens: int = 256,
-                 tree_slack_tokens: int = 64):
-        self.policy, self.latency, self.metrics = policy, latency, metrics
-        self.draft_address, self.target_address = draft_address, target_address
-        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
-        self.tree_slack_tokens = tree_slack_tokens  # KV reserved per request beyond prompt + max_tokens
-        self.draft: DraftClient | None = None
-        self.target: TargetClient | None = None
-        self.total_blocks = 0
-        self.block_size = 16
-        self.free_blocks = 0  # target KV blocks free after the last call
-        self.reserved_blocks = 0
+    def __init__(self, policy: Policy, scheduler: Scheduler, pool: ServicePool, metrics: GatewayMetrics,
+                 limits: EngineLimits, call_timeout_s: float = 30.0):
+        self.policy, self.scheduler, self.pool, self.metrics = policy, scheduler, pool, metrics
+        self.limits = limits
+        self.executor = Executor(pool, call_timeout_s)
         self.waiting: list[GenRequest] = []
-        self.running: list[GenRequest] = []
+        self.running: list[GenRequest] = []  # admitted, in admission order
         self.requests: dict[str, GenRequest] = {}
-        self._release: set[str] = set()  # finished requests to release in both services
-        self._draft_release: set[str] = set()  # requests whose draft state must be rebuilt
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._last_connect = 0.0
+        self._task: asyncio.Task[None] | None = None
         self.step = 0
+        self.last_record: IterationRecord | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        await self._connect_target()
-        if self.policy.uses_draft:
-            await self._connect_draft()
-        self.metrics.set_budget(self.latency.budget_tokens)
+        await self.pool.connect_all()
+        self.metrics.set_budget(self.pool.targets[0].latency.budget_tokens)
         self._task = asyncio.create_task(self._loop(), name="engine")
 
     async def close(self) -> None:
@@ -77,48 +95,25 @@ class Engine:
                 await self._task
         for r in list(self.requests.values()):
             self._finish(r, "abort")
-        with contextlib.suppress(*SERVICE_ERRORS):
-            await self._release_finished()
-        for client in (self.draft, self.target):
-            if client is not None:
-                await client.close()
-
-    async def _connect_target(self) -> None:
-        self.target = await TargetClient.connect(self.target_address)
-        stats = await self.target.stats()
-        self.total_blocks, self.block_size, self.free_blocks = stats.total_blocks, stats.block_size, stats.free_blocks
-
-    async def _connect_draft(self) -> None:
-        self.draft = await DraftClient.connect(self.draft_address)
-        await self.draft.health()
-
-    async def _reconnect(self) -> None:
-        now = time.monotonic()
-        if now - self._last_connect < RECONNECT_INTERVAL_S:
-            return
-        self._last_connect = now
-        if self.target is None:
-            with contextlib.suppress(*SERVICE_ERRORS):
-                await self._connect_target()
-                log.info("target service reconnected at %s", self.target_address)
-        if self.draft is None and self.policy.uses_draft:
-            try:
-                await self._connect_draft()
-                log.info("draft service reconnected at %s", self.draft_address)
-            except SERVICE_ERRORS:
-                self.draft = None
+        with contextlib.suppress(*TRANSPORT_ERRORS):
+            await self.executor.release_owed()
+        await self.pool.close()
 
     @property
     def target_up(self) -> bool:
-        return self.target is not None
+        return self.pool.any_target_up
+
+    @property
+    def total_blocks(self) -> int:
+        return self.pool.largest_pool_blocks
 
     # ---- requests --------------------------------------------------------------------------------
     def kv_blocks_for(self, prompt_tokens: int, max_tokens: int) -> int:
-        return math.ceil((prompt_tokens + max_tokens + self.tree_slack_tokens) / self.block_size)
+        return math.ceil((prompt_tokens + max_tokens + self.limits.tree_slack_tokens) / self.pool.block_size)
 
     def submit(self, req: GenRequest) -> None:
-        if self.target is None:
-            raise ServiceUnavailable("the target service is unavailable")
+        if not self.pool.any_target_up:
+            raise ServiceUnavailable("no target replica is available", RECONNECT_INTERVAL_S)
         req.kv_blocks = self.kv_blocks_for(len(req.prompt), req.max_tokens)
         self.requests[req.rid] = req
         self.waiting.append(req)
@@ -132,34 +127,41 @@ class Engine:
             self._finish(req, reason, notify=False)
             self._wake.set()
 
-    def _finish(self, r: GenRequest, reason: str, error: str | None = None, notify: bool = True) -> None:
+    def _finish(self, r: GenRequest, reason: str, error: str | None = None, notify: bool = True,
+                retry_after_s: float | None = None) -> None:
         if r.finish_reason is not None:
             return
         r.finish_reason = reason
-        if r in self.waiting:
-            self.waiting.remove(r)
+        if r.replica is None:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(r)
         else:
-            self._release.add(r.rid)
-        if r in self.running:
-            self.running.remove(r)
-            self.reserved_blocks -= r.kv_blocks
+            replica = self.pool.targets[r.replica]
+            replica.requests.discard(r.rid)
+            replica.reserved_blocks -= r.kv_blocks
+            replica.owed_releases.add(r.rid)
+            if self.pool.draft is not None and r.draft_seen:
+                self.pool.draft.owed_releases.add(r.rid)
+            with contextlib.suppress(ValueError):
+                self.running.remove(r)
         self.requests.pop(r.rid, None)
         if notify:
-            r.events.put_nowait(Finished(reason, error))
-        now = time.perf_counter()
+            r.events.put_nowait(Finished(reason, error, retry_after_s))
         tpot = r.tpot_s()
         ok = r.slo_met() if reason in ("stop", "length") else None
-        self.metrics.on_finished(reason, len(r.prompt), len(r.output), now - r.arrival, tpot, r.slo.name, ok)
+        self.metrics.on_finished(reason, len(r.prompt), len(r.output), time.perf_counter() - r.arrival, tpot,
+                                 r.slo.name, ok)
 
     # ---- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            if not self.running and not self.waiting and not self._release:
+            if not self.running and not self.waiting and not self._owed():
                 self._wake.clear()
-                if self.target is None or (self.draft is None and self.policy.uses_draft):
+                self._set_load()
+                if self.pool.needs_reconnect:
                     with contextlib.suppress(TimeoutError):  # idle, but a service to reconnect
                         await asyncio.wait_for(self._wake.wait(), RECONNECT_INTERVAL_S)
-                    await self._reconnect()
+                    await self.pool.reconnect(TRANSPORT_ERRORS)
                 else:
                     await self._wake.wait()
                 continue
@@ -171,146 +173,263 @@ class Engine:
                     self._finish(r, "error", "internal error in the gateway")
                 await asyncio.sleep(0)
 
-    async def _release_finished(self) -> None:
-        rids, self._release = sorted(self._release), set()
-        draft_rids = sorted(set(rids) | self._draft_release)
-        self._draft_release = set()
-        calls = []
-        if rids and self.target is not None:
-            calls.append(self.target.release(rids))
-        if draft_rids and self.draft is not None:
-            calls.append(self.draft.release(draft_rids))
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, BaseException):
-                log.warning("release failed: %s", result)
-
-    def _admit(self) -> None:
-        order = {rid: i for i, rid in enumerate(self.policy.admit([r.rid for r in self.waiting], self._batch([]),
-                                                                   self.latency))}
-        for r in sorted(self.waiting, key=lambda r: order.get(r.rid, len(order))):
-            if len(self.running) >= self.max_running or self.reserved_blocks + r.kv_blocks > self.total_blocks:
-                break
-            self.waiting.remove(r)
-            self.running.append(r)
-            self.reserved_blocks += r.kv_blocks
-            r.admitted_at = time.perf_counter()
-            self.metrics.on_admitted(r.admitted_at - r.arrival)
-
-    def _prefill_items(self, step: int) -> list[PrefillItem]:
-        items, budget = [], self.max_prefill_tokens
-        for r in self.running:
-            if r.prefilled >= len(r.prompt) or r.finish_reason is not None or budget <= 0:
-                continue
-            toks = r.prompt[r.prefilled : r.prefilled + budget]
-            budget -= len(toks)
-            items.append(PrefillItem(r.rid, step, r.prefilled, toks, r.prefilled + len(toks) == len(r.prompt),
-                                     r.sampling if r.prefilled == 0 else None))
-        return items
-
-    def _view(self, r: GenRequest, now: float) -> RequestView:
-        return RequestView(r.rid, r.slo.name, r.slo.tpot_ms, r.slo.ttft_ms, len(r.output) - 1,
-                           (now - r.token_times[0]) * 1e3, r.remaining, r.accepted)
-
-    def _batch(self, decoding: list[GenRequest], prefill_tokens: int = 0) -> BatchView:
-        now = time.perf_counter()
-        return BatchView([self._view(r, now) for r in decoding], prefill_tokens, len(self.waiting),
-                         self.draft is not None)
+    def _owed(self) -> bool:
+        services = [t for t in self.pool.targets if t.up]
+        if self.pool.draft is not None and self.pool.draft.up:
+            services.append(self.pool.draft)  # type: ignore[arg-type]
+        return any(s.owed_releases for s in services)
 
     async def _iteration(self) -> None:
         t0 = time.perf_counter()
-        await self._reconnect()
-        await self._release_finished()
-        if self.target is None:
+        if self.pool.needs_reconnect and "draft" in await self.pool.reconnect(TRANSPORT_ERRORS):
+            self._draft_lost()  # it may have restarted empty: every request rebuilds its draft state
+        await self.executor.release_owed()
+        self._end_requests_of_down_replicas()
+        if not self.pool.any_target_up:
             for r in list(self.waiting):
-                self._finish(r, "error", "the target service is unavailable")
+                self._finish(r, "error", "no target replica is available")
             await asyncio.sleep(RECONNECT_INTERVAL_S)
             return
-        self._admit()
+        if not self.running and not self.waiting:
+            return  # only releases were owed
         self.step += 1
-        step = self.step
-        prefill = self._prefill_items(step)
-        decoding = [r for r in self.running if r.decoding]
-        batch = self._batch(decoding, sum(len(p.tokens) for p in prefill))
-        trees, draft_ms, draft_service_ms = await self._speculate(batch, decoding, step)
-        selected = self.policy.select(batch, trees, self.latency) if decoding else {}
-        verify = []
-        for r in decoding:
-            toks, parents = trees[r.rid].subtree(selected[r.rid])
-            verify.append(VerifyItem(r.rid, step, r.committed, toks, parents))
-        if not prefill and not verify:
-            return
-        t1 = time.perf_counter()
-        try:
-            outputs, reply = await self.target.forward(prefill, verify)
-        except SERVICE_ERRORS as exc:
-            log.error("target call failed (%s): ending %d requests", exc, len(self.running))
-            self.target = None
-            for r in list(self.running):
-                self._finish(r, "error", f"the target service failed: {exc}")
-            return
-        target_ms = (time.perf_counter() - t1) * 1e3
-        self.free_blocks = reply.free_blocks
-        outcomes = self._commit(outputs, {p.rid: len(p.tokens) for p in prefill}, {v.rid: v for v in verify})
-        total_ms = (time.perf_counter() - t0) * 1e3
-        self._record(total_ms, draft_ms, target_ms, batch, verify, outcomes,
-                     draft_service_ms, min(reply.total_ms, target_ms))
-        if decoding:
-            self.latency.observe(total_ms, draft_ms, target_ms)
-            self.policy.observe(batch, outcomes, total_ms)
+        plan = self.scheduler.plan(self._snapshot(t0), self.step)
+        self._apply_admission(plan)
+        record = IterationRecord(self.step, admitted=len(plan.admitted), deferred=len(plan.deferred),
+                                 rejected=len(plan.rejected))
+        if plan.residency is not Residency.KEEP:
+            await self._transition(plan, record)
+        decoding = [r for r in self.running if r.decoding and r.rid in plan.shapes]
+        trees = await self._speculate(plan, decoding, record)
+        passes = self._passes(plan, decoding, trees, record)
+        if passes:
+            await self._target_pass(plan, passes, record)
+        record.total_ms = (time.perf_counter() - t0) * 1e3
+        record.waiting, record.running = len(self.waiting), len(self.running)
+        self._consume(record)
 
-    async def _speculate(self, batch: BatchView, decoding: list[GenRequest], step: int):
+    # ---- 2. snapshot -----------------------------------------------------------------------------
+    def _snapshot(self, now: float) -> SchedulerView:
+        waiting = [WaitingView(r.rid, len(r.prompt), r.max_tokens, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
+                               r.slo.ttft_ms, (now - r.arrival) * 1e3) for r in self.waiting]
+        prefilling, decoding = [], []
+        for r in self.running:
+            assert r.replica is not None
+            if r.decoding:
+                decoding.append(RequestView(r.rid, r.slo.name, r.slo.tpot_ms, r.slo.ttft_ms, len(r.output) - 1,
+                                            (now - r.token_times[0]) * 1e3, r.remaining, r.accepted, r.replica,
+                                            len(r.draft_unsent)))
+            elif r.prefilled < len(r.prompt):
+                prefilling.append(PrefillView(r.rid, r.replica, len(r.prompt), r.prefilled, r.slo.name,
+                                              r.slo.ttft_ms, (now - r.arrival) * 1e3))
+        draft = self.pool.draft.view() if self.pool.draft is not None else DraftView(False, False)
+        lim = self.limits
+        return SchedulerView(waiting, prefilling, decoding, [t.view() for t in self.pool.targets], draft,
+                             Limits(lim.max_running, lim.max_prefill_tokens, lim.draft_max_depth,
+                                    lim.draft_max_width))
+
+    # ---- 3. admission ----------------------------------------------------------------------------
+    def _apply_admission(self, plan: IterationPlan) -> None:
+        now = time.perf_counter()
+        for rid, reject in plan.rejected.items():
+            r = self.requests[rid]
+            self.metrics.on_error("rejected")
+            self._finish(r, "rejected", reject.reason, retry_after_s=reject.retry_after_s)
+        for a in plan.admitted:
+            r = self.requests[a.rid]
+            assert a.replica is not None
+            replica = self.pool.targets[a.replica]
+            self.waiting.remove(r)
+            self.running.append(r)
+            r.replica, r.admitted_at = a.replica, now
+            replica.requests.add(r.rid)
+            replica.reserved_blocks += r.kv_blocks
+            r.events.put_nowait(Admitted(a.replica))
+            self.metrics.on_admitted(now - r.arrival)
+
+    # ---- 4. the draft ----------------------------------------------------------------------------
+    async def _transition(self, plan: IterationPlan, record: IterationRecord) -> None:
+        result = await self.executor.transition(plan.residency)
+        record.draft.transition, record.draft.transition_ms = plan.residency.value, result.ms
+        if result.failure is not None:
+            record.draft.failure = str(result.failure)
+            log.warning("draft %s failed: %s", plan.residency.value, result.failure)
+            if result.failure.kind == "down":
+                self._draft_lost()
+
+    async def _speculate(self, plan: IterationPlan, decoding: list[GenRequest],
+                         record: IterationRecord) -> dict[str, CandidateTree]:
         trees = {r.rid: CandidateTree.root_only(r.output[-1]) for r in decoding}
-        if not decoding or not self.policy.uses_draft or self.draft is None:
-            return trees, 0.0, 0.0
-        plan = self.policy.plan(batch, self.latency)
-        items = [SpeculateItem(r.rid, step, r.draft_unsent, r.committed, plan.shapes[r.rid].depth,
-                               plan.shapes[r.rid].width) for r in decoding if plan.shapes[r.rid].depth > 0]
-        if not items:
-            return trees, 0.0, 0.0
-        t0 = time.perf_counter()
-        try:
-            candidates, reply = await self.draft.speculate(items)
-        except SERVICE_ERRORS as exc:
-            log.error("draft call failed (%s): speculation is off until it is back", exc)
-            self.draft = None
-            for r in self.running:
-                self._resync_draft(r)
-            return trees, (time.perf_counter() - t0) * 1e3, 0.0
-        by_rid = {r.rid: r for r in decoding}
+        draft = self.pool.draft
+        items = [self._speculate_item(r, plan) for r in decoding if plan.shapes[r.rid].depth > 0]
+        if not items or draft is None or not draft.up:
+            return trees
+        result = await self.executor.speculate(items)
+        record.draft.requests, record.draft.call_ms = len(items), result.ms
+        if result.value is None:
+            self._draft_failed(result.failure, [r for r in decoding if plan.shapes[r.rid].depth > 0], record)
+            return trees
+        candidates, reply = result.value
+        record.draft.service_ms = min(reply.total_ms, result.ms)
+        record.draft.catchup_ms, record.draft.beam_ms = reply.catchup_ms, reply.beam_ms
+        self._take_candidates(candidates, items, trees)
+        return trees
+
+    def _speculate_item(self, r: GenRequest, plan: IterationPlan) -> SpeculateItem:
+        shape = plan.shapes[r.rid]
+        r.draft_seen = True
+        return SpeculateItem(r.rid, plan.step, list(r.draft_unsent), r.committed, shape.depth, shape.width)
+
+    def _take_candidates(self, candidates: list[Candidate], items: list[SpeculateItem],
+                         trees: dict[str, CandidateTree] | None) -> None:
+        sent = {i.rid: len(i.new_tokens) for i in items}
         for cand in candidates:
-            r = by_rid[cand.rid]
+            r = self.requests.get(cand.rid)
+            if r is None or r.finish_reason is not None:
+                continue
             if cand.error is not None or not cand.tokens or cand.tokens[0] != r.output[-1]:
                 log.warning("draft refused %s (%s): rebuilding its draft state", r.rid, cand.error)
                 self._resync_draft(r)
                 continue
-            r.draft_unsent = []
-            trees[r.rid] = CandidateTree(cand.tokens, cand.parents, cand.path_prob)
-        call_ms = (time.perf_counter() - t0) * 1e3
-        return trees, call_ms, min(reply.total_ms, call_ms)
+            del r.draft_unsent[: sent[cand.rid]]
+            if trees is not None and cand.rid in trees:
+                trees[cand.rid] = CandidateTree(cand.tokens, cand.parents, cand.path_prob)
+
+    def _draft_failed(self, failure: Failure | None, requests: list[GenRequest], record: IterationRecord) -> None:
+        record.draft.failure = str(failure)
+        if failure is not None and failure.kind == "down":
+            log.error("draft call failed (%s): speculation is off until it is back", failure)
+            self._draft_lost()
+        else:
+            log.error("draft refused the call (%s): plain decoding this step; rebuilding these requests' "
+                      "draft state", failure)
+            for r in requests:
+                self._resync_draft(r)
+
+    def _draft_lost(self) -> None:
+        """The draft is gone (or restarted empty): every request rebuilds its draft state."""
+        for r in self.running:
+            if r.draft_seen:
+                self._resync_draft(r)
 
     def _resync_draft(self, r: GenRequest) -> None:
         """Forget the draft's copy: release it there and resend every committed token next time."""
-        if r.output:
-            r.draft_unsent = r.prompt + r.output
-        self._draft_release.add(r.rid)
+        r.draft_unsent = r.prompt + r.output if r.output else []
+        if self.pool.draft is not None:
+            self.pool.draft.owed_releases.add(r.rid)
 
-    def _commit(self, outputs, prefill_len: dict[str, int], verify: dict[str, VerifyItem]) -> list[Outcome]:
+    # ---- 5. selection and the passes -------------------------------------------------------------
+    def _passes(self, plan: IterationPlan, decoding: list[GenRequest], trees: dict[str, CandidateTree],
+                record: IterationRecord) -> list[TargetPass]:
+        selected: dict[str, list[int]] = {}
+        for batch in plan.batches:
+            group = {r.rid: trees[r.rid] for r in batch.requests if r.rid in trees}
+            if group:
+                model = self.pool.targets[batch.replica].latency
+                selected.update(self.policy.select(batch, group, model))
+        by_replica: dict[int, TargetPass] = {}
+
+        def pass_of(replica: int) -> TargetPass:
+            if replica not in by_replica:
+                by_replica[replica] = TargetPass(self.pool.targets[replica], [], [])
+            return by_replica[replica]
+
+        for r in self.running:
+            n = plan.chunks.get(r.rid, 0)
+            if n <= 0 or r.finish_reason is not None:
+                continue
+            assert r.replica is not None
+            toks = r.prompt[r.prefilled: r.prefilled + n]
+            last = r.prefilled + n == len(r.prompt)
+            pass_of(r.replica).prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, toks, last,
+                                                          r.sampling if r.prefilled == 0 else None))
+            record.requests.append(RequestStep(r.rid, r.replica, prompt_tokens=n))
+        for r in decoding:
+            assert r.replica is not None
+            toks, parents = trees[r.rid].subtree(selected.get(r.rid, [0]))
+            pass_of(r.replica).verify.append(VerifyItem(r.rid, plan.step, r.committed, toks, parents))
+            shape = plan.shapes[r.rid]
+            record.requests.append(RequestStep(r.rid, r.replica, depth=shape.depth, width=shape.width,
+                                               verified=len(toks)))
+        self._end_requests_of_down_replicas()
+        return [by_replica[i] for i in sorted(by_replica) if by_replica[i].replica.up]
+
+    async def _target_pass(self, plan: IterationPlan, passes: list[TargetPass], record: IterationRecord) -> None:
+        sync_ids = set(plan.draft_sync)
+        sync_reqs = [r for r in self.running if r.rid in sync_ids and r.draft_unsent]
+        draft = self.pool.draft
+        sync = [self._speculate_item(r, plan) for r in sync_reqs] if draft is not None and draft.up else []
+        for item in sync:
+            item.depth, item.width = 0, 1
+        results, sync_result, phase_ms = await self.executor.target_pass(passes, sync)
+        record.target_phase_ms = phase_ms
+        if sync_result is not None:
+            record.draft.sync_requests, record.draft.sync_call_ms = len(sync), sync_result.ms
+            if sync_result.value is None:
+                self._draft_failed(sync_result.failure, sync_reqs, record)
+            else:
+                record.draft.sync_service_ms = sync_result.value[1].total_ms
+                self._take_candidates(sync_result.value[0], sync, None)
+        steps = {s.rid: s for s in record.requests}
         now = time.perf_counter()
-        outcomes = []
+        for p, result in zip(passes, results):
+            step = ReplicaStep(p.replica.index, sum(len(i.tokens) for i in p.prefill),
+                               sum(len(i.tokens) for i in p.verify), call_ms=result.ms)
+            record.replicas.append(step)
+            if result.value is None:
+                step.failure = str(result.failure)
+                self._replica_failed(p, result.failure)
+                continue
+            outputs, reply = result.value
+            step.service_ms, step.forward_ms = min(reply.total_ms, result.ms), reply.forward_ms
+            p.replica.free_blocks = reply.free_blocks
+            self._commit(outputs, {i.rid: len(i.tokens) for i in p.prefill}, steps, now)
+
+    def _end_requests_of_down_replicas(self, why: str = "the connection was lost") -> None:
+        for replica in self.pool.targets:
+            if not replica.up and replica.requests:
+                self._end_replica_requests(replica, why)
+
+    def _end_replica_requests(self, replica: TargetReplica, why: str) -> None:
+        ended = [self.requests[rid] for rid in sorted(replica.requests) if rid in self.requests]
+        log.error("target %d (%s) failed (%s): ending its %d requests", replica.index, replica.address, why,
+                  len(ended))
+        for r in ended:
+            self._finish(r, "error", f"the target service failed: {why}")
+
+    def _replica_failed(self, p: TargetPass, failure: Failure | None) -> None:
+        replica = p.replica
+        if failure is not None and failure.kind == "down":
+            self._end_replica_requests(replica, failure.message)
+            return
+        ids = [i.rid for i in p.prefill] + [i.rid for i in p.verify]
+        log.error("target %d refused a call (%s): ending the %d requests in it", replica.index, failure, len(ids))
+        for rid in ids:
+            r = self.requests.get(rid)
+            if r is not None:
+                self.metrics.on_error("remote_error")
+                self._finish(r, "error", f"the target service refused the step: {failure}")
+
+    # ---- 6. commit -------------------------------------------------------------------------------
+    def _commit(self, outputs: list[StepOutput], prefill_len: dict[str, int], steps: dict[str, RequestStep],
+                now: float) -> None:
         for out in outputs:
             r = self.requests.get(out.rid)
-            if r is None or r.finish_reason is not None:
+            step = steps.get(out.rid)
+            if r is None or r.finish_reason is not None or step is None:
                 continue  # aborted while the call ran; released next iteration
             if out.error is not None:
+                step.error = out.error.code
                 if out.error.code == "out_of_blocks":
                     continue  # retried next iteration
                 self.metrics.on_error(out.error.code)
                 self._finish(r, "error", f"{out.error.code}: {out.error.message}")
                 continue
-            if out.rid in verify:
+            step.emitted = len(out.tokens)
+            if step.verified:
+                step.accepted = out.num_accepted
                 r.accepted.append(out.num_accepted)
-                r.verified.append((self.step, len(verify[out.rid].tokens)))
-                outcomes.append(Outcome(r.rid, len(verify[out.rid].tokens), out.num_accepted))
+                r.verified.append((self.step, step.verified))
             elif not out.tokens:  # a prompt chunk that was not the last
                 r.prefilled += prefill_len[out.rid]
                 continue
@@ -318,7 +437,6 @@ class Engine:
                 r.prefilled = len(r.prompt)
                 self.metrics.on_first_token(now - r.arrival)
             self._emit(r, out.tokens, now)
-        return outcomes
 
     def _emit(self, r: GenRequest, tokens: list[int], now: float) -> None:
         first = not r.output
@@ -332,8 +450,7 @@ class Engine:
                 reason = "length"
                 break
         if not first and keep:
-            gap = now - r.token_times[-1]
-            self.metrics.on_tokens(len(keep), gap)
+            self.metrics.on_tokens(len(keep), now - r.token_times[-1])
         if first:  # the draft has seen nothing yet: its first call carries the prompt too
             r.draft_unsent = list(r.prompt)
         r.output.extend(keep)
@@ -344,20 +461,28 @@ class Engine:
         if reason is not None:
             self._finish(r, reason)
 
-    def _record(self, total_ms: float, draft_ms: float, target_ms: float, batch: BatchView,
-                verify: list[VerifyItem], outcomes: list[Outcome], draft_service_ms: float,
-                target_service_ms: float) -> None:
-        """Split the iteration: inside the draft and target services, transport (the rest of those two
-        calls), and scheduling (everything outside the calls)."""
-        schedule_ms = max(0.0, total_ms - draft_ms - target_ms)
-        transport_ms = (draft_ms - draft_service_ms) + (target_ms - target_service_ms)
-        tree_tokens = sum(len(v.tokens) for v in verify)
-        speculated = [o for o in outcomes if o.verified > 1]
-        max_len = max((o.verified for o in speculated), default=1)
-        per_pos = [sum(1 for o in speculated if o.accepted > i) for i in range(max_len - 1)]
-        self.metrics.on_iteration(batch.prefill_tokens + tree_tokens, draft_service_ms / 1e3,
-                                  target_service_ms / 1e3, schedule_ms / 1e3, len(speculated),
-                                  sum(o.verified - 1 for o in speculated), sum(o.accepted for o in speculated),
-                                  per_pos, transport_s=transport_ms / 1e3)
-        kv = 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
-        self.metrics.set_load(len(self.running), len(self.waiting), kv)
+    # ---- 7. the record's consumers ---------------------------------------------------------------
+    def _consume(self, record: IterationRecord) -> None:
+        self.last_record = record
+        if not record.replicas:
+            self._set_load()
+            return
+        self.metrics.on_iteration(record)
+        for replica in self.pool.targets:
+            replica.latency.observe_record(record, replica.index)
+        self.policy.observe(record)
+        self._set_load()
+
+    def _set_load(self) -> None:
+        used = total = 0
+        for t in self.pool.targets:
+            if t.up and t.total_blocks:
+                t_used = t.total_blocks - t.free_blocks
+                used, total = used + t_used, total + t.total_blocks
+                self.metrics.set_replica(str(t.index), True, len(t.requests), t_used / t.total_blocks)
+            else:
+                self.metrics.set_replica(str(t.index), False, len(t.requests), 0.0)
+        self.metrics.set_load(len(self.running), len(self.waiting), used / total if total else 0.0)
+
+
+__all__ = ["Engine", "EngineLimits", "ServiceUnavailable", "TargetReplica"]

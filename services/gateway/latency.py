@@ -10,6 +10,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from specserve.gateway.record import IterationRecord
+
 
 @dataclass(slots=True)
 class LatencyModel:
@@ -31,6 +33,13 @@ class LatencyModel:
         self.target_ms = target_ms if self.target_ms == 0 else self.target_ms + a * (target_ms - self.target_ms)
         if draft_ms > 0:
             self.draft_ms = draft_ms if self.draft_ms == 0 else self.draft_ms + a * (draft_ms - self.draft_ms)
+
+    def observe_record(self, record: IterationRecord, replica: int) -> None:
+        """One iteration as this replica saw it: the whole iteration, the draft call, its own Forward."""
+        mine = next((r for r in record.replicas if r.replica == replica and r.failure is None), None)
+        if mine is None or not any(s.replica == replica and s.verified for s in record.requests):
+            return  # no decoding on this replica: the iteration says nothing about t_spec
+        self.observe(record.total_ms, record.draft.call_ms, mine.call_ms)
 
     def predict_target_ms(self, tokens: int) -> float:
         """Linear interpolation on the profiled curve (flat below it, linear extrapolation above)."""

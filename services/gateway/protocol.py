@@ -339,10 +339,10 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest) -> Sampling:
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:
     """The single prompt of a parsed completion request: text, or token ids (a one-element list unwrapped)."""
-    prompt = req.prompt
+    prompt: object = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]
-    return prompt  # type: ignore[return-value]  # validated: str or list[int]
+    return prompt  # type: ignore[return-value]  # validated (_check_prompt): str or list[int]
 
 
 def messages_of(req: ChatCompletionRequest) -> list[dict[str, str]]:

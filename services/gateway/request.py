@@ -18,9 +18,17 @@ class Tokens:
 
 
 @dataclass(slots=True)
+class Admitted:
+    """The request left the waiting queue and is bound to a target replica."""
+
+    replica: int
+
+
+@dataclass(slots=True)
 class Finished:
-    reason: str  # "stop", "length", "abort" or "error"
-    error: str | None = None  # what went wrong, when reason == "error"
+    reason: str  # "stop", "length", "abort", "error" or "rejected" (refused before admission)
+    error: str | None = None  # what went wrong, when reason is "error" or "rejected"
+    retry_after_s: float | None = None  # "rejected": when to come back
 
 
 @dataclass(eq=False, slots=True)
@@ -32,6 +40,7 @@ class GenRequest:
     slo: SloClass
     stop_ids: frozenset[int]  # token ids that end the output (EOS); not streamed as text
     kv_blocks: int = 0  # target KV blocks reserved for it while admitted
+    replica: int | None = None  # the target replica it is bound to once admitted
     arrival: float = field(default_factory=time.perf_counter)  # perf_counter seconds
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Tokens / Finished for the handler
     admitted_at: float | None = None
@@ -41,6 +50,7 @@ class GenRequest:
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
     verified: list[tuple[int, int]] = field(default_factory=list)  # (engine step, tree nodes sent incl. root)
     draft_unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen
+    draft_seen: bool = False  # the draft may hold state for it (it must be released there)
     finish_reason: str | None = None
 
     @property
@@ -65,6 +75,7 @@ class GenRequest:
         """The `specserve` extension object of a response: SLO and speculation per step."""
         tpot = self.tpot_s()
         return {"slo": {"tier": self.slo.name, "tpot_ms": self.slo.tpot_ms, "ttft_ms": self.slo.ttft_ms},
+                "replica": self.replica,
                 "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
                 "steps": [[step, nodes, acc] for (step, nodes), acc in zip(self.verified, self.accepted)]}
 

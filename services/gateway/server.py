@@ -9,29 +9,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 
 from specserve.gateway.api import Generation, ModelInfo, build_request, resolve_slo
 from specserve.gateway.config import GatewayConfig
-from specserve.gateway.engine import Engine, ServiceUnavailable
+from specserve.gateway.engine import Engine, EngineLimits, ServiceUnavailable
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.metrics import GatewayMetrics
-from specserve.gateway.policy import Policy, make_policy
+from specserve.gateway.policy import Policy, make_policy, option_classes
+from specserve.gateway.pool import DraftService, ServicePool, TargetReplica
 from specserve.gateway.protocol import (
     ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
     messages_of,
     parse_chat,
     parse_completion,
     prompt_of,
     sampling_of,
 )
-from specserve.gateway.slo import default_classes, parse_class
+from specserve.gateway.routing import make_router
+from specserve.gateway.scheduler import Scheduler
+from specserve.gateway.slo import SloClass, default_classes, parse_class
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("specserve.gateway")
 _json = msgspec.json.Encoder()
@@ -42,7 +54,8 @@ def error_response(exc: ApiError) -> web.Response:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, tokenizer, info: ModelInfo, engine: Engine, classes, profile_path):
+    def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, engine: Engine,
+                 classes: dict[str, SloClass], profile_path: Path):
         self.config, self.tokenizer, self.info, self.engine = config, tokenizer, info, engine
         self.classes, self.profile_path = classes, profile_path
 
@@ -57,14 +70,17 @@ class Gateway:
         return app
 
     @web.middleware
-    async def _errors(self, request: web.Request, handler):
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as exc:
             self.engine.metrics.on_error(exc.code or "invalid_request")
             return error_response(exc)
         except ServiceUnavailable as exc:
-            return error_response(ApiError(str(exc), status=503, type="service_unavailable"))
+            resp = error_response(ApiError(str(exc), status=503, type="service_unavailable"))
+            if exc.retry_after_s is not None:
+                resp.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+            return resp
         except web.HTTPException as exc:
             if exc.status >= 400:
                 return error_response(ApiError(exc.reason, status=exc.status,
@@ -76,19 +92,18 @@ class Gateway:
         req = parse_completion(await request.read())
         self._check_model(req.model)
         prompt = prompt_of(req)
-        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        ids: list[int] = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
         return await self._serve(request, req, ids, "cmpl", chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat(await request.read())
         self._check_model(req.model)
         try:
-            ids = self.tokenizer.apply_chat_template(messages_of(req), add_generation_prompt=True, tokenize=True)
+            out: Any = self.tokenizer.apply_chat_template(messages_of(req), add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # a template that rejects the conversation
             raise ApiError(f"the chat template could not render these messages: {exc}", param="messages") from None
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        return await self._serve(request, req, list(ids), "chatcmpl", chat=True)
+        ids = out if isinstance(out, list) else out["input_ids"]  # a list, or a BatchEncoding in newer versions
+        return await self._serve(request, req, [int(t) for t in ids], "chatcmpl", chat=True)
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -96,7 +111,7 @@ class Gateway:
             "root": self.config.model, "max_model_len": self.info.max_model_len}]})
 
     async def slo_classes(self, _request: web.Request) -> web.Response:
-        lat = self.engine.latency
+        lat = self.engine.pool.targets[0].latency
         return web.json_response({
             "classes": {n: {"tpot_ms": c.tpot_ms, "ttft_ms": c.ttft_ms} for n, c in self.classes.items()},
             "budget_tokens": lat.budget_tokens, "baseline_iteration_ms": lat.baseline_iteration_ms,
@@ -104,8 +119,12 @@ class Gateway:
 
     async def health(self, _request: web.Request) -> web.Response:
         e = self.engine
+        draft = e.pool.draft
         body = {"status": "ok" if e.target_up else "degraded", "target": e.target_up,
-                "draft": e.draft is not None if e.policy.uses_draft else None,
+                "draft": draft.up if draft is not None else None,
+                "draft_offloaded": draft.offloaded if draft is not None else None,
+                "replicas": [{"index": t.index, "address": t.address, "up": t.up, "running": len(t.requests)}
+                             for t in e.pool.targets],
                 "running": len(e.running), "waiting": len(e.waiting)}
         return web.json_response(body, status=200 if e.target_up else 503)
 
@@ -119,19 +138,21 @@ class Gateway:
             raise ApiError(f"The model `{model}` does not exist; this server serves `{self.info.name}`.",
                            param="model", code="model_not_found")
 
-    async def _serve(self, request: web.Request, req, prompt_ids: list[int], prefix: str, chat: bool):
+    async def _serve(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                     prefix: str, chat: bool) -> web.StreamResponse:
         sampling = sampling_of(req)
         slo = resolve_slo(self.classes, req.service_tier, req.slo)
         gen_req = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix)
         self.engine.submit(gen_req)
         gen = Generation(self.engine, gen_req, self.tokenizer, sampling.stop)
+        await gen.admitted()  # refused before admission: 503 before any response byte
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return await self._stream(request, gen, chat, usage)
         text = "".join([piece async for piece in gen.pieces()])
         if gen.finish_reason == "error":
             raise web.HTTPInternalServerError(reason=gen.error or "generation failed")
-        choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        choice: dict[str, object] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -164,7 +185,7 @@ class Gateway:
         else:
             await resp.write(chunk(None, gen.finish_reason))
         if usage:
-            last = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.req.report()}
+            last: dict[str, object] = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.req.report()}
             await resp.write(b"data: " + _json.encode(last) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -172,7 +193,7 @@ class Gateway:
 
 
 # ---- process -------------------------------------------------------------------------------------
-async def load_latency(config: GatewayConfig, vocab_size: int) -> tuple[LatencyModel, Path]:
+async def load_latency(config: GatewayConfig, vocab_size: int) -> tuple[Callable[[], LatencyModel], Path]:
     """The profile (budget B, baseline latency, curve); measured against the target now if missing."""
     from specserve.gateway import profile as profiling
     from specserve.shared.service_client import TargetClient
@@ -182,7 +203,7 @@ async def load_latency(config: GatewayConfig, vocab_size: int) -> tuple[LatencyM
         prof = profiling.Profile.load(path)
     else:
         print(f"no profile at {path}: measuring the target now (specserve profile)", file=sys.stderr, flush=True)
-        target = await TargetClient.connect(config.target)
+        target = await TargetClient.connect(config.target[0])
         try:
             prof = await profiling.measure(target, vocab_size=vocab_size)
         finally:
@@ -193,10 +214,10 @@ async def load_latency(config: GatewayConfig, vocab_size: int) -> tuple[LatencyM
         print(f"profile saved to {path}: B = {prof.budget_tokens} tokens, baseline iteration "
               f"{prof.baseline_iteration_ms:.2f} ms", file=sys.stderr, flush=True)
     budget = config.budget if config.budget else prof.budget_tokens
-    return LatencyModel(budget, prof.baseline_iteration_ms, list(prof.curve)), path
+    return (lambda: LatencyModel(budget, prof.baseline_iteration_ms, list(prof.curve))), path
 
 
-def model_info(config: GatewayConfig):
+def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInfo]:
     from transformers import AutoTokenizer
 
     from specserve.shared.model_config import ModelConfig
@@ -207,19 +228,23 @@ def model_info(config: GatewayConfig):
     stops = set(cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
-    return tokenizer, ModelInfo(config.served_model_name, cfg.max_position_embeddings, cfg.vocab_size,
+    return tokenizer, ModelInfo(config.served_model_name or config.model, cfg.max_position_embeddings, cfg.vocab_size,
                                 frozenset(stops))
 
 
 async def run(config: GatewayConfig, policy: Policy) -> int:
     tokenizer, info = model_info(config)
-    latency, profile_path = await load_latency(config, info.vocab_size)
+    new_latency, profile_path = await load_latency(config, info.vocab_size)
+    latency = new_latency()
     classes = default_classes(latency.baseline_iteration_ms)
     for spec in config.slo_classes:
         cls = parse_class(spec)
         classes[cls.name] = cls
-    engine = Engine(policy, latency, GatewayMetrics(info.name), config.draft, config.target,
-                    max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens)
+    targets = [TargetReplica(i, address, new_latency()) for i, address in enumerate(config.target)]
+    pool = ServicePool(targets, DraftService(config.draft) if policy.uses_draft else None)
+    scheduler = Scheduler(policy, make_router(config.router), sync_draft=config.draft_sync == "eager")
+    limits = EngineLimits(config.max_running, config.max_prefill_tokens)
+    engine = Engine(policy, scheduler, pool, GatewayMetrics(info.name), limits, config.call_timeout_s)
     await engine.start()
     gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
@@ -245,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = GatewayConfig.from_args(args)
     try:
-        policy = make_policy(config.policy, config.max_depth, config.max_width, config.max_added)
+        policy = make_policy(config.policy, {cls: cls.from_args(args) for cls in option_classes()})
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from specserve.gateway.latency import LatencyModel
-from specserve.gateway.policy.base import BatchView, Plan, Policy, Selected, Shape, Trees
+from specserve.gateway.policy.base import BatchView, Policy, Selected, Shape, Trees
 from specserve.gateway.policy.selection import Selection
 
 
@@ -27,14 +27,14 @@ class _BudgetedTrees(Policy):
         self.max_width = max_width  # W_max
         self.max_added = max_added  # n_max: most nodes the SLO phase adds to one request
 
-    def plan(self, batch: BatchView, model: LatencyModel) -> Plan:
+    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
         n = len(batch.requests)
         budget = batch.tree_budget(model)
         if n == 0 or budget <= n:  # the roots use the whole budget: skip drafting (digest, pitfalls)
-            return Plan({r.rid: Shape(0, 1) for r in batch.requests})
+            return {r.rid: Shape(0, 1) for r in batch.requests}
         d = max(1, min(self.max_depth, math.ceil(budget / n)))  # eq. 8
         w = max(1, min(self.max_width, budget // n))  # eq. 9
-        return Plan({r.rid: Shape(min(d, r.remaining - 1), w) for r in batch.requests})
+        return {r.rid: Shape(min(d, r.remaining - 1), w) for r in batch.requests}
 
     def describe(self) -> dict:
         return {"name": self.name, "max_depth": self.max_depth, "max_width": self.max_width,

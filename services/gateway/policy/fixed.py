@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specserve.gateway.latency import LatencyModel
-from specserve.gateway.policy.base import BatchView, Plan, Policy, Selected, Shape, Trees
+from specserve.gateway.policy.base import BatchView, Policy, Selected, Shape, Trees
 
 
 class Chain(Policy):
@@ -17,8 +17,8 @@ class Chain(Policy):
         self.k = k
         self.name = f"chain:{k}"
 
-    def plan(self, batch: BatchView, model: LatencyModel) -> Plan:
-        return Plan({r.rid: Shape(min(self.k, r.remaining - 1), 1) for r in batch.requests})
+    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+        return {r.rid: Shape(min(self.k, r.remaining - 1), 1) for r in batch.requests}
 
     def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
         return {rid: list(range(len(tree.tokens))) for rid, tree in candidates.items()}
@@ -45,9 +45,9 @@ class ExpansionTree(Policy):
         self.widths = widths
         self.name = "tree:" + ",".join(map(str, widths))
 
-    def plan(self, batch: BatchView, model: LatencyModel) -> Plan:
+    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
         depth, width = len(self.widths), max(self.widths)
-        return Plan({r.rid: Shape(min(depth, r.remaining - 1), width) for r in batch.requests})
+        return {r.rid: Shape(min(depth, r.remaining - 1), width) for r in batch.requests}
 
     def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
         out = {}

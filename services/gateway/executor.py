@@ -1,0 +1,137 @@
+"""The executor: every call the gateway makes to the draft and target services, each with a deadline.
+
+Each call ends in one of three ways, and the caller is told which:
+- a reply: the call ran (single entries may still carry their own error, which ends only that request);
+- `Failure("remote", ...)`: the service is alive and answered the whole call with an error. It stays up;
+- `Failure("down", ...)`: a transport failure (connection lost, unreadable reply, deadline exceeded).
+  The connection is dropped and the service marked down; the pool reconnects it later.
+
+The target passes of all replicas run concurrently (and beside them, with the eager draft sync,
+a depth-0 Speculate call that keeps the draft's view of committed tokens current).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from specserve.gateway.plan import Residency
+from specserve.gateway.pool import DraftService, ServicePool, TargetReplica
+from specserve.shared.messages import ForwardReply, SpeculateReply, TransitionReply
+from specserve.shared.rpc import TRANSPORT_ERRORS, RemoteError, RpcProtocolError
+from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
+from specserve.shared.transport import MessageError
+
+log = logging.getLogger("specserve.gateway")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Failure:
+    kind: str  # "remote": the service refused the call; "down": transport failure, the service is marked down
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass(slots=True)
+class CallResult(Generic[T]):
+    value: T | None
+    failure: Failure | None
+    ms: float  # the call as the gateway saw it
+
+
+@dataclass(slots=True)
+class TargetPass:
+    replica: TargetReplica
+    prefill: list[PrefillItem]
+    verify: list[VerifyItem]
+
+
+class Executor:
+    def __init__(self, pool: ServicePool, call_timeout_s: float):
+        self.pool = pool
+        self.call_timeout_s = call_timeout_s  # deadline of every service call, seconds
+
+    async def _guard(self, service: TargetReplica | DraftService,
+                     call: Callable[[], Awaitable[T]]) -> CallResult[T]:
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                value = await call()
+            return CallResult(value, None, (time.perf_counter() - t0) * 1e3)
+        except TRANSPORT_ERRORS as exc:  # first: a reply out of step is a protocol error *and* transport
+            reason = f"no reply within {self.call_timeout_s:g} s" if isinstance(exc, TimeoutError) else \
+                f"{type(exc).__name__}: {exc}"
+            failure = Failure("down", reason)
+            await service.mark_down()
+        except (RemoteError, RpcProtocolError, MessageError) as exc:  # answered, in step: the service is alive
+            failure = Failure("remote", str(exc))
+        return CallResult(None, failure, (time.perf_counter() - t0) * 1e3)
+
+    # ---- releases --------------------------------------------------------------------------------
+    async def release_owed(self) -> None:
+        """Send every up service the releases it is owed; what fails stays owed."""
+        services: list[TargetReplica | DraftService] = [t for t in self.pool.targets if t.up and t.owed_releases]
+        draft = self.pool.draft
+        if draft is not None and draft.up and draft.owed_releases:
+            services.append(draft)
+        if not services:
+            return
+
+        async def one(s: TargetReplica | DraftService) -> None:
+            rids = sorted(s.owed_releases)
+            client = s.client
+            assert client is not None
+            result = await self._guard(s, lambda: client.release(rids))
+            if result.value is not None:
+                s.owed_releases.difference_update(rids)
+                if isinstance(s, TargetReplica):
+                    s.free_blocks = result.value.free_blocks
+            else:
+                log.warning("release at %s failed (%s); kept for the next iteration", s.address, result.failure)
+
+        await asyncio.gather(*(one(s) for s in services))
+
+    # ---- the draft -------------------------------------------------------------------------------
+    async def transition(self, residency: Residency) -> CallResult[TransitionReply]:
+        draft = self.pool.draft
+        assert draft is not None and draft.client is not None
+        client = draft.client
+        call = client.offload if residency is Residency.OFFLOAD else client.reload
+        result = await self._guard(draft, call)
+        if result.value is not None:
+            draft.offloaded = result.value.offloaded
+        return result
+
+    async def speculate(self, items: list[SpeculateItem]) -> CallResult[tuple[list[Candidate], SpeculateReply]]:
+        draft = self.pool.draft
+        assert draft is not None and draft.client is not None
+        client = draft.client
+        result = await self._guard(draft, lambda: client.speculate(items))
+        if result.value is not None and result.value[1].offloaded:
+            draft.offloaded = True  # offloaded by someone else, or restarted offloaded
+        return result
+
+    # ---- the target pass -------------------------------------------------------------------------
+    async def target_pass(self, passes: list[TargetPass], sync: list[SpeculateItem]) -> tuple[
+            list[CallResult[tuple[list[StepOutput], ForwardReply]]],
+            CallResult[tuple[list[Candidate], SpeculateReply]] | None, float]:
+        """Every replica's Forward at once (and the eager draft sync beside them); the wall time, ms."""
+        t0 = time.perf_counter()
+
+        def forward(p: TargetPass) -> Callable[[], Awaitable[tuple[list[StepOutput], ForwardReply]]]:
+            client = p.replica.client
+            assert client is not None
+            return lambda: client.forward(p.prefill, p.verify)
+
+        calls = [self._guard(p.replica, forward(p)) for p in passes]
+        sync_call = asyncio.ensure_future(self.speculate(sync)) if sync else None
+        results = list(await asyncio.gather(*calls))
+        synced = await sync_call if sync_call is not None else None
+        return results, synced, (time.perf_counter() - t0) * 1e3

@@ -1,0 +1,172 @@
+"""The services the gateway drives: N target replicas and one draft, each with its own connection,
+health, reconnect and the releases it is owed.
+
+- `TargetReplica`: one target service. Its client, its KV ledger (pool size, blocks reserved by the
+  requests bound to it, blocks free after its last call), its own `LatencyModel`, the requests
+  bound to it for their whole life, and the releases it is owed.
+- `DraftService`: the one draft service that serves every replica (request ids are unique across
+  replicas). Its client, whether its weights are offloaded, and the releases it is owed.
+
+A service is *up* while it has a connection. The executor marks one down after a transport
+failure (connection lost, deadline exceeded); `reconnect` tries again at most once per
+`RECONNECT_INTERVAL_S`, and a reconnected service is asked for its state (`Stats`), since a
+restarted one starts empty. Releases owed to a service survive its outage and are sent once it
+is back (a restarted service answers them as unknown, which is harmless).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.plan import DraftView, ReplicaView
+from specserve.shared.service_client import DraftClient, TargetClient
+
+log = logging.getLogger("specserve.gateway")
+RECONNECT_INTERVAL_S = 1.0
+CONNECT_TIMEOUT_S = 5.0
+
+
+class _Service:
+    async def mark_down(self) -> None:
+        raise NotImplementedError
+
+    def __init__(self, address: str):
+        self.address = address
+        self.owed_releases: set[str] = set()  # request ids whose state this service must drop
+        self._last_attempt = -math.inf
+
+    def due(self, now: float) -> bool:
+        """Time for another reconnect attempt."""
+        if now - self._last_attempt < RECONNECT_INTERVAL_S:
+            return False
+        self._last_attempt = now
+        return True
+
+
+class TargetReplica(_Service):
+    def __init__(self, index: int, address: str, latency: LatencyModel):
+        super().__init__(address)
+        self.index = index
+        self.latency = latency
+        self.client: TargetClient | None = None
+        self.total_blocks = 0  # its KV pool, blocks
+        self.block_size = 16  # tokens per block
+        self.free_blocks = 0  # free after its last call (what the service said)
+        self.reserved_blocks = 0  # reserved by the requests bound to it
+        self.requests: set[str] = set()  # ids of the requests bound to it
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None
+
+    async def connect(self) -> None:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            client = await TargetClient.connect(self.address)
+            try:
+                stats = await client.stats()
+            except BaseException:
+                await client.close()
+                raise
+        self.client = client
+        self.total_blocks, self.block_size, self.free_blocks = stats.total_blocks, stats.block_size, stats.free_blocks
+
+    async def mark_down(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    def view(self) -> ReplicaView:
+        return ReplicaView(self.index, self.up, self.total_blocks, self.reserved_blocks, len(self.requests),
+                           self.latency)
+
+
+class DraftService(_Service):
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.client: DraftClient | None = None
+        self.offloaded = False  # weights in host memory: root-only trees until reloaded
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None
+
+    async def connect(self) -> None:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            client = await DraftClient.connect(self.address)
+            try:
+                health = await client.health()
+            except BaseException:
+                await client.close()
+                raise
+        self.client = client
+        self.offloaded = health.status == "offloaded"
+
+    async def mark_down(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    def view(self) -> DraftView:
+        return DraftView(self.up, self.offloaded)
+
+
+class ServicePool:
+    """The target replicas and the draft, and their reconnects."""
+
+    def __init__(self, targets: list[TargetReplica], draft: DraftService | None):
+        self.targets = targets
+        self.draft = draft  # None when the policy never speculates
+
+    @property
+    def any_target_up(self) -> bool:
+        return any(t.up for t in self.targets)
+
+    @property
+    def block_size(self) -> int:
+        return next((t.block_size for t in self.targets if t.total_blocks), 16)
+
+    @property
+    def largest_pool_blocks(self) -> int:
+        """The largest KV pool of any replica seen so far (a request that needs more can never run)."""
+        return max((t.total_blocks for t in self.targets), default=0)
+
+    async def connect_all(self) -> None:
+        """At start: every service must answer (the gateway does not start half connected)."""
+        for t in self.targets:
+            await t.connect()
+        if self.draft is not None:
+            await self.draft.connect()
+
+    async def reconnect(self, errors: tuple[type[BaseException], ...]) -> list[str]:
+        """Try the services that are down (each at most once per interval); returns what came back."""
+        now = time.monotonic()
+        back = []
+        services: list[TargetReplica | DraftService] = [t for t in self.targets if not t.up]
+        if self.draft is not None and not self.draft.up:
+            services.append(self.draft)
+        for s in services:
+            if not s.due(now):
+                continue
+            try:
+                await s.connect()
+            except errors:
+                continue
+            name = f"target {s.index}" if isinstance(s, TargetReplica) else "draft"
+            log.info("%s service reconnected at %s", name, s.address)
+            back.append(name)
+        return back
+
+    @property
+    def needs_reconnect(self) -> bool:
+        return not all(t.up for t in self.targets) or (self.draft is not None and not self.draft.up)
+
+    async def close(self) -> None:
+        for s in [*self.targets, *([self.draft] if self.draft else [])]:
+            await s.mark_down()

@@ -1,0 +1,229 @@
+"""Two target replicas behind one gateway: `specserve up --targets 2` as real processes, the openai client.
+
+- greedy output equals transformers', with the requests spread over both replicas;
+- killing one replica ends only its own requests with an error; the other keeps serving and takes
+  new requests; `up` restarts the killed one and it rejoins (new requests reach it again);
+- an error on one entry (a stranger released a request on its replica) ends that request alone;
+- a replica that answers a whole call with an error stays up, and the other replica is untouched;
+- the executor tells a remote error from a dead service and from a missed deadline (real target).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from specserve.gateway.executor import Executor
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.pool import ServicePool, TargetReplica
+from specserve.launch import ServiceProcess, free_port
+from specserve.shared.service_client import PrefillItem, TargetClient
+from tests.gateway_procs import Up, service_pid
+from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, transformers_greedy
+
+
+@pytest.fixture(scope="module")
+def up2(tmp_path_factory):
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
+    server = Up("--targets", "2", "--profile", str(profile), "--", "--budget", "24")
+    yield server
+    server.interrupt()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    return transformers_greedy()
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=30).json()
+
+
+async def run_all(url: str, prompts: list[str], **kw) -> list:
+    c = aclient(url)
+    try:
+        return await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                           temperature=0, **kw) for p in prompts],
+                                    return_exceptions=True)
+    finally:
+        await c.close()
+
+
+def wait_replicas_up(url: str, n: int, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(r["up"] for r in health(url)["replicas"]) < n:
+        assert time.monotonic() < deadline, health(url)
+        time.sleep(0.5)
+
+
+def wait_idle(up: Up, timeout_s: float = 30) -> None:
+    """Both replicas and the draft hold no request and no block (their own Stats)."""
+    async def stats():
+        out = []
+        for address in (up.addresses["target-0"], up.addresses["target-1"], up.draft):
+            from specserve.shared.service_client import DraftClient
+            cls = DraftClient if address == up.draft else TargetClient
+            c = await cls.connect(address)
+            out.append(await c.stats())
+            await c.close()
+        return out
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = asyncio.run(stats())
+        if all(x.resident_requests == 0 and x.free_blocks == x.total_blocks for x in s):
+            return
+        assert time.monotonic() < deadline, s
+        time.sleep(0.3)
+
+
+def test_greedy_equals_transformers_and_spreads_over_both(up2, reference):
+    assert [r["up"] for r in health(up2.url)["replicas"]] == [True, True]
+    results = asyncio.run(run_all(up2.url, PROMPTS))
+    assert [r.choices[0].text for r in results] == reference
+    replicas = [r.model_extra["specserve"]["replica"] for r in results]
+    assert set(replicas) == {0, 1}, replicas
+    wait_idle(up2)
+
+
+def test_entry_error_ends_only_that_request(up2, reference):
+    """A stranger releases one running request on its replica: the next step refuses that entry
+    (unknown_request); that stream alone ends with an error, the others finish exactly."""
+    async def run():
+        c = aclient(up2.url)
+        streams = [await c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+                   for p in PROMPTS[:4]]
+        firsts = [await s.__anext__() for s in streams]  # every stream has started: all are admitted
+        victim = firsts[0].id
+        replica = None
+        for name in ("target-0", "target-1"):
+            t = await TargetClient.connect(up2.addresses[name])
+            if victim in (await t.release([victim])).released:
+                replica = name
+            await t.close()
+        assert replica is not None
+
+        async def rest(first, s):
+            text = first.choices[0].text if first.choices else ""
+            try:
+                async for ch in s:
+                    if ch.choices:
+                        text += ch.choices[0].text
+            except openai.APIError as exc:
+                return exc
+            return text
+
+        out = await asyncio.gather(*[rest(f, s) for f, s in zip(firsts, streams)])
+        await c.close()
+        return out
+
+    out = asyncio.run(run())
+    assert isinstance(out[0], openai.APIError) and "unknown_request" in str(out[0]), out[0]
+    assert out[1:] == reference[1:4]
+    assert all(r["up"] for r in health(up2.url)["replicas"])
+    wait_idle(up2)
+
+
+def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
+    async def run():
+        c = aclient(up2.url)
+        tasks = [asyncio.ensure_future(c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                            temperature=0))
+                 for p in PROMPTS[:6]]
+        await asyncio.sleep(0.6)
+        os.kill(service_pid("target", up2.addresses["target-1"]), signal.SIGKILL)
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        await c.close()
+        return out
+
+    out = asyncio.run(run())
+    ok = [(i, r) for i, r in enumerate(out) if not isinstance(r, BaseException)]
+    failed = [r for r in out if isinstance(r, BaseException)]
+    assert failed, "no request was on the killed replica"
+    assert ok, "the surviving replica's requests failed too"
+    for i, r in ok:
+        assert r.model_extra["specserve"]["replica"] == 0 and r.choices[0].text == reference[i]
+    for exc in failed:
+        assert isinstance(exc, openai.APIError), exc
+    # while replica 1 is down (or being restarted), new requests are still served, exactly
+    again = asyncio.run(run_all(up2.url, PROMPTS[:2]))
+    assert [r.choices[0].text for r in again] == reference[:2]
+    # `up` restarts it on the same address; the gateway reconnects; new requests reach it again
+    wait_replicas_up(up2.url, 2)
+    later = asyncio.run(run_all(up2.url, PROMPTS))
+    assert [r.choices[0].text for r in later] == reference
+    assert {r.model_extra["specserve"]["replica"] for r in later} == {0, 1}
+    wait_idle(up2)
+
+
+def test_remote_call_error_keeps_the_replica_up(up2, reference):
+    """A request whose sampling breaks the target's pass makes that replica answer the whole call with
+    an error: the requests in that call end, the replica stays up, the other replica is untouched."""
+    async def run():
+        c = aclient(up2.url)
+        good = [asyncio.ensure_future(c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                           temperature=0)) for p in PROMPTS[:4]]
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=up2.url, timeout=60) as h:
+            bad = await h.post("/v1/completions", json={"model": "target", "prompt": "x = ", "max_tokens": 8,
+                                                        "temperature": 1e-38})
+        out = await asyncio.gather(*good, return_exceptions=True)
+        await c.close()
+        return bad, out
+
+    bad, out = asyncio.run(run())
+    assert bad.status_code in (200, 400, 500), bad.text
+    served = [(i, r) for i, r in enumerate(out) if not isinstance(r, BaseException)]
+    assert served
+    for i, r in served:
+        assert r.choices[0].text == reference[i]
+    assert [r["up"] for r in health(up2.url)["replicas"]] == [True, True]
+    assert health(up2.url)["status"] == "ok"
+    later = asyncio.run(run_all(up2.url, PROMPTS[:2]))
+    assert [r.choices[0].text for r in later] == reference[:2]
+    wait_idle(up2)
+
+
+def test_executor_tells_remote_errors_from_dead_services_and_deadlines():
+    target = ServiceProcess("target", threads=1)
+    try:
+        async def run():
+            replica = TargetReplica(0, target.address, LatencyModel(8, 10.0))
+            dead = TargetReplica(1, f"127.0.0.1:{free_port()}", LatencyModel(8, 10.0))
+            pool = ServicePool([replica, dead], None)
+            await replica.connect()
+            executor = Executor(pool, call_timeout_s=30)
+
+            async def bad_call():  # counts that disagree with the payload: the service refuses the call
+                from specserve.shared.messages import Forward, ForwardReply, PrefillEntry
+                return await replica.client.rpc.call(Forward([PrefillEntry("x", 1, 0, 5, True)]), ForwardReply)
+
+            remote = await executor._guard(replica, bad_call)
+            assert remote.failure is not None and remote.failure.kind == "remote" and replica.up
+            dead.client = await TargetClient.connect(target.address)  # then point it at nothing
+            await dead.client.close()
+            down = await executor._guard(dead, lambda: dead.client.stats())
+            assert down.failure is not None and down.failure.kind == "down" and not dead.up
+            slow = Executor(pool, call_timeout_s=0.0005)
+            item = PrefillItem("y", 1, 0, list(range(1, 300)), True, None)
+            from specserve.shared.messages import SamplingSpec
+            item.sampling = SamplingSpec()
+            late = await slow._guard(replica, lambda: replica.client.forward([item], []))
+            assert late.failure is not None and late.failure.kind == "down" and "no reply within" in str(late.failure)
+            assert not replica.up  # the connection is dropped: its reply may still be in flight
+            await replica.connect()  # and it reconnects
+            assert replica.up
+            assert json.dumps(replica.view().up)
+            await pool.close()
+
+        asyncio.run(run())
+    finally:
+        target.stop()
