@@ -1,0 +1,159 @@
+"""The gateway's own time per iteration (the `schedule` share of /metrics), this checkout against an
+earlier one, side by side in one run.
+
+For each run, each version (the order alternates by run, so drift hits both alike) and each policy,
+a fresh target, draft and gateway of that version serve `batch` concurrent streams of
+`--tokens` tokens (ignore_eos, short prompts), once per batch size. The gateway's counters before
+and after give the mean scheduling time per iteration (`specserve:iteration_schedule_seconds_total`
+/ `specserve:iterations_total`) and its share of the iteration. Medians and min-max over runs go to
+bench/results/schedule_cost.json and a markdown table on stdout.
+
+The earlier version runs from a checkout given by --baseline (e.g. `git worktree add /tmp/base
+de77309`); its packages are put first on PYTHONPATH through a symlink tree, so both versions share
+this venv.
+
+    .venv/bin/python bench/schedule_cost.py --baseline /tmp/base --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specserve.bench.scrape import parse_counters  # noqa: E402
+from specserve.launch import ServiceProcess  # noqa: E402
+
+PROMPT = "import os\nimport sys\n\n\ndef main():\n"
+
+
+def package_tree(checkout: Path) -> Path:
+    """A directory whose `specserve` package is that checkout's services/ plus shared/ (symlinks)."""
+    top = Path(tempfile.mkdtemp(prefix="specserve-pkg-"))
+    pkg = top / "specserve"
+    pkg.mkdir()
+    for entry in (checkout / "services").iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    (pkg / "shared").symlink_to(checkout / "shared")
+    return top
+
+
+class Stack:
+    def __init__(self, pythonpath: str | None, policy: str, profile: str, gateway_args: list[str]):
+        old = os.environ.get("PYTHONPATH")
+        if pythonpath:
+            os.environ["PYTHONPATH"] = pythonpath
+        try:
+            self.target = ServiceProcess("target", threads=1)
+            self.draft = ServiceProcess("draft", threads=1)
+            self.gateway = ServiceProcess("gateway", "--draft", self.draft.address, "--target", self.target.address,
+                                          "--policy", policy, "--profile", profile, *gateway_args)
+        finally:
+            if old is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = old
+        self.url = self.gateway.address
+
+    def stop(self) -> None:
+        for p in (self.gateway, self.draft, self.target):
+            p.stop()
+
+
+async def load(url: str, batch: int, tokens: int) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s:
+        async def metrics() -> dict[str, float]:
+            async with s.get(f"{url}/metrics") as r:
+                return parse_counters(await r.text())
+
+        async def one() -> None:
+            body = {"model": "target", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for _ in r.content:
+                    pass
+
+        await one()  # warm-up, outside the counted window
+        before = await metrics()
+        await asyncio.gather(*(one() for _ in range(batch)))
+        after = await metrics()
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    parts = [d.get(f"specserve:iteration_{p}_seconds_total", 0.0) for p in ("draft", "target", "transport",
+                                                                            "schedule")]
+    iters = d.get("specserve:iterations_total", 0.0)
+    sched = d.get("specserve:iteration_schedule_seconds_total", 0.0)
+    return {"iterations": iters, "schedule_ms": sched / iters * 1e3 if iters else float("nan"),
+            "iteration_ms": sum(parts) / iters * 1e3 if iters else float("nan"),
+            "schedule_share": sched / sum(parts) if sum(parts) else float("nan")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="a checkout of the earlier version")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--policies", default="adaserve,none")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--profile", default=str(ROOT / "bench/results/sweep-full/profile.json"))
+    ap.add_argument("--gateway-args", default="--budget 16")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/schedule_cost.json"))
+    args = ap.parse_args()
+    base = str(package_tree(Path(args.baseline).resolve()))
+    base_rev = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+    head_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+    versions = {f"before ({base_rev})": base, f"after ({head_rev}+)": None}
+    batches = [int(b) for b in args.batches.split(",")]
+    rows: list[dict] = []
+    for run in range(args.runs):
+        order = list(versions) if run % 2 == 0 else list(reversed(versions))
+        for version in order:
+            for policy in args.policies.split(","):
+                stack = Stack(versions[version], policy, args.profile, args.gateway_args.split())
+                try:
+                    for batch in batches:
+                        t0 = time.perf_counter()
+                        r = asyncio.run(load(stack.url, batch, args.tokens))
+                        rows.append({"run": run, "version": version, "policy": policy, "batch": batch, **r})
+                        print(f"run {run} {version} {policy} batch {batch}: {r['schedule_ms']:.3f} ms/iteration "
+                              f"({r['schedule_share']:.1%}), {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                              flush=True)
+                finally:
+                    stack.stop()
+    summary = []
+    for policy in args.policies.split(","):
+        for batch in batches:
+            for version in versions:
+                got = [r for r in rows if (r["policy"], r["batch"], r["version"]) == (policy, batch, version)]
+                ms = [r["schedule_ms"] for r in got]
+                share = [r["schedule_share"] for r in got]
+                summary.append({"policy": policy, "batch": batch, "version": version,
+                                "schedule_ms": statistics.median(ms), "min": min(ms), "max": max(ms),
+                                "share": statistics.median(share),
+                                "iteration_ms": statistics.median(r["iteration_ms"] for r in got)})
+    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": vars(args)}, indent=1))
+    print("| policy | batch | version | schedule ms / iteration, median (min-max) | share of iteration | "
+          "iteration ms |")
+    print("|---|---:|---|---:|---:|---:|")
+    for s in summary:
+        print(f"| {s['policy']} | {s['batch']} | {s['version']} | {s['schedule_ms']:.3f} ({s['min']:.3f}-"
+              f"{s['max']:.3f}) | {s['share']:.1%} | {s['iteration_ms']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
