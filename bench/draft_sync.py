@@ -57,7 +57,6 @@ async def workload(url: str, concurrency: int, waves: int, tokens: int) -> dict[
             n = max(8, tokens * (i % concurrency + 1) // concurrency)  # staggered: the batch shrinks
             body = {"model": "target", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": n, "temperature": 0,
                     "ignore_eos": True}
-            t0 = time.perf_counter()
             async with s.post(f"{url}/v1/completions", json=body) as r:
                 out = await r.json()
             return out["usage"]["completion_tokens"], out["specserve"]["tpot_ms"]

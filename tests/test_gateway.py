@@ -147,7 +147,9 @@ def test_models_health_metrics(up):
     models = client(up.url).models.list()
     assert [m.id for m in models.data] == ["target"]
     assert httpx.get(f"{up.url}/health").status_code == 200
-    metrics = httpx.get(f"{up.url}/metrics").text
+    resp = httpx.get(f"{up.url}/metrics")
+    assert resp.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    metrics = resp.text
     for name in ("vllm:num_requests_running", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
                  "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"):
         assert name in metrics

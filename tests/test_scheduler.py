@@ -184,6 +184,10 @@ def test_enforce_drops_a_residency_change_already_in_effect():
     ]:
         plan = Scheduler(Scripted(Decision(admit=[], residency=asked)), RoundRobin()).plan(view(draft=draft), 1)
         assert plan.residency is expected, (draft, asked)
+    # the iteration that offloads does not speculate
+    d = Decision(admit=[], shapes={"a": Shape(3, 1)}, residency=Residency.OFFLOAD)
+    plan = Scheduler(Scripted(d), RoundRobin()).plan(view(decoding_=[decoding("a")]), 1)
+    assert plan.residency is Residency.OFFLOAD and plan.shapes == {"a": Shape(0, 1)}
 
 
 def test_eager_draft_sync_lists_lagging_requests_that_do_not_speculate():

@@ -12,8 +12,8 @@
    prompt chunks, speculation shapes, the draft's residency.
 3. **enforce**: the hard limits, whatever the policy said. An admission that does not fit is
    deferred; chunks are cut to the prompt and the per-replica limit; shapes are cut to the tokens
-   left, the draft's caps, and to d = 0 while the draft is down or offloaded. A residency change
-   that is already in effect is dropped.
+   left, the draft's caps, and to d = 0 while the draft is down or offloaded (or is offloaded in this
+   iteration). A residency change that is already in effect is dropped.
 """
 
 from __future__ import annotations
@@ -114,7 +114,11 @@ class Scheduler:
         else:
             chunks, prefill = self._clip_chunks(view, admitted, decision.chunks)
 
-        draft_ok = view.draft.usable and self.policy.uses_draft
+        residency = decision.residency
+        if not view.draft.up or (residency is Residency.OFFLOAD) == view.draft.offloaded:
+            residency = Residency.KEEP
+        # an offload happens before this iteration's draft call: nobody speculates in it
+        draft_ok = view.draft.usable and self.policy.uses_draft and residency is not Residency.OFFLOAD
         shapes: dict[str, Shape] = {}
         for r in view.decoding:
             s = decision.shapes.get(r.rid)
@@ -123,10 +127,6 @@ class Scheduler:
             shapes[r.rid] = Shape(depth, width)
         sync = [r.rid for r in view.decoding if self.sync_draft and draft_ok and r.draft_lag > 0
                 and shapes[r.rid].depth == 0]
-
-        residency = decision.residency
-        if not view.draft.up or (residency is Residency.OFFLOAD) == view.draft.offloaded:
-            residency = Residency.KEEP
 
         replica_of = {p.rid: p.replica for p in view.prefilling}
         replica_of.update({r.rid: r.replica for r in view.decoding})

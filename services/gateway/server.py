@@ -24,6 +24,7 @@ from specserve.gateway.api import Generation, ModelInfo, build_request, resolve_
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine import Engine, EngineLimits, ServiceUnavailable
 from specserve.gateway.latency import LatencyModel
+from specserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specserve.gateway.metrics import GatewayMetrics
 from specserve.gateway.policy import Policy, make_policy, option_classes
 from specserve.gateway.pool import DraftService, ServicePool, TargetReplica
@@ -129,8 +130,7 @@ class Gateway:
         return web.json_response(body, status=200 if e.target_up else 503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(text=self.engine.metrics.render(), content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        return web.Response(body=self.engine.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     # ---- one generation ----------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:

@@ -1,0 +1,140 @@
+"""The engine in-process against real draft and target services: plans that move the draft (offload,
+reload) and the eager draft sync stay lossless, and the IterationRecord says what happened.
+
+The policy here is a test policy built on the real chain policy: it only adds a residency change or
+turns speculation off on chosen iterations, as Nightjar and TurboSpec will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specserve.gateway.engine import Engine, EngineLimits
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.metrics import GatewayMetrics
+from specserve.gateway.plan import Decision, Residency, SchedulerView, Shape
+from specserve.gateway.policy.fixed import Chain
+from specserve.gateway.pool import DraftService, ServicePool, TargetReplica
+from specserve.gateway.record import IterationRecord
+from specserve.gateway.request import Finished, GenRequest, Tokens
+from specserve.gateway.routing import RoundRobin
+from specserve.gateway.scheduler import Scheduler
+from specserve.gateway.slo import SloClass
+from specserve.launch import ServiceProcess
+from specserve.shared.messages import SamplingSpec
+from specserve.shared.service_client import DraftClient, TargetClient
+from tests.test_gateway import PROMPTS, TARGET
+
+MAX_TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def services():
+    target = ServiceProcess("target", threads=1)
+    draft = ServiceProcess("draft", threads=1)
+    yield target, draft
+    draft.stop()
+    target.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference():
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="float32").eval()
+    out = []
+    for p in PROMPTS[:3]:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append((ids[0].tolist(), gen[0, ids.shape[1]:].tolist()))
+    return out, set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+                    else [model.generation_config.eos_token_id])
+
+
+class Steered(Chain):
+    """chain:3, plus a residency change or d = 0 on chosen iterations; keeps every record."""
+
+    def __init__(self, residency: dict[int, Residency] | None = None, off_every: int = 0):
+        super().__init__(3)
+        self.residency = residency or {}
+        self.off_every = off_every
+        self.calls = 0
+        self.records: list[IterationRecord] = []
+
+    def decide(self, view: SchedulerView) -> Decision:
+        decision = super().decide(view)
+        self.calls += 1
+        decision.residency = self.residency.get(self.calls, Residency.KEEP)
+        if self.off_every and self.calls % self.off_every:
+            decision.shapes = {rid: Shape(0, 1) for rid in decision.shapes}  # speculation off this iteration
+        return decision
+
+    def observe(self, record: IterationRecord) -> None:
+        self.records.append(record)
+
+
+async def serve(policy: Steered, services, prompts, stops, *, sync: bool) -> list[list[int]]:
+    target, draft = services
+    pool = ServicePool([TargetReplica(0, target.address, LatencyModel(16, 10.0))], DraftService(draft.address))
+    engine = Engine(policy, Scheduler(policy, RoundRobin(), sync_draft=sync), pool, GatewayMetrics("t"),
+                    EngineLimits())
+    await engine.start()
+    try:
+        reqs = [GenRequest(f"r{i}", ids, SamplingSpec(), MAX_TOKENS, SloClass("chat", 100.0, 5000.0),
+                           frozenset(stops)) for i, (ids, _) in enumerate(prompts)]
+        for r in reqs:
+            engine.submit(r)
+
+        async def collect(r: GenRequest) -> list[int]:
+            out: list[int] = []
+            while True:
+                event = await r.events.get()
+                if isinstance(event, Tokens):
+                    out += event.tokens
+                elif isinstance(event, Finished):
+                    assert event.reason in ("stop", "length"), event
+                    return out
+
+        return list(await asyncio.gather(*(collect(r) for r in reqs)))
+    finally:
+        await engine.close()
+
+
+async def idle(services) -> None:
+    target, draft = services
+    for cls, address in ((TargetClient, target.address), (DraftClient, draft.address)):
+        c = await cls.connect(address)
+        s = await c.stats()
+        await c.close()
+        assert s.resident_requests == 0 and s.free_blocks == s.total_blocks, s
+
+
+def test_offload_and_reload_planned_by_the_policy(services, prompts_and_reference):
+    prompts, stops = prompts_and_reference
+    policy = Steered({4: Residency.OFFLOAD, 8: Residency.RELOAD})
+    out = asyncio.run(serve(policy, services, prompts, stops, sync=False))
+    assert out == [ref for _, ref in prompts]
+    recs = policy.records
+    moves = [(i, r.draft.transition) for i, r in enumerate(recs) if r.draft.transition]
+    assert [m for _, m in moves] == ["offload", "reload"], moves
+    (off, _), (on, _) = moves
+    assert all(r.draft.requests == 0 for r in recs[off:on]), "speculated while offloaded"
+    assert any(r.draft.requests > 0 for r in recs[:off]) and any(r.draft.requests > 0 for r in recs[on:])
+    assert any(r.draft.catchup_ms > 0 for r in recs[on:]), "no catch-up measured after the reload"
+    asyncio.run(idle(services))
+
+
+def test_eager_and_lazy_draft_sync_are_lossless(services, prompts_and_reference):
+    prompts, stops = prompts_and_reference
+    for sync in (False, True):
+        policy = Steered(off_every=3)  # speculate on every third iteration only
+        out = asyncio.run(serve(policy, services, prompts, stops, sync=sync))
+        assert out == [ref for _, ref in prompts], sync
+        synced = sum(r.draft.sync_requests for r in policy.records)
+        assert (synced > 0) == sync, (sync, synced)
+        for r in policy.records:  # the four parts of the split add up to the iteration
+            parts = r.draft_ms + r.target_ms + r.transport_ms + r.schedule_ms
+            assert parts == pytest.approx(r.total_ms, rel=1e-6, abs=1e-6)
+        asyncio.run(idle(services))
