@@ -87,14 +87,18 @@ class GatewayMetrics:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         m = ("model_name",)
 
+        # A metric labelled by model_name alone is kept as its one series (bound once here, so that
+        # the hot path does no label lookup; binding also creates the series, so dashboards see zeros).
         def counter(name: str, doc: str, labels: tuple[str, ...] = m) -> Counter:
-            return Counter(name.removesuffix("_total"), doc, labels, registry=r)  # the client adds _total
+            family = Counter(name.removesuffix("_total"), doc, labels, registry=r)  # the client adds _total
+            return family.labels(model_name=model_name) if labels == m else family
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = m) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+            family = Gauge(name, doc, labels, registry=r)
+            return family.labels(model_name=model_name) if labels == m else family
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, m, registry=r, buckets=buckets)
+            return Histogram(name, doc, m, registry=r, buckets=buckets).labels(model_name=model_name)
 
         # ---- vLLM: scheduler state
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
@@ -161,27 +165,19 @@ class GatewayMetrics:
         self.replica_kv_usage = gauge("specserve:replica_kv_usage_perc",
                                       "KV-cache usage of the replica. 1 means 100 percent usage.", (*m, "replica"))
 
-        # created at start, so dashboards see zeros
-        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                       self.preemptions, self.ttft, self.itl, self.tpot, self.e2e, self.queue_time,
-                       self.iteration_tokens, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
-                       self.draft_seconds, self.target_seconds, self.transport_seconds, self.schedule_seconds,
-                       self.iterations, self.draft_catchup, self.draft_beam, self.draft_sync, self.requests_received,
-                       self.budget):
-            metric.labels(model_name=model_name)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name=model_name, finished_reason=reason)
         self._exposed = _WithoutCreated(r)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def on_queued(self) -> None:
-        self.requests_received.labels(model_name=self.model_name).inc()
+        self.requests_received.inc()
 
     def on_admitted(self, queue_s: float) -> None:
-        self.queue_time.labels(model_name=self.model_name).observe(queue_s)
+        self.queue_time.observe(queue_s)
 
     def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(model_name=self.model_name).observe(ttft_s)
+        self.ttft.observe(ttft_s)
 
     def on_tokens(self, count: int, itl_s: float) -> None:
         """A chunk of `count` tokens, `itl_s` after the request's previous chunk: `count` ITL samples of
@@ -189,7 +185,7 @@ class GatewayMetrics:
         if count <= 0:
             return
         per_token = itl_s / count
-        itl = self.itl.labels(model_name=self.model_name)
+        itl = self.itl
         for _ in range(count):
             itl.observe(per_token)
 
@@ -199,11 +195,11 @@ class GatewayMetrics:
         request has no SLO to judge (nothing is counted in specserve:request_slo_total then)."""
         name = self.model_name
         self.request_success.labels(model_name=name, finished_reason=reason).inc()
-        self.prompt_tokens.labels(model_name=name).inc(prompt_tokens)
-        self.generation_tokens.labels(model_name=name).inc(generation_tokens)
-        self.e2e.labels(model_name=name).observe(e2e_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.e2e.observe(e2e_s)
         if tpot_s is not None:
-            self.tpot.labels(model_name=name).observe(tpot_s)
+            self.tpot.observe(tpot_s)
         if slo_met is not None:
             self.slo.labels(model_name=name, tier=tier, met="true" if slo_met else "false").inc()
 
@@ -211,7 +207,7 @@ class GatewayMetrics:
         self.errors.labels(model_name=self.model_name, code=code).inc()
 
     def on_preempted(self, count: int = 1) -> None:
-        self.preemptions.labels(model_name=self.model_name).inc(count)
+        self.preemptions.inc(count)
 
     # ---- engine iterations -------------------------------------------------------------------
     def on_iteration(self, record: IterationRecord) -> None:
@@ -221,33 +217,40 @@ class GatewayMetrics:
         (non-root) nodes verified, how many were accepted, and the accepted count per depth
         (position 0 = depth 1)."""
         name = self.model_name
-        self.iteration_tokens.labels(model_name=name).observe(record.prefill_tokens + record.tree_nodes)
-        self.draft_seconds.labels(model_name=name).inc(record.draft_ms / 1e3)
-        self.target_seconds.labels(model_name=name).inc(record.target_ms / 1e3)
-        self.transport_seconds.labels(model_name=name).inc(record.transport_ms / 1e3)
-        self.schedule_seconds.labels(model_name=name).inc(record.schedule_ms / 1e3)
-        self.iterations.labels(model_name=name).inc()
-        self.draft_catchup.labels(model_name=name).inc(record.draft.catchup_ms / 1e3)
-        self.draft_beam.labels(model_name=name).inc(record.draft.beam_ms / 1e3)
-        self.draft_sync.labels(model_name=name).inc(record.draft.sync_service_ms / 1e3)
-        speculated = [s for s in record.verify_steps if s.verified > 1]
-        self.spec_drafts.labels(model_name=name).inc(len(speculated))
-        self.spec_draft_tokens.labels(model_name=name).inc(sum(s.verified - 1 for s in speculated))
-        self.spec_accepted.labels(model_name=name).inc(sum(s.accepted for s in speculated))
-        longest = max((s.verified for s in speculated), default=1)
-        for position in range(longest - 1):
-            count = sum(1 for s in speculated if s.accepted > position)
+        self.iteration_tokens.observe(record.prefill_tokens + record.tree_nodes)
+        self.draft_seconds.inc(record.draft_ms / 1e3)
+        self.target_seconds.inc(record.target_ms / 1e3)
+        self.transport_seconds.inc(record.transport_ms / 1e3)
+        self.schedule_seconds.inc(record.schedule_ms / 1e3)
+        self.iterations.inc()
+        self.draft_catchup.inc(record.draft.catchup_ms / 1e3)
+        self.draft_beam.inc(record.draft.beam_ms / 1e3)
+        self.draft_sync.inc(record.draft.sync_service_ms / 1e3)
+        drafts = draft_tokens = accepted = 0
+        per_position: list[int] = []
+        for step in record.requests:
+            if step.verified > 1 and step.error is None:
+                drafts += 1
+                draft_tokens += step.verified - 1
+                accepted += step.accepted
+                if len(per_position) < step.verified - 1:
+                    per_position += [0] * (step.verified - 1 - len(per_position))
+                for position in range(step.accepted):
+                    per_position[position] += 1
+        self.spec_drafts.inc(drafts)
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted.inc(accepted)
+        for position, count in enumerate(per_position):
             self.spec_accepted_per_pos.labels(model_name=name, position=position).inc(count)
 
     # ---- state -------------------------------------------------------------------------------
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
-        name = self.model_name
-        self.running.labels(model_name=name).set(running)
-        self.waiting.labels(model_name=name).set(waiting)
-        self.kv_usage.labels(model_name=name).set(kv_usage)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
 
     def set_budget(self, tokens: int) -> None:
-        self.budget.labels(model_name=self.model_name).set(tokens)
+        self.budget.set(tokens)
 
     def set_replica(self, replica: str, up: bool, running: int, kv_usage: float) -> None:
         """The state of one replica behind the gateway: up or not, its running requests, its KV-cache

@@ -49,10 +49,12 @@ class CandidateTree:
 
     @classmethod
     def root_only(cls, token: int) -> CandidateTree:
-        return cls([token], [-1], [1.0])
+        return cls([token], [-1], [1.0], [0], [[]])  # depths and children given: nothing to derive
 
     def subtree(self, nodes: list[int]) -> tuple[list[int], list[int]]:
         """Tokens and re-indexed parents of a parent-closed node selection, in node order."""
+        if len(nodes) == 1:  # the root alone (plain decoding): the common case
+            return [self.tokens[0]], [-1]
         nodes = sorted(nodes)
         index = {v: i for i, v in enumerate(nodes)}
         return [self.tokens[v] for v in nodes], [index[self.parents[v]] if v else -1 for v in nodes]
