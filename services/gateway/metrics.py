@@ -168,6 +168,8 @@ class GatewayMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name=model_name, finished_reason=reason)
         self._exposed = _WithoutCreated(r)
+        self._positions: list[Counter] = []  # spec_accepted_per_pos per position, bound on first use
+        self._replicas: dict[str, tuple[Gauge, Gauge, Gauge]] = {}  # per replica: up, running, KV usage
 
     # ---- request lifecycle -------------------------------------------------------------------
     def on_queued(self) -> None:
@@ -216,7 +218,6 @@ class GatewayMetrics:
         scheduling; seconds), and the speculation counts: requests that verified draft tokens, draft
         (non-root) nodes verified, how many were accepted, and the accepted count per depth
         (position 0 = depth 1)."""
-        name = self.model_name
         self.iteration_tokens.observe(record.prefill_tokens + record.tree_nodes)
         self.draft_seconds.inc(record.draft_ms / 1e3)
         self.target_seconds.inc(record.target_ms / 1e3)
@@ -241,7 +242,7 @@ class GatewayMetrics:
         self.spec_draft_tokens.inc(draft_tokens)
         self.spec_accepted.inc(accepted)
         for position, count in enumerate(per_position):
-            self.spec_accepted_per_pos.labels(model_name=name, position=position).inc(count)
+            self._per_position(position).inc(count)
 
     # ---- state -------------------------------------------------------------------------------
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
@@ -255,10 +256,22 @@ class GatewayMetrics:
     def set_replica(self, replica: str, up: bool, running: int, kv_usage: float) -> None:
         """The state of one replica behind the gateway: up or not, its running requests, its KV-cache
         usage (0-1)."""
-        labels = {"model_name": self.model_name, "replica": replica}
-        self.replica_up.labels(**labels).set(1 if up else 0)
-        self.replica_running.labels(**labels).set(running)
-        self.replica_kv_usage.labels(**labels).set(kv_usage)
+        series = self._replicas.get(replica)
+        if series is None:
+            labels = {"model_name": self.model_name, "replica": replica}
+            series = self._replicas[replica] = (self.replica_up.labels(**labels),
+                                                self.replica_running.labels(**labels),
+                                                self.replica_kv_usage.labels(**labels))
+        series[0].set(1 if up else 0)
+        series[1].set(running)
+        series[2].set(kv_usage)
+
+    def _per_position(self, position: int) -> Counter:
+        """The accepted-per-position series of one position, bound once (no label lookup per iteration)."""
+        while len(self._positions) <= position:
+            self._positions.append(self.spec_accepted_per_pos.labels(model_name=self.model_name,
+                                                                     position=len(self._positions)))
+        return self._positions[position]
 
     def render(self) -> str:
         """The text exposition (format 0.0.4, see CONTENT_TYPE), without `_created` samples."""

@@ -78,7 +78,7 @@ class Policy:
             for batch in view.batches(p.prefill_tokens):
                 if batch.requests:
                     shapes.update(self.shapes(batch, view.replicas[batch.replica].latency))
-        return Decision(admit=p.admit, defer=p.defer, chunks=p.chunks, shapes=shapes, residency=Residency.KEEP)
+        return Decision(admit=p.admit, defer=p.defer, chunks=None, shapes=shapes, residency=Residency.KEEP)
 
     def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
         """The speculation shape of every decoding request of one replica (d = 0: no draft tokens)."""
