@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from specserve.gateway.record import IterationRecord
 
@@ -64,6 +64,80 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's, created at start so dashboards see zeros
+
+
+class _IterationCounters:
+    """The counters every engine iteration adds to, kept as plain numbers (no lock, no label lookup on
+    the hot path) and turned into counter families when the registry is collected (a scrape)."""
+
+    SECONDS = (  # (name, help), in the order of the parts `add` sums
+        ("specserve:iteration_draft_seconds", "Seconds the draft service spent in speculation calls (inside the "
+         "service)."),
+        ("specserve:iteration_target_seconds", "Seconds the target service spent in forward calls (inside the "
+         "service)."),
+        ("specserve:iteration_transport_seconds", "Seconds of draft and target calls spent outside the services "
+         "(serialization, sockets, waiting for the reply)."),
+        ("specserve:iteration_schedule_seconds", "Seconds of iterations outside service calls: admission, policy, "
+         "node selection, commit, streaming."),
+        ("specserve:draft_catchup_seconds", "Seconds the draft spent appending committed tokens to its KV "
+         "(catch-up), inside Speculate calls on the critical path."),
+        ("specserve:draft_beam_seconds", "Seconds the draft spent in beam steps, inside Speculate calls."),
+        ("specserve:draft_sync_seconds", "Seconds the draft spent in eager syncs (depth-0 calls beside the target "
+         "pass)."),
+    )
+    COUNTS = (  # (name, help)
+        ("specserve:iterations", "Engine iterations run."),
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    )
+    PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos",
+                    "Accepted tokens per draft position (0 = first draft token).")
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.seconds = [0.0] * len(self.SECONDS)
+        self.counts = [0] * len(self.COUNTS)  # iterations, drafts, draft tokens, accepted
+        self.per_position: list[int] = []  # accepted draft tokens per position, summed over iterations
+
+    def add(self, record: IterationRecord) -> None:
+        parts = (record.draft_ms, record.target_ms, record.transport_ms, record.schedule_ms,
+                 record.draft.catchup_ms, record.draft.beam_ms, record.draft.sync_service_ms)
+        for i, ms in enumerate(parts):
+            self.seconds[i] += ms / 1e3
+        counts = self.counts
+        counts[0] += 1
+        per_position = self.per_position
+        for step in record.requests:
+            if step.verified > 1 and step.error is None:
+                counts[1] += 1
+                counts[2] += step.verified - 1
+                counts[3] += step.accepted
+                if len(per_position) < step.verified - 1:
+                    per_position += [0] * (step.verified - 1 - len(per_position))
+                for position in range(step.accepted):
+                    per_position[position] += 1
+
+    def collect(self) -> Iterable[Metric]:
+        """In the exposition's order: vLLM's speculation counters, then specserve's iteration split."""
+        labels = [self.model_name]
+
+        def family(name: str, doc: str, value: float) -> CounterMetricFamily:
+            f = CounterMetricFamily(name, doc, labels=["model_name"])
+            f.add_metric(labels, value)
+            return f
+
+        for (name, doc), count in zip(self.COUNTS[1:], self.counts[1:]):
+            yield family(name, doc, count)
+        per_position = CounterMetricFamily(*self.PER_POSITION, labels=["model_name", "position"])
+        for position, count in enumerate(self.per_position):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
+        for (name, doc), value in zip(self.SECONDS[:4], self.seconds[:4]):
+            yield family(name, doc, value)
+        yield family(*self.COUNTS[0], self.counts[0])
+        for (name, doc), value in zip(self.SECONDS[4:], self.seconds[4:]):
+            yield family(name, doc, value)
 
 
 class GatewayMetrics:
@@ -124,33 +198,10 @@ class GatewayMetrics:
         # a histogram whose name ends in _total, as vLLM's (only counters get _total appended)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
-        # ---- vLLM: speculative decoding. Recent vLLM versions expose these as counters whose names end
-        # in _total (vllm:spec_decode_num_drafts_total, ...); older ones had no suffix.
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.")
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.")
-        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.")
-        self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos_total",
-                                             "Accepted tokens per draft position (0 = first draft token).",
-                                             (*m, "position"))
-        # ---- specserve
-        self.draft_seconds = counter("specserve:iteration_draft_seconds_total",
-                                     "Seconds the draft service spent in speculation calls (inside the service).")
-        self.target_seconds = counter("specserve:iteration_target_seconds_total",
-                                      "Seconds the target service spent in forward calls (inside the service).")
-        self.transport_seconds = counter("specserve:iteration_transport_seconds_total",
-                                         "Seconds of draft and target calls spent outside the services "
-                                         "(serialization, sockets, waiting for the reply).")
-        self.schedule_seconds = counter("specserve:iteration_schedule_seconds_total",
-                                        "Seconds of iterations outside service calls: admission, policy, "
-                                        "node selection, commit, streaming.")
-        self.iterations = counter("specserve:iterations_total", "Engine iterations run.")
-        self.draft_catchup = counter("specserve:draft_catchup_seconds_total",
-                                     "Seconds the draft spent appending committed tokens to its KV (catch-up), "
-                                     "inside Speculate calls on the critical path.")
-        self.draft_beam = counter("specserve:draft_beam_seconds_total",
-                                  "Seconds the draft spent in beam steps, inside Speculate calls.")
-        self.draft_sync = counter("specserve:draft_sync_seconds_total",
-                                  "Seconds the draft spent in eager syncs (depth-0 calls beside the target pass).")
+        # ---- the counters every iteration adds to (vLLM's speculative decoding counters and specserve's
+        # iteration split): plain numbers on the hot path, turned into samples when /metrics is read
+        self.per_iteration = _IterationCounters(model_name)
+        r.register(self.per_iteration)
         self.requests_received = counter("specserve:requests_received_total", "Requests received (queued).")
         self.slo = counter("specserve:request_slo_total",
                            "Finished requests by SLO tier and whether the SLO was met.", (*m, "tier", "met"))
@@ -168,7 +219,6 @@ class GatewayMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name=model_name, finished_reason=reason)
         self._exposed = _WithoutCreated(r)
-        self._positions: list[Counter] = []  # spec_accepted_per_pos per position, bound on first use
         self._replicas: dict[str, tuple[Gauge, Gauge, Gauge]] = {}  # per replica: up, running, KV usage
 
     # ---- request lifecycle -------------------------------------------------------------------
@@ -215,34 +265,11 @@ class GatewayMetrics:
     def on_iteration(self, record: IterationRecord) -> None:
         """One engine iteration, from its record: the tokens of its target passes (prompt chunks + tree
         nodes, all replicas), the time split (draft and target inside the services, transport,
-        scheduling; seconds), and the speculation counts: requests that verified draft tokens, draft
-        (non-root) nodes verified, how many were accepted, and the accepted count per depth
-        (position 0 = depth 1)."""
+        scheduling; seconds), the draft's catch-up, beam and eager-sync time, and the speculation
+        counts: requests that verified draft tokens, draft (non-root) nodes verified, how many were
+        accepted, and the accepted count per depth (position 0 = depth 1)."""
         self.iteration_tokens.observe(record.prefill_tokens + record.tree_nodes)
-        self.draft_seconds.inc(record.draft_ms / 1e3)
-        self.target_seconds.inc(record.target_ms / 1e3)
-        self.transport_seconds.inc(record.transport_ms / 1e3)
-        self.schedule_seconds.inc(record.schedule_ms / 1e3)
-        self.iterations.inc()
-        self.draft_catchup.inc(record.draft.catchup_ms / 1e3)
-        self.draft_beam.inc(record.draft.beam_ms / 1e3)
-        self.draft_sync.inc(record.draft.sync_service_ms / 1e3)
-        drafts = draft_tokens = accepted = 0
-        per_position: list[int] = []
-        for step in record.requests:
-            if step.verified > 1 and step.error is None:
-                drafts += 1
-                draft_tokens += step.verified - 1
-                accepted += step.accepted
-                if len(per_position) < step.verified - 1:
-                    per_position += [0] * (step.verified - 1 - len(per_position))
-                for position in range(step.accepted):
-                    per_position[position] += 1
-        self.spec_drafts.inc(drafts)
-        self.spec_draft_tokens.inc(draft_tokens)
-        self.spec_accepted.inc(accepted)
-        for position, count in enumerate(per_position):
-            self._per_position(position).inc(count)
+        self.per_iteration.add(record)
 
     # ---- state -------------------------------------------------------------------------------
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
@@ -265,13 +292,6 @@ class GatewayMetrics:
         series[0].set(1 if up else 0)
         series[1].set(running)
         series[2].set(kv_usage)
-
-    def _per_position(self, position: int) -> Counter:
-        """The accepted-per-position series of one position, bound once (no label lookup per iteration)."""
-        while len(self._positions) <= position:
-            self._positions.append(self.spec_accepted_per_pos.labels(model_name=self.model_name,
-                                                                     position=len(self._positions)))
-        return self._positions[position]
 
     def render(self) -> str:
         """The text exposition (format 0.0.4, see CONTENT_TYPE), without `_created` samples."""

@@ -29,10 +29,13 @@ class Residency(enum.Enum):
     RELOAD = "reload"  # weights back on the device; requests catch up their draft KV lazily
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Shape:
     depth: int  # beam steps d (0 = no draft tokens)
     width: int  # beam width w
+
+
+NO_DRAFT = Shape(0, 1)
 
 
 @dataclass(slots=True)
@@ -146,14 +149,16 @@ class SchedulerView:
     draft: DraftView
     limits: Limits
     proposal: Proposal = field(default_factory=lambda: Proposal([], {}, {}, []))
+    _groups: list[list[RequestView]] | None = field(default=None, repr=False)
 
     def batches(self, prefill_tokens: list[int]) -> list[BatchView]:
         """The decoding requests grouped by replica, with each replica's co-scheduled prompt tokens."""
-        groups: list[list[RequestView]] = [[] for _ in self.replicas]
-        for r in self.decoding:
-            groups[r.replica].append(r)
+        if self._groups is None:
+            self._groups = [[] for _ in self.replicas]
+            for r in self.decoding:
+                self._groups[r.replica].append(r)
         return [BatchView(g, prefill_tokens[i] if i < len(prefill_tokens) else 0, len(self.waiting),
-                          self.draft.usable, i) for i, g in enumerate(groups)]
+                          self.draft.usable, i) for i, g in enumerate(self._groups)]
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 
 from specserve.gateway.plan import (
+    NO_DRAFT,
     Admit,
     BatchView,
     Decision,
@@ -46,6 +47,8 @@ class Scheduler:
 
     # ---- 1. the FIFO proposal ------------------------------------------------------------------
     def propose(self, view: SchedulerView) -> Proposal:
+        if not view.waiting and not view.prefilling:  # the steady state of decoding: nothing to place
+            return Proposal([], {}, {}, [0] * len(view.replicas))
         ledgers = _ledgers(view)
         router = copy.copy(self.router)  # a trial run: the real router moves on at enforcement
         admit: list[Admit] = []
@@ -81,7 +84,7 @@ class Scheduler:
         waiting = {w.rid: w for w in view.waiting}
         rejected = {rid: r for rid, r in decision.reject.items() if rid in waiting}
         deferred = {rid: why for rid, why in decision.defer.items() if rid in waiting and rid not in rejected}
-        ledgers = _ledgers(view)
+        ledgers = _ledgers(view) if decision.admit else []
         admitted: list[Admit] = []
         blocked: str | None = None
         for a in decision.admit:
@@ -120,11 +123,16 @@ class Scheduler:
         # an offload happens before this iteration's draft call: nobody speculates in it
         draft_ok = view.draft.usable and self.policy.uses_draft and residency is not Residency.OFFLOAD
         shapes: dict[str, Shape] = {}
+        wanted = decision.shapes
         for r in view.decoding:
-            s = decision.shapes.get(r.rid)
-            depth = 0 if s is None or not draft_ok else max(0, min(s.depth, r.remaining - 1, limits.max_depth))
-            width = 1 if s is None else max(1, min(s.width, limits.max_width))
-            shapes[r.rid] = Shape(depth, width)
+            s = wanted.get(r.rid)
+            if s is None or not draft_ok or s.depth <= 0:
+                shapes[r.rid] = NO_DRAFT
+                continue
+            cap = min(r.remaining - 1, limits.max_depth)
+            if s.depth > cap or not 1 <= s.width <= limits.max_width:  # only then a new Shape
+                s = Shape(max(0, min(s.depth, cap)), max(1, min(s.width, limits.max_width)))
+            shapes[r.rid] = s
         sync = [r.rid for r in view.decoding if self.sync_draft and draft_ok and r.draft_lag > 0
                 and shapes[r.rid].depth == 0]
 
