@@ -130,8 +130,13 @@ class Executor:
             assert client is not None
             return lambda: client.forward(p.prefill, p.verify)
 
-        calls = [self._guard(p.replica, forward(p)) for p in passes]
+        # The first replica's call is awaited directly, so its frame is written now; the others (and the
+        # eager sync) are tasks, which start at the next turn of the event loop. Wrapping the first in a
+        # task too would let every ready SSE handler run before the Forward is even sent, instead of
+        # while the target computes.
+        others = [asyncio.ensure_future(self._guard(p.replica, forward(p))) for p in passes[1:]]
         sync_call = asyncio.ensure_future(self.speculate(sync)) if sync else None
-        results = list(await asyncio.gather(*calls))
+        results = [await self._guard(passes[0].replica, forward(passes[0]))] if passes else []
+        results += [await task for task in others]
         synced = await sync_call if sync_call is not None else None
         return results, synced, (time.perf_counter() - t0) * 1e3
