@@ -58,6 +58,7 @@ class StatsReply(Struct, tag=True):
     offloaded: bool = False  # draft only: weights in host memory, KV pool freed
     last_offload_s: float = 0.0  # draft only: seconds the last offload took
     last_reload_s: float = 0.0  # draft only: seconds the last reload took
+    request_ids: list[str] = []  # the requests it holds state for (a gateway that (re)connects releases strays)
 
 
 class Release(Struct, tag=True):

@@ -240,7 +240,8 @@ class DraftEngine:
         free = self.free_blocks()
         return StatsReply("draft", total, free, total - free, self.config.block_size, len(self.requests),
                           self.calls, self.entry_errors, offloaded=self.runner is None,
-                          last_offload_s=self.last_offload_s, last_reload_s=self.last_reload_s)
+                          last_offload_s=self.last_offload_s, last_reload_s=self.last_reload_s,
+                          request_ids=sorted(self.requests))
 
     # ---- offload, reload ---------------------------------------------------------------------
     def offload(self, _msg: Offload | None = None, _tensors=None) -> tuple[TransitionReply, None]:

@@ -41,6 +41,9 @@ class GatewayConfig(Settings):
                                 default_text="the profile's")
     max_running: int = option(64, "most requests bound to one target replica at once")
     max_prefill_tokens: int = option(256, "most prompt tokens in one replica's pass (chunked prefill)")
+    max_waiting: int = option(256, "most requests waiting for admission; more get 503 with Retry-After")
+    client_timeout_s: float = option(10.0, "a client must send its request head, and then its body, within this "
+                                     "many seconds (408 for a body, the connection closed for a head)")
     call_timeout_s: float = option(30.0, "deadline of every draft and target call, seconds; a service that misses "
                                    "it is marked down and reconnected")
     draft_sync: str = option("lazy", "lazy: requests that do not speculate send their committed tokens to the "

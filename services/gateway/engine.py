@@ -66,6 +66,8 @@ class EngineLimits:
     tree_slack_tokens: int = 64  # KV reserved per request beyond prompt + max_tokens (tree slots)
     draft_max_depth: int = 16  # the draft service's caps (its --max-depth / --max-width defaults)
     draft_max_width: int = 16
+    max_waiting: int = 256  # most requests waiting for admission; more get 503
+    max_out_of_blocks: int = 200  # iterations a request may be refused for KV room before it is ended
 
 
 class Engine:
@@ -81,6 +83,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self.step = 0
         self.last_record: IterationRecord | None = None
+        self._mean_latency_s = 1.0  # moving average of finished requests' latency (Retry-After)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -114,11 +117,21 @@ class Engine:
     def submit(self, req: GenRequest) -> None:
         if not self.pool.any_target_up:
             raise ServiceUnavailable("no target replica is available", RECONNECT_INTERVAL_S)
+        if len(self.waiting) >= self.limits.max_waiting:
+            self.metrics.on_error("queue_full")
+            raise ServiceUnavailable(f"the server is busy: {len(self.waiting)} requests are waiting",
+                                     self.retry_after_s())
         req.kv_blocks = self.kv_blocks_for(len(req.prompt), req.max_tokens)
         self.requests[req.rid] = req
         self.waiting.append(req)
         self.metrics.on_queued()
         self._wake.set()
+
+    def retry_after_s(self) -> float:
+        """When the waiting queue should have room again: the queue ahead, served at the pace requests
+        have been finishing (a moving average of their latency, spread over the admitted slots)."""
+        slots = max(1, self.limits.max_running * sum(t.up for t in self.pool.targets))
+        return max(1.0, len(self.waiting) * self._mean_latency_s / slots)
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         """End a request early (client gone, or a stop string the handler found)."""
@@ -149,8 +162,10 @@ class Engine:
             r.events.put_nowait(Finished(reason, error, retry_after_s))
         tpot = r.tpot_s()
         ok = r.slo_met() if reason in ("stop", "length") else None
-        self.metrics.on_finished(reason, len(r.prompt), len(r.output), time.perf_counter() - r.arrival, tpot,
-                                 r.slo.name, ok)
+        e2e = time.perf_counter() - r.arrival
+        if reason in ("stop", "length"):
+            self._mean_latency_s += 0.1 * (e2e - self._mean_latency_s)
+        self.metrics.on_finished(reason, len(r.prompt), len(r.output), e2e, tpot, r.slo.name, ok)
 
     # ---- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -158,12 +173,12 @@ class Engine:
             if not self.running and not self.waiting and not self._owed():
                 self._wake.clear()
                 self._set_load()
-                if self.pool.needs_reconnect:
-                    with contextlib.suppress(TimeoutError):  # idle, but a service to reconnect
-                        await asyncio.wait_for(self._wake.wait(), RECONNECT_INTERVAL_S)
-                    await self.pool.reconnect(TRANSPORT_ERRORS)
-                else:
-                    await self._wake.wait()
+                try:  # idle: wake for work, or every interval to check on the services
+                    await asyncio.wait_for(self._wake.wait(), RECONNECT_INTERVAL_S)
+                except TimeoutError:
+                    await self.executor.ping()  # a service that died while idle is marked down now
+                    if self.pool.needs_reconnect and "draft" in await self.pool.reconnect(TRANSPORT_ERRORS):
+                        self._draft_lost()
                 continue
             try:
                 await self._iteration()
@@ -421,7 +436,9 @@ class Engine:
             if out.error is not None:
                 step.error = out.error.code
                 if out.error.code == "out_of_blocks":
-                    continue  # retried next iteration
+                    r.out_of_blocks += 1  # retried next iteration, but not forever
+                    if r.out_of_blocks <= self.limits.max_out_of_blocks:
+                        continue
                 self.metrics.on_error(out.error.code)
                 self._finish(r, "error", f"{out.error.code}: {out.error.message}")
                 continue

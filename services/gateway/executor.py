@@ -28,6 +28,7 @@ from specserve.shared.transport import MessageError
 
 log = logging.getLogger("specserve.gateway")
 T = TypeVar("T")
+PING_TIMEOUT_S = 2.0  # an idle service must answer Health within this
 
 
 @dataclass(slots=True)
@@ -58,15 +59,16 @@ class Executor:
         self.pool = pool
         self.call_timeout_s = call_timeout_s  # deadline of every service call, seconds
 
-    async def _guard(self, service: TargetReplica | DraftService,
-                     call: Callable[[], Awaitable[T]]) -> CallResult[T]:
+    async def _guard(self, service: TargetReplica | DraftService, call: Callable[[], Awaitable[T]],
+                     timeout_s: float | None = None) -> CallResult[T]:
         t0 = time.perf_counter()
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(self.call_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 value = await call()
             return CallResult(value, None, (time.perf_counter() - t0) * 1e3)
         except TRANSPORT_ERRORS as exc:  # first: a reply out of step is a protocol error *and* transport
-            reason = f"no reply within {self.call_timeout_s:g} s" if isinstance(exc, TimeoutError) else \
+            reason = f"no reply within {timeout_s:g} s" if isinstance(exc, TimeoutError) else \
                 f"{type(exc).__name__}: {exc}"
             failure = Failure("down", reason)
             await service.mark_down()
@@ -95,6 +97,19 @@ class Executor:
                     s.free_blocks = result.value.free_blocks
             else:
                 log.warning("release at %s failed (%s); kept for the next iteration", s.address, result.failure)
+
+        await asyncio.gather(*(one(s) for s in services))
+
+    async def ping(self) -> None:
+        """Health to every up service (while idle): one that does not answer is marked down."""
+        services: list[TargetReplica | DraftService] = [t for t in self.pool.targets if t.up]
+        if self.pool.draft is not None and self.pool.draft.up:
+            services.append(self.pool.draft)
+
+        async def one(s: TargetReplica | DraftService) -> None:
+            client = s.client
+            assert client is not None
+            await self._guard(s, client.health, PING_TIMEOUT_S)  # Health is answered without the model
 
         await asyncio.gather(*(one(s) for s in services))
 

@@ -9,8 +9,9 @@ health, reconnect and the releases it is owed.
 
 A service is *up* while it has a connection. The executor marks one down after a transport
 failure (connection lost, deadline exceeded); `reconnect` tries again at most once per
-`RECONNECT_INTERVAL_S`, and a reconnected service is asked for its state (`Stats`), since a
-restarted one starts empty. Releases owed to a service survive its outage and are sent once it
+`RECONNECT_INTERVAL_S`. A (re)connected service is asked for its state (`Stats`): a restarted one
+starts empty, and whatever one holds that the gateway does not (a gateway restart, a call that
+timed out after it ran) is released. Releases owed to a service survive its outage and are sent once it
 is back (a restarted service answers them as unknown, which is harmless).
 """
 
@@ -74,6 +75,9 @@ class TargetReplica(_Service):
                 raise
         self.client = client
         self.total_blocks, self.block_size, self.free_blocks = stats.total_blocks, stats.block_size, stats.free_blocks
+        # Whatever it holds that no request of ours is bound to (a gateway restarted, a call that timed
+        # out after it ran) is released with the next owed releases.
+        self.owed_releases.update(set(stats.request_ids) - self.requests)
 
     async def mark_down(self) -> None:
         client, self.client = self.client, None
@@ -101,11 +105,15 @@ class DraftService(_Service):
             client = await DraftClient.connect(self.address)
             try:
                 health = await client.health()
+                stats = await client.stats()
             except BaseException:
                 await client.close()
                 raise
         self.client = client
         self.offloaded = health.status == "offloaded"
+        # Its state for any request is stale now (every request rebuilds its draft state after a
+        # reconnect), so everything it holds is released with the next owed releases.
+        self.owed_releases.update(stats.request_ids)
 
     async def mark_down(self) -> None:
         client, self.client = self.client, None

@@ -51,6 +51,7 @@ class GenRequest:
     verified: list[tuple[int, int]] = field(default_factory=list)  # (engine step, tree nodes sent incl. root)
     draft_unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen
     draft_seen: bool = False  # the draft may hold state for it (it must be released there)
+    out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None
 
     @property

@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -41,6 +41,7 @@ from specserve.gateway.protocol import (
 from specserve.gateway.routing import make_router
 from specserve.gateway.scheduler import Scheduler
 from specserve.gateway.slo import SloClass, default_classes, parse_class
+from specserve.gateway.tokenize import Tokenizing
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler
@@ -59,6 +60,7 @@ class Gateway:
                  classes: dict[str, SloClass], profile_path: Path):
         self.config, self.tokenizer, self.info, self.engine = config, tokenizer, info, engine
         self.classes, self.profile_path = classes, profile_path
+        self.tokenizing = Tokenizing(tokenizer, info.max_model_len)  # off the event loop
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 * 2**20, middlewares=[self._errors])
@@ -89,22 +91,27 @@ class Gateway:
             raise
 
     # ---- endpoints ---------------------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> bytes:
+        """The request body, within the client timeout (a client that trickles it gets 408)."""
+        try:
+            async with asyncio.timeout(self.config.client_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise ApiError(f"the request body did not arrive within {self.config.client_timeout_s:g} s",
+                           status=408, code="request_timeout") from None
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion(await request.read())
+        req = parse_completion(await self._body(request))
         self._check_model(req.model)
         prompt = prompt_of(req)
-        ids: list[int] = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        ids = await self.tokenizing.encode(prompt) if isinstance(prompt, str) else prompt
         return await self._serve(request, req, ids, "cmpl", chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat(await request.read())
+        req = parse_chat(await self._body(request))
         self._check_model(req.model)
-        try:
-            out: Any = self.tokenizer.apply_chat_template(messages_of(req), add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # a template that rejects the conversation
-            raise ApiError(f"the chat template could not render these messages: {exc}", param="messages") from None
-        ids = out if isinstance(out, list) else out["input_ids"]  # a list, or a BatchEncoding in newer versions
-        return await self._serve(request, req, [int(t) for t in ids], "chatcmpl", chat=True)
+        ids = await self.tokenizing.chat(messages_of(req))
+        return await self._serve(request, req, ids, "chatcmpl", chat=True)
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -243,11 +250,13 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     targets = [TargetReplica(i, address, new_latency()) for i, address in enumerate(config.target)]
     pool = ServicePool(targets, DraftService(config.draft) if policy.uses_draft else None)
     scheduler = Scheduler(policy, make_router(config.router), sync_draft=config.draft_sync == "eager")
-    limits = EngineLimits(config.max_running, config.max_prefill_tokens)
+    limits = EngineLimits(config.max_running, config.max_prefill_tokens, max_waiting=config.max_waiting)
     engine = Engine(policy, scheduler, pool, GatewayMetrics(info.name), limits, config.call_timeout_s)
     await engine.start()
     gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    # keepalive_timeout also bounds a new connection that does not finish a request head (slow headers)
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.client_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -223,4 +223,5 @@ class TargetEngine:
     def stats(self) -> StatsReply:
         free = self.runner.num_free_blocks
         return StatsReply("target", self.config.kv_blocks, free, self.config.kv_blocks - free,
-                          self.config.block_size, len(self.requests), self.calls, self.entry_errors)
+                          self.config.block_size, len(self.requests), self.calls, self.entry_errors,
+                          request_ids=sorted(self.requests))

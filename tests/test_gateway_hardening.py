@@ -1,0 +1,200 @@
+"""A gateway that stays responsive and owns its services' state: real processes, real sockets.
+
+- a 5 MB prompt is refused while a concurrent stream's longest gap between chunks stays under 250 ms;
+- a client that trickles its request head is disconnected, one that trickles its body gets 408;
+- above --max-waiting, requests get 503 with Retry-After (the openai client's usual error), and
+  every admitted one completes exactly;
+- state a service holds that the gateway does not own (a stray request) is released on connect;
+- a service that dies while the gateway is idle is noticed without any request;
+- chaos: the target and the draft killed repeatedly under load; after every round no block is
+  leaked, no request is stuck, and the next request equals the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from specserve.shared.messages import SamplingSpec
+from specserve.shared.service_client import PrefillItem, TargetClient
+from tests.gateway_procs import Up, gateway, service_pid
+from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, transformers_greedy, wait_all_free
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
+    server = Up("--profile", str(profile), "--", "--budget", "24")
+    yield server
+    server.interrupt()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    return transformers_greedy()
+
+
+def test_a_huge_prompt_does_not_stall_other_streams(up, reference):
+    """Once the stream is in its steady state, a 5 MB prompt is sent; the stream's gaps between chunks
+    while it is read, parsed and refused stay under 250 ms (normally about 40 ms)."""
+    async def run():
+        c = aclient(up.url)
+        stream = await c.completions.create(model="target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+        times, text = [], ""
+        started = asyncio.Event()
+        big: list = []
+
+        async def consume():
+            nonlocal text
+            async for ch in stream:
+                times.append(time.perf_counter())
+                text += ch.choices[0].text if ch.choices else ""
+                if len(times) == 4:
+                    started.set()
+
+        async def poison():
+            await started.wait()
+            async with httpx.AsyncClient(base_url=up.url, timeout=60) as h:
+                body = json.dumps({"model": "target", "prompt": "x = 1\n" * 900_000, "max_tokens": 4})
+                t0 = time.perf_counter()
+                resp = await h.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                big.extend([resp, t0, time.perf_counter()])
+
+        await asyncio.gather(consume(), poison())
+        await c.close()
+        return times, text, big
+
+    times, text, (resp, t0, t1) = asyncio.run(run())
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+    assert text == reference[0]
+    # the gaps that overlap the poison's life (from its send to its answer)
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
+    assert gaps, "the stream ended before the poison was answered"
+    assert max(gaps) < 0.25, f"a stream stalled {max(gaps) * 1e3:.0f} ms while a 5 MB prompt was refused"
+
+
+@pytest.fixture(scope="module")
+def strict(up):
+    """A second gateway on the same services: a short client timeout and a small waiting queue."""
+    g = gateway(up, "none", "--budget", "24", "--client-timeout-s", "1", "--max-waiting", "2", "--max-running", "1")
+    yield g
+    g.stop()
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def test_slow_clients_time_out(strict):
+    with socket.create_connection(_host_port(strict.address)) as s:  # a head that never ends
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.settimeout(10)
+        t0 = time.monotonic()
+        assert s.recv(4096) == b""  # closed by the server
+        assert time.monotonic() - t0 < 5
+    with socket.create_connection(_host_port(strict.address)) as s:  # a body that never ends
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        s.settimeout(10)
+        reply = s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"request_timeout" in reply
+
+
+def test_waiting_queue_bound_gives_503_with_retry_after(up, strict, reference):
+    async def run():
+        c = openai.AsyncOpenAI(base_url=f"{strict.address}/v1", api_key="unused", max_retries=0, timeout=300)
+        out = await asyncio.gather(*[c.completions.create(model="target", prompt=PROMPTS[i % 2], max_tokens=MAX_TOKENS,
+                                                          temperature=0) for i in range(8)], return_exceptions=True)
+        await c.close()
+        return out
+
+    out = asyncio.run(run())
+    refused = [r for r in out if isinstance(r, BaseException)]
+    served = [(i, r) for i, r in enumerate(out) if not isinstance(r, BaseException)]
+    assert refused and served
+    for exc in refused:
+        assert isinstance(exc, openai.InternalServerError) and exc.status_code == 503, exc
+        assert int(exc.response.headers["retry-after"]) >= 1
+        assert exc.response.json()["error"]["type"] == "service_unavailable"
+    for i, r in served:
+        assert r.choices[0].text == reference[i % 2]
+    wait_all_free(up)
+
+
+def test_stray_state_is_released_when_a_gateway_connects(up):
+    async def stray():
+        t = await TargetClient.connect(up.target)
+        await t.forward([PrefillItem("stray", 1, 0, [5, 6, 7], False, SamplingSpec())], [])
+        held = (await t.stats()).resident_requests
+        await t.close()
+        return held
+
+    assert asyncio.run(stray()) >= 1
+    g = gateway(up, "none", "--budget", "24")
+    try:
+        wait_all_free(up)  # the new gateway released it, with no request of its own
+    finally:
+        g.stop()
+
+
+def test_a_service_that_dies_while_idle_is_noticed(up):
+    assert httpx.get(f"{up.url}/health").json()["draft"] is True
+    os.kill(service_pid("draft", up.draft), signal.SIGKILL)
+    deadline, seen_down = time.monotonic() + 4, False
+    while time.monotonic() < deadline and not seen_down:
+        seen_down = httpx.get(f"{up.url}/health").json()["draft"] is False
+        time.sleep(0.1)
+    assert seen_down, "the idle gateway did not notice the dead draft"
+    deadline = time.monotonic() + 90
+    while httpx.get(f"{up.url}/health").json()["draft"] is not True:  # `up` restarts it; the gateway reconnects
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_chaos_kills_under_load_leak_nothing(up, reference):
+    async def load():
+        c = aclient(up.url)
+        out = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                          temperature=0) for p in PROMPTS[:5]],
+                                   return_exceptions=True)
+        await c.close()
+        return out
+
+    async def round_(victim: str):
+        task = asyncio.ensure_future(load())
+        await asyncio.sleep(0.8)
+        os.kill(service_pid(victim, getattr(up, victim)), signal.SIGKILL)
+        return await task
+
+    for victim in ("target", "draft", "target", "draft"):
+        out = asyncio.run(round_(victim))
+        for i, r in enumerate(out):
+            if victim == "draft":  # losing the draft costs speculation, never output
+                assert not isinstance(r, BaseException) and r.choices[0].text == reference[i], (victim, r)
+            elif not isinstance(r, BaseException):
+                assert r.choices[0].text == reference[i]
+            else:
+                assert isinstance(r, openai.APIError), r
+        deadline = time.monotonic() + 120
+        while True:
+            h = httpx.get(f"{up.url}/health")
+            if h.status_code == 200 and h.json()["draft"] is True and h.json()["running"] == 0:
+                break
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.5)
+        wait_all_free(up)
+        r = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120).completions.create(
+            model="target", prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == reference[5], victim
+        wait_all_free(up)
