@@ -370,18 +370,15 @@ def test_echo_server_many_calls_on_one_connection(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["tcp", "unix"])
 def test_server_echoes_call_ids_in_order_and_survives_bad_input(kind, tmp_path):
-    """Frames written by hand and pipelined on one connection: each reply carries its request's
-    call id, in order; a handler exception and an undecodable frame get Error replies and the
-    connection keeps serving."""
+    """Frames written by hand and pipelined on one (authenticated) connection: each reply carries
+    its request's call id, in order; a handler exception and an undecodable frame get Error replies
+    and the connection keeps serving."""
 
     async def main():
         server = RpcServer(echo)
         address = await server.start(server_address(kind, tmp_path))
-        host, port = parse_address(address)
-        if host == "unix":
-            reader, writer = await asyncio.open_unix_connection(port)
-        else:
-            reader, writer = await asyncio.open_connection(host, port)
+        client = await RpcClient.connect(address)  # the handshake; then frames by hand on its socket
+        reader, writer = client.reader, client.writer
         try:
             body, tensors = speculate(1)
             writer.write(frame_bytes(10, Health()))
@@ -529,7 +526,8 @@ def test_reply_with_another_call_id_is_a_transport_error():
     async def main():
         server = await asyncio.start_server(wrong_id, "127.0.0.1", 0)
         host, port = server.sockets[0].getsockname()[:2]
-        client = await RpcClient.connect(f"{host}:{port}")
+        reader, writer = await asyncio.open_connection(host, port)
+        client = RpcClient(reader, writer, f"{host}:{port}")  # not connect(): this peer has no handshake
         try:
             with pytest.raises(ReplyOutOfStep) as err:
                 await client.call(Health(), HealthReply)
