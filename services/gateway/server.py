@@ -41,6 +41,9 @@ from specserve.gateway.protocol import (
 from specserve.gateway.routing import make_router
 from specserve.gateway.scheduler import Scheduler
 from specserve.gateway.slo import SloClass, default_classes, parse_class
+from specserve.shared.auth import AuthError, load_secret
+from specserve.shared.lifeline import follow_parent
+from specserve.shared.ports import check_port_free, port_in_use_as_error
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler
@@ -250,7 +253,8 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    with port_in_use_as_error(config.port):
+        await site.start()
     port = runner.addresses[0][1]
     print(f"ready gateway http://{config.host}:{port}", flush=True)
     log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, latency.budget_tokens,
@@ -274,6 +278,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    follow_parent()  # started by `specserve up`: die with it
+    load_secret()  # the services' shared secret: none is one line and exit 2, before anything loads
+    check_port_free(config.host, config.port)  # taken: one line and exit 1 (the bind says the same)
     import torch
 
     torch.set_num_threads(config.threads)
@@ -281,6 +288,9 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         return uvloop.run(run(config, policy))
+    except AuthError as exc:
+        print(f"error: cannot authenticate to the services: {exc}", file=sys.stderr)
+        return 1
     except (ConnectionError, OSError) as exc:
         print(f"error: cannot reach the services ({config.draft}, {config.target}): {exc}", file=sys.stderr)
         return 1
