@@ -56,6 +56,7 @@ from specserve.shared.transport import (
     Tensors,
     encode_frame,
     read_frame,
+    write_buffers,
     write_frame,
 )
 
@@ -242,7 +243,7 @@ class RpcServer:
                 except Exception as exc:  # an unencodable reply must not take the connection down
                     log.exception("call %d (%s): the reply could not be encoded", call_id, type(body).__name__)
                     frame = encode_frame(call_id, Error("internal", f"unencodable reply: {type(exc).__name__}: {exc}"))
-                writer.writelines(frame)
+                write_buffers(writer, frame)
                 await writer.drain()
                 if gate.refused:
                     return

@@ -191,8 +191,16 @@ async def read_frame(
 
 async def write_frame(writer: asyncio.StreamWriter, call_id: int, body: Message, tensors: Tensors | None = None,
                       ipc: CudaIpc | None = None) -> None:
-    writer.writelines(encode_frame(call_id, body, tensors, ipc))
+    write_buffers(writer, encode_frame(call_id, body, tensors, ipc))
     await writer.drain()
+
+
+def write_buffers(writer: asyncio.StreamWriter, buffers: list[bytes | memoryview]) -> None:
+    """writelines, but a connection the peer has already closed (e.g. reset right after connect)
+    raises ConnectionResetError, not uvloop's RuntimeError for a closed handle."""
+    if writer.is_closing():
+        raise ConnectionResetError("the connection was closed by the peer")
+    writer.writelines(buffers)
 
 
 def frame_bytes(call_id: int, body: Message, tensors: Tensors | None = None) -> bytes:

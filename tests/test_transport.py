@@ -595,3 +595,32 @@ def test_cancelled_call_does_not_desynchronize_the_connection():
             await server.close()
 
     run(main())
+
+
+def test_a_peer_that_resets_right_after_accepting_is_a_transport_error_under_uvloop():
+    """A service killed while a client connects: the connection is accepted, then reset before the
+    client's first write. On uvloop that write must raise a transport error (ConnectionResetError),
+    not uvloop's RuntimeError for a closed handle (which the gateway would take for a bug)."""
+    import socket
+    import struct
+
+    import uvloop
+
+    async def main():
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            host, port = listener.getsockname()
+            reader, writer = await asyncio.open_connection(host, port)
+            accepted, _ = listener.accept()
+            accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            accepted.close()  # RST
+            await asyncio.sleep(0.2)  # the client's loop sees the reset and closes its transport
+            client = RpcClient(reader, writer, f"{host}:{port}")
+            try:
+                with pytest.raises(TRANSPORT_ERRORS):
+                    await client.call(Health(), HealthReply)
+            finally:
+                await client.close()
+
+    uvloop.run(asyncio.wait_for(main(), 5))
