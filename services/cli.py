@@ -116,14 +116,18 @@ def _service(module: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.shared.ports import PortInUse
     from specserve.shared.settings import SettingsError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SettingsError as exc:  # a bad SPECSERVE_* variable of this subcommand (read only by it)
+    except SettingsError as exc:  # a bad SPECSERVE_* variable of this subcommand (read only by it), no secret
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except PortInUse as exc:  # "port 8000 is already in use (another specserve?)"
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

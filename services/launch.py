@@ -2,6 +2,11 @@
 
 A service prints one line, "ready <name> <address>", once its socket is open (port 0 picks a free
 port, and the line carries the real one). Tests, benchmarks and `specserve up` use this.
+
+A child started here shares this process's secret (shared/auth.py; one is made up and put into
+os.environ if none is set, so that this process's own clients find it too) and dies with this
+process, even on SIGKILL (shared/lifeline.py). Both travel in the environment, never on the
+command line.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import socket
 import subprocess
 import sys
 import threading
+
+from specserve.shared.auth import ensure_secret
+from specserve.shared.lifeline import child_environment
 
 READY_TIMEOUT_S = 180
 
@@ -28,7 +36,8 @@ class ServiceProcess:
     def __init__(self, kind: str, *args: str, threads: int = 1, log_level: str = "WARNING",
                  inherit_stderr: bool = False):
         cmd = [sys.executable, "-m", "specserve.cli", kind, "--port", "0", "--threads", str(threads), *args]
-        env = dict(os.environ, SPECSERVE_LOG_LEVEL=log_level)
+        self.secret = ensure_secret()  # the services' shared secret, inherited through os.environ
+        env = child_environment(dict(os.environ, SPECSERVE_LOG_LEVEL=log_level))
         self.kind, self.args, self.threads = kind, args, threads
         # stdout carries only the ready line; stderr (logs) goes to the terminal or into a bounded buffer.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if inherit_stderr else subprocess.PIPE,

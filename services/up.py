@@ -2,7 +2,12 @@
 
 The draft and target get fixed free ports, so that a service that crashes is restarted on the same
 address and the gateway reconnects to it. Ctrl-C (SIGINT to the process group) or SIGTERM stops
-all three: the gateway first, then the draft and the target.
+all three: the gateway first, then the draft and the target. The three die with `up` even when it
+is killed outright (SIGKILL): see shared/lifeline.py.
+
+The services accept only connections that prove the shared secret (shared/auth.py): `up` makes a
+random one when neither SPECSERVE_SECRET_FILE nor SPECSERVE_SECRET is set, and its children get it
+through the environment. A gateway port that is taken is reported as such, before anything starts.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dataclasses import dataclass
 
 from specserve.gateway.policy import policy_help
 from specserve.launch import ServiceProcess, free_port
+from specserve.shared.auth import ensure_secret
+from specserve.shared.ports import check_port_free
 from specserve.shared.service_base import MODELS, default_threads
 from specserve.shared.settings import Settings, option
 
@@ -54,6 +61,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = UpConfig.from_args(args)
+    check_port_free(config.host, config.port)  # PortInUse: one line, exit 1, before any model loads
+    ensure_secret()  # the services' shared secret, for the children's environment
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())

@@ -25,12 +25,31 @@ class ErrorInfo(Struct):
 class Error(Struct, tag=True):
     """The reply to a call that could not be run at all (malformed frame, bad message, ...)."""
 
-    code: str  # malformed_frame, message_too_large, bad_message, unsupported, internal
+    code: str  # malformed_frame, message_too_large, frame_timeout, bad_message, unauthenticated, unsupported,
+    #            internal
     message: str
 
 
 class Health(Struct, tag=True):
-    pass
+    """The one call a connection may make before it authenticates."""
+
+
+# ---- authentication (shared/auth.py): the first calls on every connection --------------------
+class AuthHello(Struct, tag=True):
+    nonce: bytes  # the client's nonce: 32 random bytes
+
+
+class AuthChallenge(Struct, tag=True):
+    nonce: bytes  # the server's nonce: 32 random bytes, good for one AuthProof
+    proof: bytes  # HMAC-SHA256 (32 bytes) of the secret over "...server" + both nonces: the server holds it
+
+
+class AuthProof(Struct, tag=True):
+    proof: bytes  # HMAC-SHA256 (32 bytes) of the secret over "...client" + both nonces
+
+
+class AuthOk(Struct, tag=True):
+    """The connection is authenticated: every call is served from now on."""
 
 
 class HealthReply(Struct, tag=True):
@@ -177,6 +196,10 @@ class ForwardReply(Struct, tag=True):
 Message = (
     Error
     | Health
+    | AuthHello
+    | AuthChallenge
+    | AuthProof
+    | AuthOk
     | HealthReply
     | Stats
     | StatsReply

@@ -4,17 +4,26 @@ Addresses are "host:port" for TCP or "unix:/path" for a Unix socket. On one conn
 answered in order, one at a time; the handler itself decides what may run concurrently across
 connections (the services serialize model work with one lock).
 
+Every connection is authenticated first (shared/auth.py): `RpcClient.connect` runs the handshake
+with the shared secret, and until it is done `RpcServer` answers `Health` only; anything else gets
+`Error("unauthenticated")`, and a wrong proof, or a few such calls, close the connection. An
+unauthenticated connection is also limited in frame size (`UNAUTHENTICATED_MAX_FRAME_BYTES`), in
+lifetime (`handshake_timeout_s`) and in number (the oldest beyond `MAX_UNAUTHENTICATED` is dropped).
+On any connection, a frame whose prefix arrived must be complete within `frame_timeout_s`.
+Authenticated connections may stay idle as long as they like.
+
 Error handling, per connection:
 - a frame whose content cannot be decoded gets an Error reply, and the connection stays open;
-- a frame that cannot be trusted (bad magic, over the size limit) gets an Error reply and the
-  connection is closed, since the byte stream cannot be resynchronized;
+- a frame that cannot be trusted (bad magic, over the size limit, stalled past `frame_timeout_s`)
+  gets an Error reply and the connection is closed, since the byte stream cannot be resynchronized;
 - a client that disconnects mid-call is noticed when the reply cannot be written; the call's work
   is complete and consistent (the engines are atomic per call) and nothing else is affected.
 
 What a failed RpcClient.call means to its caller:
 - TRANSPORT_ERRORS (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError, FrameError,
   ReplyOutOfStep): the peer or the connection is gone, or the reply stream can no longer be trusted
-  (an unreadable frame, a reply to another call). Drop this client and reconnect.
+  (an unreadable frame, a reply to another call). Drop this client and reconnect. AuthError (a
+  ConnectionError) from `connect`: the handshake failed (a different secret at the other end).
 - RemoteError: the peer is alive and answered this call with an Error (it refused or failed that
   call); the connection stays in step and usable.
 - UnexpectedReply: the peer answered in step but with another message type than the call expects
@@ -37,7 +46,9 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import msgspec
 import torch
 
-from specserve.shared.messages import Error, Message
+from specserve.shared.auth import AuthError, ClientHandshake, ServerHandshake, load_secret
+from specserve.shared.messages import AuthChallenge, AuthHello, AuthOk, AuthProof, Error, Health, Message
+from specserve.shared.ports import port_in_use_as_error
 from specserve.shared.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     FrameError,
@@ -45,6 +56,7 @@ from specserve.shared.transport import (
     Tensors,
     encode_frame,
     read_frame,
+    write_buffers,
     write_frame,
 )
 
@@ -52,6 +64,12 @@ if TYPE_CHECKING:
     from specserve.shared.cuda_ipc import CudaIpc
 
 log = logging.getLogger(__name__)
+
+DEFAULT_FRAME_TIMEOUT_S = 10.0  # a frame's header and payload must follow its prefix within this
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this
+UNAUTHENTICATED_MAX_FRAME_BYTES = 64 * 1024  # the largest frame read before the handshake is done
+MAX_UNAUTHENTICATED = 32  # unauthenticated connections at once; a new one drops the oldest
+CLOSE_TIMEOUT_S = 1.0  # a closing connection's last bytes get this long to drain, then it is aborted
 
 Handler = Callable[[Message, dict[str, torch.Tensor]], Awaitable[tuple[Message, Tensors | None]]]
 ReplyT = TypeVar("ReplyT", bound=msgspec.Struct)
@@ -122,17 +140,29 @@ def _ipc(enabled: bool) -> CudaIpc | None:
 
 
 class RpcServer:
-    """cuda_ipc: accept and send CUDA tensors as IPC handles (peers on the same GPU host only)."""
+    """Serves `handler` to authenticated connections (and Health to any).
 
-    def __init__(self, handler: Handler, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, cuda_ipc: bool = False):
+    secret: the shared secret (default: shared/auth.py's lookup; none is a SettingsError).
+    frame_timeout_s, handshake_timeout_s: see the module docstring.
+    cuda_ipc: accept and send CUDA tensors as IPC handles (peers on the same GPU host only; only
+    once a connection is authenticated)."""
+
+    def __init__(self, handler: Handler, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, cuda_ipc: bool = False, *,
+                 secret: str | bytes | None = None, frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+                 handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S):
         self.handler = handler
         self.max_frame_bytes = max_frame_bytes
         self.cuda_ipc = cuda_ipc
+        self.secret = load_secret(secret)
+        self.frame_timeout_s = frame_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self._server: asyncio.AbstractServer | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._unauthenticated: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # oldest first
 
     async def start(self, address: str) -> str:
-        """Listen; return the bound address (with the real port when port 0 was asked for)."""
+        """Listen; return the bound address (with the real port when port 0 was asked for).
+        A TCP port that is taken raises ports.PortInUse."""
         host, port = parse_address(address)
         if host == "unix":
             path = cast(str, port)
@@ -140,7 +170,8 @@ class RpcServer:
                 os.unlink(path)
             self._server = await asyncio.start_unix_server(self._serve, path=path, limit=2**20)
             return address
-        self._server = await asyncio.start_server(self._serve, host, port, limit=2**20)
+        with port_in_use_as_error(cast(int, port)):
+            self._server = await asyncio.start_server(self._serve, host, port, limit=2**20)
         bound = self._server.sockets[0].getsockname()
         return f"{bound[0]}:{bound[1]}"
 
@@ -156,43 +187,74 @@ class RpcServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = cast("asyncio.Task[None]", asyncio.current_task())  # never None inside a connection's task
         self._connections[task] = writer
+        self._unauthenticated[task] = writer
+        if len(self._unauthenticated) > MAX_UNAUTHENTICATED:
+            oldest = next(iter(self._unauthenticated))
+            self._unauthenticated.pop(oldest).transport.abort()
         try:
-            await self._loop(reader, writer)
+            await self._loop(reader, writer, task)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; its completed calls stand, nothing else is touched
+        except TimeoutError:
+            log.info("dropped a connection from %s: not authenticated within %g s",
+                     writer.get_extra_info("peername"), self.handshake_timeout_s)
         finally:
             self._connections.pop(task, None)
+            self._unauthenticated.pop(task, None)
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            try:
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):  # a peer that reads nothing cannot hold it open
+                    await writer.wait_closed()
+            except Exception:
+                writer.transport.abort()
 
-    async def _loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    task: asyncio.Task[None]) -> None:
         ipc = _ipc(self.cuda_ipc)  # one per connection: it keeps the last reply's tensors alive
-        while True:
-            try:
-                call_id, body, tensors = await read_frame(reader, self.max_frame_bytes, ipc)
-            except asyncio.IncompleteReadError:
-                return
-            except FrameError as exc:
-                await write_frame(writer, -1, Error(exc.code, str(exc)))
-                return
-            except MessageError as exc:
-                await write_frame(writer, exc.call_id, Error("bad_message", str(exc)))
-                continue
-            try:
-                reply, out = await self.handler(body, tensors)
-            except Exception as exc:  # a bug in one call must not take the service down
-                log.exception("call %d (%s) failed", call_id, type(body).__name__)
-                reply, out = Error("internal", f"{type(exc).__name__}: {exc}"), None
-            if ipc is not None:
-                ipc.new_frame()
-            try:
-                frame = encode_frame(call_id, reply, out, ipc)
-            except Exception as exc:  # an unencodable reply must not take the connection down
-                log.exception("call %d (%s): the reply could not be encoded", call_id, type(body).__name__)
-                frame = encode_frame(call_id, Error("internal", f"unencodable reply: {type(exc).__name__}: {exc}"))
-            writer.writelines(frame)
-            await writer.drain()
+        gate = ServerHandshake(self.secret)
+        async with asyncio.timeout(self.handshake_timeout_s) as deadline:  # lifted once authenticated
+            while True:
+                trusted = gate.authenticated
+                try:
+                    call_id, body, tensors = await read_frame(
+                        reader, self.max_frame_bytes if trusted else min(self.max_frame_bytes,
+                                                                         UNAUTHENTICATED_MAX_FRAME_BYTES),
+                        ipc if trusted else None, self.frame_timeout_s)
+                except asyncio.IncompleteReadError:
+                    return
+                except FrameError as exc:
+                    await write_frame(writer, -1, Error(exc.code, str(exc)))
+                    return
+                except MessageError as exc:
+                    await write_frame(writer, exc.call_id, Error("bad_message", str(exc)))
+                    continue
+                out: Tensors | None = None
+                if isinstance(body, (AuthHello, AuthProof)) or not (trusted or isinstance(body, Health)):
+                    reply = gate.answer(body)
+                    if gate.authenticated and not trusted:
+                        deadline.reschedule(None)
+                        self._unauthenticated.pop(task, None)
+                else:
+                    reply, out = await self._call(call_id, body, tensors)
+                if ipc is not None:
+                    ipc.new_frame()
+                try:
+                    frame = encode_frame(call_id, reply, out, ipc)
+                except Exception as exc:  # an unencodable reply must not take the connection down
+                    log.exception("call %d (%s): the reply could not be encoded", call_id, type(body).__name__)
+                    frame = encode_frame(call_id, Error("internal", f"unencodable reply: {type(exc).__name__}: {exc}"))
+                write_buffers(writer, frame)
+                await writer.drain()
+                if gate.refused:
+                    return
+
+    async def _call(self, call_id: int, body: Message,
+                    tensors: dict[str, torch.Tensor]) -> tuple[Message, Tensors | None]:
+        try:
+            return await self.handler(body, tensors)
+        except Exception as exc:  # a bug in one call must not take the service down
+            log.exception("call %d (%s) failed", call_id, type(body).__name__)
+            return Error("internal", f"{type(exc).__name__}: {exc}"), None
 
 
 class RpcClient:
@@ -208,13 +270,33 @@ class RpcClient:
 
     @classmethod
     async def connect(cls, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                      cuda_ipc: bool = False) -> RpcClient:
+                      cuda_ipc: bool = False, secret: str | bytes | None = None) -> RpcClient:
+        """Connect and authenticate with the shared secret (default: shared/auth.py's lookup).
+        Raises SettingsError if there is no secret, AuthError if the handshake fails."""
+        key = load_secret(secret)
         host, port = parse_address(address)
         if host == "unix":
             reader, writer = await asyncio.open_unix_connection(cast(str, port), limit=2**20)
         else:
             reader, writer = await asyncio.open_connection(host, port, limit=2**20)
-        return cls(reader, writer, address, max_frame_bytes, cuda_ipc)
+        client = cls(reader, writer, address, max_frame_bytes, cuda_ipc)
+        try:
+            await client._authenticate(key)
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def _authenticate(self, secret: bytes) -> None:
+        handshake = ClientHandshake(secret)
+        try:
+            challenge, _ = await self.call(handshake.hello(), AuthChallenge)
+            await self.call(handshake.prove(challenge), AuthOk)
+        except AuthError as exc:
+            raise AuthError(f"{self.address}: {exc}") from None
+        except (RemoteError, RpcProtocolError) as exc:
+            raise AuthError(f"the service at {self.address} refused the handshake ({exc}); is the secret "
+                            "the same at both ends?") from None
 
     async def _round_trip(self, body: Message,
                           tensors: Tensors | None) -> tuple[int, tuple[int, Message, dict[str, torch.Tensor]]]:

@@ -21,8 +21,11 @@ from typing import TypeVar
 
 import torch
 
+from specserve.shared.auth import load_secret
+from specserve.shared.lifeline import follow_parent
 from specserve.shared.messages import Error, Health, HealthReply, Message, Release, ReleaseReply, Stats
-from specserve.shared.rpc import RpcServer
+from specserve.shared.ports import check_port_free
+from specserve.shared.rpc import DEFAULT_FRAME_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT_S, RpcServer
 from specserve.shared.settings import Settings, option
 from specserve.shared.transport import DEFAULT_MAX_FRAME_BYTES, Tensors, split_flat
 
@@ -57,6 +60,10 @@ class ServiceConfig(Settings):
     block_size: int = option(16, "tokens per KV block")
     threads: int = option(default_factory=default_threads, help="torch intra-op threads, half the cores by default")
     max_frame_mb: int = option(DEFAULT_MAX_FRAME_BYTES >> 20, "largest message accepted, MiB")
+    frame_timeout_s: float = option(DEFAULT_FRAME_TIMEOUT_S, "a frame must be complete this long after its "
+                                    "16-byte prefix, or the connection is dropped, seconds")
+    handshake_timeout_s: float = option(DEFAULT_HANDSHAKE_TIMEOUT_S, "a connection that has not authenticated "
+                                        "with the shared secret this long after connecting is dropped, seconds")
 
     @property
     def address(self) -> str:
@@ -90,18 +97,27 @@ class ServiceHost:
             return Error("bad_message", str(exc)), None
 
 
-def setup_process(threads: int) -> None:
-    torch.set_num_threads(threads)
+def setup_process(config: ServiceConfig) -> bytes:
+    """Before the model loads: follow the parent that started this service, if one did
+    (lifeline.py); read the shared secret (none: SettingsError, exit 2); check that a fixed TCP port
+    is free (PortInUse, exit 1); set the torch threads and logging. Returns the secret."""
     logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    follow_parent()
+    secret = load_secret()
+    if not config.unix_socket:
+        check_port_free(config.host, config.port)
+    torch.set_num_threads(config.threads)
+    return secret
 
 
-def serve(host: ServiceHost, address: str, max_frame_bytes: int) -> int:
+def serve(host: ServiceHost, config: ServiceConfig, secret: bytes) -> int:
     """Serve until SIGINT/SIGTERM. Prints one 'ready <service> <address>' line when listening."""
 
     async def main() -> None:
-        server = RpcServer(host.handle, max_frame_bytes)
-        bound = await server.start(address)
+        server = RpcServer(host.handle, config.max_frame_mb << 20, secret=secret,
+                           frame_timeout_s=config.frame_timeout_s, handshake_timeout_s=config.handshake_timeout_s)
+        bound = await server.start(config.address)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

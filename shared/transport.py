@@ -58,7 +58,7 @@ class Header(msgspec.Struct):
 
 
 class FrameError(Exception):
-    """The byte stream cannot be trusted past this point (bad magic, oversized): close the link."""
+    """The byte stream cannot be trusted past this point (bad magic, oversized, stalled): close the link."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -151,10 +151,14 @@ def decode_tensors(metas: list[TensorMeta], payload: bytearray,
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, ipc: CudaIpc | None = None
+    reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, ipc: CudaIpc | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[int, Message, dict[str, torch.Tensor]]:
     """Read one frame. Raises IncompleteReadError at a clean EOF, FrameError when the stream is
-    unusable, and MessageError (after consuming the whole frame) when only its content is bad."""
+    unusable, and MessageError (after consuming the whole frame) when only its content is bad.
+
+    timeout_s: once the prefix has arrived, the header and payload must follow within this many
+    seconds, else FrameError("frame_timeout") (None: no limit). Waiting for a prefix is not limited."""
     prefix = await reader.readexactly(PREFIX.size)
     magic, header_len, payload_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -162,8 +166,13 @@ async def read_frame(
     if header_len + payload_len > max_bytes:
         raise FrameError("message_too_large",
                          f"frame of {header_len + payload_len} bytes exceeds the limit of {max_bytes} bytes")
-    header_bytes = await reader.readexactly(header_len)
-    payload = bytearray(await reader.readexactly(payload_len)) if payload_len else bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            header_bytes = await reader.readexactly(header_len)
+            payload = bytearray(await reader.readexactly(payload_len)) if payload_len else bytearray()
+    except TimeoutError:
+        raise FrameError("frame_timeout", f"the frame's {header_len + payload_len} bytes did not arrive within "
+                                          f"{timeout_s:g} s of its prefix") from None
     try:
         header = _decoder.decode(header_bytes)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -182,8 +191,16 @@ async def read_frame(
 
 async def write_frame(writer: asyncio.StreamWriter, call_id: int, body: Message, tensors: Tensors | None = None,
                       ipc: CudaIpc | None = None) -> None:
-    writer.writelines(encode_frame(call_id, body, tensors, ipc))
+    write_buffers(writer, encode_frame(call_id, body, tensors, ipc))
     await writer.drain()
+
+
+def write_buffers(writer: asyncio.StreamWriter, buffers: list[bytes | memoryview]) -> None:
+    """writelines, but a connection the peer has already closed (e.g. reset right after connect)
+    raises ConnectionResetError, not uvloop's RuntimeError for a closed handle."""
+    if writer.is_closing():
+        raise ConnectionResetError("the connection was closed by the peer")
+    writer.writelines(buffers)
 
 
 def frame_bytes(call_id: int, body: Message, tensors: Tensors | None = None) -> bytes:

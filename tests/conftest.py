@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+
 import pytest
 import torch
+
+# One shared secret for the whole run (shared/auth.py), set before anything starts: every test, the
+# services and gateways it starts (they inherit the environment) and its clients use it.
+os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))
 
 
 @pytest.fixture(autouse=True, scope="session")

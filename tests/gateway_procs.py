@@ -15,10 +15,10 @@ from specserve.launch import ServiceProcess
 class Up:
     """`specserve up` in its own process group, as a terminal would run it; parses its ready lines."""
 
-    def __init__(self, *args: str, timeout_s: float = 240):
+    def __init__(self, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None):
         cmd = [sys.executable, "-m", "specserve.cli", "up", "--port", "0", "--threads", "1", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self.stderr: deque[str] = deque(maxlen=500)
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         self.addresses: dict[str, str] = {}

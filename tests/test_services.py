@@ -24,6 +24,7 @@ from specserve.launch import ServiceProcess
 from specserve.shared.generate import generate
 from specserve.shared.messages import Error, Forward, Health, HealthReply, PrefillEntry, SamplingSpec
 from specserve.shared.model_config import ModelConfig
+from specserve.shared.rpc import RpcClient
 from specserve.shared.runner import ModelRunner
 from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
 from specserve.shared.transport import MAGIC, PREFIX, frame_bytes, read_frame
@@ -178,8 +179,9 @@ def _raw_call(address: str, data: bytes, read: bool = True) -> bytes:
 
 
 async def _exchange(address: str, frames: list[bytes]) -> list:
-    """Send frames one by one on one connection, reading each reply."""
-    reader, writer = await asyncio.open_connection(*address.rsplit(":", 1))
+    """Send frames one by one on one authenticated connection, reading each reply."""
+    client = await RpcClient.connect(address)
+    reader, writer = client.reader, client.writer
     replies = []
     for frame in frames:
         writer.write(frame)
@@ -274,7 +276,7 @@ def test_a_client_that_vanishes_mid_call_disturbs_no_one(services, prompts):
                                          {"prefill_tokens": _ints(prompt)})),
             (draft.address, _speculate_frame("gone", prompt)),
         ):
-            reader, writer = await asyncio.open_connection(*address.rsplit(":", 1))
+            writer = (await RpcClient.connect(address)).writer
             writer.write(frame)
             await writer.drain()
             writer.transport.abort()

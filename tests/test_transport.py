@@ -370,18 +370,15 @@ def test_echo_server_many_calls_on_one_connection(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["tcp", "unix"])
 def test_server_echoes_call_ids_in_order_and_survives_bad_input(kind, tmp_path):
-    """Frames written by hand and pipelined on one connection: each reply carries its request's
-    call id, in order; a handler exception and an undecodable frame get Error replies and the
-    connection keeps serving."""
+    """Frames written by hand and pipelined on one (authenticated) connection: each reply carries
+    its request's call id, in order; a handler exception and an undecodable frame get Error replies
+    and the connection keeps serving."""
 
     async def main():
         server = RpcServer(echo)
         address = await server.start(server_address(kind, tmp_path))
-        host, port = parse_address(address)
-        if host == "unix":
-            reader, writer = await asyncio.open_unix_connection(port)
-        else:
-            reader, writer = await asyncio.open_connection(host, port)
+        client = await RpcClient.connect(address)  # the handshake; then frames by hand on its socket
+        reader, writer = client.reader, client.writer
         try:
             body, tensors = speculate(1)
             writer.write(frame_bytes(10, Health()))
@@ -529,7 +526,8 @@ def test_reply_with_another_call_id_is_a_transport_error():
     async def main():
         server = await asyncio.start_server(wrong_id, "127.0.0.1", 0)
         host, port = server.sockets[0].getsockname()[:2]
-        client = await RpcClient.connect(f"{host}:{port}")
+        reader, writer = await asyncio.open_connection(host, port)
+        client = RpcClient(reader, writer, f"{host}:{port}")  # not connect(): this peer has no handshake
         try:
             with pytest.raises(ReplyOutOfStep) as err:
                 await client.call(Health(), HealthReply)
@@ -597,3 +595,32 @@ def test_cancelled_call_does_not_desynchronize_the_connection():
             await server.close()
 
     run(main())
+
+
+def test_a_peer_that_resets_right_after_accepting_is_a_transport_error_under_uvloop():
+    """A service killed while a client connects: the connection is accepted, then reset before the
+    client's first write. On uvloop that write must raise a transport error (ConnectionResetError),
+    not uvloop's RuntimeError for a closed handle (which the gateway would take for a bug)."""
+    import socket
+    import struct
+
+    import uvloop
+
+    async def main():
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            host, port = listener.getsockname()
+            reader, writer = await asyncio.open_connection(host, port)
+            accepted, _ = listener.accept()
+            accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            accepted.close()  # RST
+            await asyncio.sleep(0.2)  # the client's loop sees the reset and closes its transport
+            client = RpcClient(reader, writer, f"{host}:{port}")
+            try:
+                with pytest.raises(TRANSPORT_ERRORS):
+                    await client.call(Health(), HealthReply)
+            finally:
+                await client.close()
+
+    uvloop.run(asyncio.wait_for(main(), 5))

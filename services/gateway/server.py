@@ -42,6 +42,9 @@ from specserve.gateway.routing import make_router
 from specserve.gateway.scheduler import Scheduler
 from specserve.gateway.slo import SloClass, default_classes, parse_class
 from specserve.gateway.tokenize import Tokenizing
+from specserve.shared.auth import AuthError, load_secret
+from specserve.shared.lifeline import follow_parent
+from specserve.shared.ports import check_port_free, port_in_use_as_error
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler
@@ -259,7 +262,8 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
                            keepalive_timeout=config.client_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    with port_in_use_as_error(config.port):
+        await site.start()
     port = runner.addresses[0][1]
     print(f"ready gateway http://{config.host}:{port}", flush=True)
     log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, latency.budget_tokens,
@@ -283,6 +287,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    follow_parent()  # started by `specserve up`: die with it
+    load_secret()  # the services' shared secret: none is one line and exit 2, before anything loads
+    check_port_free(config.host, config.port)  # taken: one line and exit 1 (the bind says the same)
     import torch
 
     torch.set_num_threads(config.threads)
@@ -290,6 +297,9 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         return uvloop.run(run(config, policy))
+    except AuthError as exc:
+        print(f"error: cannot authenticate to the services: {exc}", file=sys.stderr)
+        return 1
     except (ConnectionError, OSError) as exc:
         print(f"error: cannot reach the services ({config.draft}, {config.target}): {exc}", file=sys.stderr)
         return 1

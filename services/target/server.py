@@ -19,6 +19,6 @@ def build_host(config: TargetConfig) -> ServiceHost:
 
 def main(args: argparse.Namespace) -> int:
     config = TargetConfig.from_args(args)
-    setup_process(config.threads)
+    secret = setup_process(config)
     host = build_host(config)
-    return serve(host, config.address, config.max_frame_mb << 20)
+    return serve(host, config, secret)

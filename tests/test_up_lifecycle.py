@@ -1,0 +1,153 @@
+"""`specserve up` owns its children, and a taken port is reported as exactly that.
+
+`up` killed with SIGKILL (no chance to stop anything) must take the gateway, draft and target with
+it within seconds, so that a new `up` on the same port starts. A port that is already taken stops
+`up`, the gateway and both services at once with "port N is already in use", exit status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from specserve.launch import free_port
+from specserve.shared.lifeline import DEATH_SIGNAL_VAR, PARENT_PID_VAR, child_environment, follow_parent
+from specserve.shared.ports import PortInUse, check_port_free
+from specserve.shared.rpc import RpcServer
+from tests.gateway_procs import Up, service_pid
+
+SECRET_VARS = ("SPECSERVE_SECRET", "SPECSERVE_SECRET_FILE")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state first), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")  # a zombie is dead, only not yet reaped
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None and int(fields[1]) == pid:
+                out.add(int(entry))
+    return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = [item.decode(errors="replace").partition("=") for item in f.read().split(b"\0") if item]
+    return {k: v for k, _, v in items}
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def _healthy(url: str) -> bool:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        return resp.status == 200
+
+
+def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port():
+    port = free_port()
+    no_secret = {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
+    up = Up("--port", str(port), env=no_secret)  # up makes its own secret
+    pids = {"target": service_pid("target", up.target), "draft": service_pid("draft", up.draft),
+            "gateway": service_pid("gateway", up.url)}
+    try:
+        assert _children(up.proc.pid) == set(pids.values())
+        assert _healthy(up.url)  # the gateway authenticated to both services with up's secret
+        secrets_seen = {_environ(pid).get("SPECSERVE_SECRET") for pid in pids.values()}
+        on_command_lines = [pid for pid in [up.proc.pid, *pids.values()]
+                            if any(s and s.encode() in _cmdline(pid) for s in secrets_seen)]
+
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = {name: pid for name, pid in pids.items() if _alive(pid)}
+        assert not survivors, f"still running after up was killed: {survivors}"
+    finally:
+        for pid in pids.values():  # only the processes this test started
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert len(secrets_seen) == 1 and len(secrets_seen.pop() or "") == 64  # one made-up secret, shared
+    assert on_command_lines == []
+
+    again = Up("--port", str(port))
+    try:
+        assert again.url.endswith(f":{port}") and _healthy(again.url)
+    finally:
+        assert again.interrupt() == 0
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [
+    ["up"],
+    ["gateway", "--draft", "127.0.0.1:9", "--target", "127.0.0.1:9"],  # the port is checked first
+    ["target"],
+    ["draft"],
+], ids=lambda c: c[0])
+def test_a_taken_port_is_reported_as_such(command, taken_port):
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", *command, "--port", str(taken_port),
+                           "--threads", "1"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    assert f"error: port {taken_port} is already in use (another specserve?)" in proc.stderr, proc.stderr
+    assert "cannot reach" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "ready" not in proc.stdout
+
+
+def test_the_bind_itself_reports_a_taken_port(taken_port):
+    """The check before loading can race with another process: the real bind says the same."""
+    with pytest.raises(PortInUse, match=f"port {taken_port} is already in use"):
+        check_port_free("127.0.0.1", taken_port)
+
+    async def main():
+        await RpcServer(lambda *_: None).start(f"127.0.0.1:{taken_port}")
+
+    with pytest.raises(PortInUse, match=f"port {taken_port} is already in use"):
+        asyncio.run(main())
+
+
+def test_the_lifeline_is_armed_only_by_its_variable():
+    assert follow_parent(environ={}) is None  # a service started by hand: nothing set up
+    env = child_environment({"OTHER": "1", DEATH_SIGNAL_VAR: "1"})
+    assert env[PARENT_PID_VAR] == str(os.getpid()) and env[DEATH_SIGNAL_VAR] == "1" and env["OTHER"] == "1"
+    from_thread: list[dict[str, str]] = []
+    worker = threading.Thread(target=lambda: from_thread.append(child_environment({DEATH_SIGNAL_VAR: "1"})))
+    worker.start()
+    worker.join()
+    assert DEATH_SIGNAL_VAR not in from_thread[0]  # Linux would signal when that thread ends
+    # A parent that is already gone when the child starts: it stops at once, and the variable is consumed.
+    gone = {PARENT_PID_VAR: str(os.getppid() + 1_000_000)}
+    with pytest.raises(SystemExit):
+        follow_parent(environ=gone)
+    assert PARENT_PID_VAR not in gone
