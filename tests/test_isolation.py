@@ -103,6 +103,8 @@ def control(target) -> dict[str, list[int]]:
 
 
 def run_with_poison(target, control, tag: str, spec: SamplingSpec) -> tuple[dict, str]:
+    for rid in list(target.requests):  # whatever an earlier failing test left behind
+        target.release(rid)
     healthy = {f"{tag}-{k}": (p, GREEDY) for k, p in PROMPTS.items()}
     poison = f"{tag}-poison"
     drafts = {f"{tag}-{k}": control[k] for k in PROMPTS}
