@@ -1,24 +1,40 @@
-"""Sampling parameters and the target distribution they define over next tokens."""
+"""Sampling parameters and the target distribution they define over next tokens.
+
+`probabilities` is total over what `SamplingParams` accepts: for any finite temperature >= 0, any
+top_p in (0, 1], any integer top_k and any logits without NaN (+-inf and huge or tiny values
+included) every row it returns is finite, non-negative, sums to 1 and keeps a most likely token.
+This matters because one request's parameters must never make a batched call fail: a temperature
+of 1e-38 used to divide the logits into inf - inf = NaN, and a top_p of 1e-300 rounded to 0 in
+float32 and masked every token.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+SEED_MIN, SEED_END = -(2**63), 2**64  # torch.Generator.manual_seed's range: [SEED_MIN, SEED_END)
+MAX_REDRAWS = 8  # sample(): redraws of a zero-probability token before falling back to the argmax
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy (argmax)
-    top_p: float = 1.0  # nucleus mass in (0, 1]
-    top_k: int = 0  # 0 or negative: no top-k limit
-    seed: int | None = None  # per-request seed; None draws from torch's global generator
+    temperature: float = 1.0  # 0 means greedy (argmax); any finite value > 0 samples
+    top_p: float = 1.0  # nucleus mass in (0, 1]; the most likely token is always kept
+    top_k: int = 0  # 0, negative or >= the vocabulary: no top-k limit
+    seed: int | None = None  # per-request seed in [-2**63, 2**64); None draws from torch's global generator
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed < SEED_END):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -31,24 +47,54 @@ class SamplingParams:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [N, V] -> probabilities [N, V] (float32, on CPU) after temperature, top-k and top-p."""
-    logits = logits.detach().to("cpu", torch.float32)
+    """logits [N, V] -> probabilities [N, V] (float32, on CPU) after temperature, top-k and top-p.
+
+    Computed in float64, with the largest logit of each row subtracted before the division by the
+    temperature, so every row has a 0 entry and the rest are <= 0 or -inf (exp never overflows, the
+    softmax's sum is >= 1). A row whose largest logit is +inf spreads its mass over its +inf entries;
+    a row of only -inf is uniform. top-k keeps ties with the k-th value; top-p keeps the smallest
+    prefix of the sorted tokens whose mass reaches top_p, and at least the first.
+    """
     if params.is_greedy:
+        logits = logits.detach().to("cpu")
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    x = logits.detach().to("cpu", torch.float64)
+    top = x.amax(-1, keepdim=True)
+    shifted = x - top  # <= 0, and 0 exactly (only) at the largest logits, for rows whose largest is finite
+    if not bool(torch.isfinite(top).all()):
+        neg_inf = torch.full_like(x, float("-inf"))
+        zero = torch.zeros_like(x)
+        shifted = torch.where(torch.isposinf(top), torch.where(torch.isposinf(x), zero, neg_inf), shifted)
+        shifted = torch.where(torch.isneginf(top), zero, shifted)
+    x = shifted / params.temperature  # 0 stays 0 for any temperature > 0; the rest may become -inf
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))  # a row's largest entry (0) is never below its k-th
+    probs = torch.softmax(x, dim=-1)
     if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Tokens in order of their logits, not of their rounded probabilities: with a huge temperature
+        # the largest logits can round to one probability, and the first token must be a largest one.
+        order = shifted.sort(dim=-1, descending=True, stable=True).indices
+        sorted_probs = probs.gather(-1, order)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        drop = before >= params.top_p
+        drop[..., 0] = False  # the most likely token stays, however small top_p is
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return probs.to(torch.float32)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token from a [V] distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """Draw one token from a [V] distribution (non-negative, finite, not all zero).
+
+    torch.multinomial draws argmax(p / Exponential(1)); should the exponential ever be 0, a token of
+    probability 0 could win (0 / 0 is NaN, which argmax takes). Such a draw is redrawn, a few times at
+    most, then the most likely token is taken. Ordinary draws consume the generator exactly as before.
+    """
+    for _ in range(MAX_REDRAWS):
+        token = int(torch.multinomial(probs, 1, generator=generator).item())
+        if probs[token] > 0:
+            return token
+    return int(probs.argmax().item())

@@ -193,6 +193,109 @@ def test_non_finite_floats_refused_when_constructed_directly():
         assert info.value.param == "top_p"
 
 
+_DEEP = b"[" * 5000 + b"]" * 5000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "prompt": "\xff\xfe", "messages": "\xc3("}',  # invalid UTF-8 inside strings
+        b'{"model": "m", "prompt": "x", "user": "\xc3("}',  # ... in a field the gateway does not act on
+        b'{"model": "m", "prompt": "x", "junk": "\xed\xa0\x80"}',  # a surrogate encoded as UTF-8
+        b'{"model": "m", "prompt": "a\\ud800b", "messages": "\\udc00"}',  # unpaired surrogate escapes
+        b'{"model": "m", "prompt": "x", "junk": "\\ud800"}',
+        b'{"model": "m", "prompt": ' + _DEEP + b', "messages": ' + _DEEP + b"}",  # nested 5,000 deep
+        b'{"model": "m", "prompt": "x", "junk": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3000 + b"}",
+        b'{"model": "m", "prompt": "x", "response_format": ' + _DEEP + b"}",
+        b"[" * 100_000,
+        b"null",
+        b"true",
+        b"1e999",
+        b'"a string"',
+        b"\xef\xbb\xbf{}",  # a byte order mark
+        b'{"model": "m", "prompt": "x"} trailing',
+        b'{"model": "m", "prompt": "x", "temperature": Infinity}',
+        b'{"model": "m", "prompt": "x", "temperature": -Infinity}',
+        b'{"model": "m", "prompt": "x", "max_tokens": 1e400, "max_completion_tokens": 1e400}',
+        b'{"model": "m", "prompt": "x", "seed": 123456789012345678901234567890}',
+        b'{"model": "m", "prompt": "x", "n": 123456789012345678901234567890}',
+    ],
+)
+def test_malformed_bodies_of_any_kind_are_400(body):
+    for parse in (parse_completion, parse_chat):
+        with pytest.raises(ApiError) as info:
+            parse(body)
+        err = info.value
+        assert err.status == 400 and err.body()["error"]["type"] == "invalid_request_error", err
+        assert err.param is None or isinstance(err.param, str)
+
+
+def test_duplicate_keys_last_one_wins_and_is_validated():
+    assert parse_completion(b'{"model": "m", "prompt": "x", "temperature": 5, "temperature": 0}').temperature == 0
+    refused(parse_completion, b'{"model": "m", "prompt": "x", "temperature": 0, "temperature": 5}', "temperature")
+
+
+@pytest.mark.parametrize(
+    ("field", "neutral", "bad"),
+    [
+        ("repetition_penalty", [1, 1.0], [1.1, 0.5]),
+        ("presence_penalty", [0, 0.0], [0.5, -2]),
+        ("frequency_penalty", [0], [1.0]),
+        ("logit_bias", [{}], [{"50256": -100}]),
+        ("best_of", [1], [2, 0]),
+        ("echo", [False], [True]),
+        ("top_logprobs", [0], [3]),
+        ("response_format", [{"type": "text"}], [{"type": "json_object"}, {"type": "json_schema"}, "text", {}]),
+        ("tools", [[]], [[{"type": "function", "function": {"name": "f"}}], {}, 1e30]),
+        ("tool_choice", ["none"], ["auto", "required", {"type": "function", "function": {"name": "f"}}]),
+        ("functions", [[]], [[{"name": "f"}]]),
+        ("function_call", ["none"], ["auto", {"name": "f"}]),
+        ("min_p", [0, 0.0], [0.1, True]),
+        ("min_tokens", [0], [5, False]),
+        ("stop_token_ids", [[]], [[2], 2]),
+        ("include_stop_str_in_output", [False], [True, 0]),
+        ("use_beam_search", [False], [True]),
+        ("guided_json", [], [{}, "x"]),
+        ("guided_regex", [], ["a+"]),
+        ("guided_choice", [], [["a", "b"]]),
+        ("guided_grammar", [], ["root ::= x"]),
+    ],
+)
+def test_unsupported_features_refused_unless_neutral(field, neutral, bad):
+    """Nothing is silently ignored: absent, null or the neutral value pass; anything else is a 400 naming it."""
+    for parse, make in ((parse_completion, completion), (parse_chat, chat)):
+        for value in [None, *neutral]:
+            parse(make(**{field: value}))
+        for value in bad:
+            err = refused(parse, make(**{field: value}), field)
+            assert f"{field} is not supported" in err.message
+
+
+def test_completion_suffix_and_logprobs_refused():
+    parse_completion(completion(suffix=""))
+    refused(parse_completion, completion(suffix="x"), "suffix")
+    refused(parse_completion, completion(logprobs=0), "logprobs")
+    refused(parse_chat, chat(logprobs=True), "logprobs")
+
+
+def test_top_k_beyond_any_vocabulary_is_no_limit_and_user_is_metadata():
+    assert sampling_of(parse_completion(completion(top_k=4096))).top_k == 4096  # the sampler clamps to V
+    assert sampling_of(parse_completion(completion(top_k=2**31 - 1))).top_k == 2**31 - 1
+    for huge in (2**31, 2**64, 10**30):  # more than any vocabulary, and more than msgpack carries
+        assert sampling_of(parse_completion(completion(top_k=huge))).top_k == 0
+    assert sampling_of(parse_chat(chat(top_k=10**30))).top_k == 0
+    refused(parse_completion, completion(top_k=1e30), "top_k")  # an integer, not a float
+    parse_completion(completion(user="someone"))
+    refused(parse_completion, completion(user=5), "user")
+
+
+def test_extreme_sampling_values_pass_validation():
+    """They pass because the sampler takes them (tests/test_sampling_robust.py)."""
+    for fields in ({"temperature": 1e-38}, {"temperature": 5e-324}, {"top_p": 1e-300}, {"top_p": 5e-324}):
+        sampling = sampling_of(parse_completion(completion(**fields)))
+        assert (sampling.temperature, sampling.top_p) == (fields.get("temperature", 1.0), fields.get("top_p", 1.0))
+
+
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [("Hi", "Hi"), (["Hi"], "Hi"), ([5, 0, 7], [5, 0, 7]), ([[5, 6]], [5, 6]), ([7], [7])],

@@ -7,6 +7,12 @@ request's KV is rebuilt from its history on its next call.
 
 Every method runs on the service's single model thread, one call at a time, and either completes
 or leaves the request as it was (refused entries record nothing).
+
+No request can fail another: an exception in the per-request work of a Speculate (its checks, its
+share of the KV fit, its catch-up bookkeeping, its beam setup, its reply) ends that request alone.
+It gets `ErrorInfo("internal")` and is released here (history and KV); the gateway then rebuilds
+its draft state from its committed tokens, as after any refused entry. A failure of a batched model
+pass (catch-up or a beam step) still fails the call, and the call's requests are restored.
 """
 
 from __future__ import annotations
@@ -77,21 +83,32 @@ class DraftEngine:
             req.tokens.extend(toks)
             req.last_step = entry.step
         depths = {e.rid: e.depth for e, _ in accepted}
+        failed: dict[str, ErrorInfo] = {}  # requests whose own work failed: released before the reply
         catchup_ms = beam_ms = 0.0
         forwards = 0
         trees: dict[str, tuple[list[int], list[int], list[float]]] = {}
         if self.runner is not None and accepted:
             try:
-                skip = self._fit_to_pool([e for e, _ in accepted], depths)
+                skip = self._fit_to_pool([e for e, _ in accepted], depths, failed)
                 t1 = time.perf_counter()
-                root_logits, forwards = self._catch_up([e for e, _ in accepted], depths, skip)
+                root_logits, forwards = self._catch_up([e for e, _ in accepted if e.rid not in failed], depths,
+                                                       skip, failed)
                 catchup_ms = ms_since(t1)
                 t1 = time.perf_counter()
-                beams = [BeamRequest(e.rid, self.requests[e.rid].tokens[-1], root_logits[e.rid], depths[e.rid],
-                                     e.width) for e, _ in accepted if depths[e.rid] > 0]
+                beams = []
+                for e, _ in accepted:
+                    if e.rid in failed or depths[e.rid] <= 0:
+                        continue
+                    try:
+                        beams.append(BeamRequest(e.rid, self.requests[e.rid].tokens[-1], root_logits[e.rid],
+                                                 depths[e.rid], e.width))
+                    except Exception as exc:
+                        failed[e.rid] = _failure(e.rid, "the beam setup", exc)
                 found, beam_forwards = beam_search(self.runner, beams, self.static_step)
             except BaseException:
                 self._restore(before)  # the call failed as a whole: no request may keep half of it
+                for rid in failed:  # these may be half way through their own work: drop them
+                    self.release(rid)
                 raise
             forwards += beam_forwards
             beam_ms = ms_since(t1)
@@ -101,15 +118,24 @@ class DraftEngine:
         out_logp: list[float] = []
         results = []
         for entry, error in zip(msg.entries, errors):
-            if error is not None:
-                results.append(DraftTree(entry.rid, entry.step, 0, 0, error))
-                continue
-            tokens, parents, logp = trees.get(entry.rid, ([self.requests[entry.rid].tokens[-1]], [-1], [0.0]))
-            out_tokens += tokens
-            out_parents += parents
-            out_logp += logp
-            depth = depths[entry.rid] if entry.rid in trees else 0
-            results.append(DraftTree(entry.rid, entry.step, len(tokens), depth))
+            if error is None and entry.rid not in failed:
+                try:
+                    tokens, parents, logp = trees.get(entry.rid, ([self.requests[entry.rid].tokens[-1]], [-1], [0.0]))
+                    depth = depths[entry.rid] if entry.rid in trees else 0
+                    tree = DraftTree(entry.rid, entry.step, len(tokens), depth)
+                except Exception as exc:
+                    failed[entry.rid] = _failure(entry.rid, "the reply", exc)
+                else:
+                    out_tokens += tokens
+                    out_parents += parents
+                    out_logp += logp
+                    results.append(tree)
+                    continue
+            if error is None:
+                error = failed[entry.rid]
+                self.release(entry.rid)
+            results.append(DraftTree(entry.rid, entry.step, 0, 0, error))
+        self.entry_errors += len(failed)
         reply = SpeculateReply(results, catchup_ms, beam_ms, ms_since(t0), forwards, self.free_blocks(),
                                offloaded=self.runner is None)
         return reply, {
@@ -122,28 +148,35 @@ class DraftEngine:
         errors: list[ErrorInfo | None] = []
         seen: set[str] = set()
         for entry, toks in zip(entries, new_tokens):
-            req = self.requests.get(entry.rid)
-            have = len(req.tokens) if req else 0
-            error = None
-            if entry.rid in seen:
-                error = ErrorInfo("duplicate_request", f"{entry.rid!r} appears twice in one call")
-            elif req is not None and entry.step <= req.last_step:
-                error = ErrorInfo("stale_step", f"step {entry.step} of {entry.rid!r} is not after {req.last_step}")
-            elif have + len(toks) != entry.num_committed:
-                error = ErrorInfo("out_of_sync" if req else "unknown_request",
-                                  f"{entry.rid!r}: the draft holds {have} committed tokens, the call adds "
-                                  f"{len(toks)}, but says the request has {entry.num_committed}")
-            elif have + len(toks) == 0:
-                error = ErrorInfo("empty_request", f"{entry.rid!r} has no committed tokens to speculate from")
-            elif not 0 <= entry.depth <= self.config.max_depth or not 1 <= entry.width <= self.config.max_width:
-                error = ErrorInfo("bad_shape", f"depth {entry.depth} / width {entry.width} outside "
-                                  f"0..{self.config.max_depth} / 1..{self.config.max_width}")
-            elif any(not 0 <= t < self.vocab_size for t in toks):
-                error = ErrorInfo("bad_token", f"{entry.rid!r}: token ids outside 0..{self.vocab_size - 1}")
+            try:
+                error = self._check(entry, toks, seen)
+            except Exception as exc:  # a first occurrence of the id (duplicates are refused first)
+                error = _failure(entry.rid, "the check", exc)
+                self.release(entry.rid)
             seen.add(entry.rid)
             errors.append(error)
         self.entry_errors += sum(e is not None for e in errors)
         return errors
+
+    def _check(self, entry: SpeculateEntry, toks: list[int], seen: set[str]) -> ErrorInfo | None:
+        if entry.rid in seen:
+            return ErrorInfo("duplicate_request", f"{entry.rid!r} appears twice in one call")
+        req = self.requests.get(entry.rid)
+        have = len(req.tokens) if req else 0
+        if req is not None and entry.step <= req.last_step:
+            return ErrorInfo("stale_step", f"step {entry.step} of {entry.rid!r} is not after {req.last_step}")
+        if have + len(toks) != entry.num_committed:
+            return ErrorInfo("out_of_sync" if req else "unknown_request",
+                             f"{entry.rid!r}: the draft holds {have} committed tokens, the call adds "
+                             f"{len(toks)}, but says the request has {entry.num_committed}")
+        if have + len(toks) == 0:
+            return ErrorInfo("empty_request", f"{entry.rid!r} has no committed tokens to speculate from")
+        if not 0 <= entry.depth <= self.config.max_depth or not 1 <= entry.width <= self.config.max_width:
+            return ErrorInfo("bad_shape", f"depth {entry.depth} / width {entry.width} outside "
+                             f"0..{self.config.max_depth} / 1..{self.config.max_width}")
+        if any(not 0 <= t < self.vocab_size for t in toks):
+            return ErrorInfo("bad_token", f"{entry.rid!r}: token ids outside 0..{self.vocab_size - 1}")
+        return None
 
     def _snapshot(self, rid: str) -> tuple[int, int] | None:
         req = self.requests.get(rid)
@@ -163,43 +196,55 @@ class DraftEngine:
                 req.synced = len(req.tokens)
                 self.runner.truncate(rid, req.synced)
 
-    def _fit_to_pool(self, entries: list[SpeculateEntry], depths: dict[str, int]) -> set[str]:
+    def _fit_to_pool(self, entries: list[SpeculateEntry], depths: dict[str, int],
+                     failed: dict[str, ErrorInfo]) -> set[str]:
         """Shrink speculation, then catch-up, of the entries the free KV blocks cannot hold.
 
         Speculation is optional: a request that does not fit gets a root-only tree (depth 0); one
         whose catch-up does not fit either stays behind (its tokens are kept; it catches up later).
+        A request whose check raises goes into `failed` and takes no blocks.
         """
         blocks = self.runner.blocks
         free = blocks.num_free_blocks
         skip = set()
         for entry in entries:
-            req = self.requests[entry.rid]
-            lag = len(req.tokens) - req.synced
-            beam_nodes = max(depths[entry.rid] - 1, 0) * entry.width
-            need = blocks.extra_blocks_for(entry.rid, lag + beam_nodes)
-            if need > free:
-                depths[entry.rid] = 0
-                need = blocks.extra_blocks_for(entry.rid, lag)
+            try:
+                req = self.requests[entry.rid]
+                lag = len(req.tokens) - req.synced
+                beam_nodes = max(depths[entry.rid] - 1, 0) * entry.width
+                need = blocks.extra_blocks_for(entry.rid, lag + beam_nodes)
                 if need > free:
-                    need = 0
-                    skip.add(entry.rid)
+                    depths[entry.rid] = 0
+                    need = blocks.extra_blocks_for(entry.rid, lag)
+                    if need > free:
+                        need = 0
+                        skip.add(entry.rid)
+            except Exception as exc:
+                failed[entry.rid] = _failure(entry.rid, "the KV fit", exc)
+                continue
             free -= need
         return skip
 
-    def _catch_up(self, entries: list[SpeculateEntry], depths: dict[str, int],
-                  skip: set[str]) -> tuple[dict[str, torch.Tensor], int]:
-        """Append each request's unsynced tokens in chunks; return the root logits of those with d > 0."""
+    def _catch_up(self, entries: list[SpeculateEntry], depths: dict[str, int], skip: set[str],
+                  failed: dict[str, ErrorInfo]) -> tuple[dict[str, torch.Tensor], int]:
+        """Append each request's unsynced tokens in chunks; return the root logits of those with d > 0.
+
+        A request whose own preparation raises goes into `failed` and is left out of the passes."""
         runner, cfg = self.runner, self.config
         todo = {}
         for entry in entries:
             if entry.rid in skip:
                 depths[entry.rid] = 0
                 continue
-            req = self.requests[entry.rid]
-            if req.synced == len(req.tokens) and depths[entry.rid] > 0:
-                # Nothing new since the last call: re-run the newest token to get its logits again.
-                req.synced -= 1
-                runner.truncate(entry.rid, req.synced)
+            try:
+                req = self.requests[entry.rid]
+                if req.synced == len(req.tokens) and depths[entry.rid] > 0:
+                    # Nothing new since the last call: re-run the newest token to get its logits again.
+                    req.synced -= 1
+                    runner.truncate(entry.rid, req.synced)
+            except Exception as exc:
+                failed[entry.rid] = _failure(entry.rid, "the catch-up", exc)
+                continue
             if req.synced < len(req.tokens):
                 todo[entry.rid] = req
         root_logits: dict[str, torch.Tensor] = {}
@@ -284,6 +329,12 @@ class DraftEngine:
 
     def _transition(self, seconds: float, weight_bytes: int, kv_bytes: int) -> TransitionReply:
         return TransitionReply(self.runner is None, round(seconds, 6), weight_bytes, kv_bytes, len(self.requests))
+
+
+def _failure(rid: str, what: str, exc: Exception) -> ErrorInfo:
+    """The error of a request whose own work raised; the caller releases the request."""
+    return ErrorInfo("internal", f"{rid!r}: {what} failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                     "the request was released")
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -4,9 +4,13 @@
 ``POST /v1/chat/completions`` into Structs and validate every field the gateway acts on; anything
 invalid raises `ApiError`, which the server turns into an HTTP response in OpenAI's error shape.
 Fields the gateway does not know are ignored (clients send many), but a known feature the gateway
-does not implement (n > 1, echo, logprobs, penalties, logit bias) is refused rather than silently
-dropped. `sampling_of` reduces either request to one `Sampling`; `prompt_of` and `messages_of`
-give the prompt in the forms the tokenizer and the chat template take.
+does not implement (n > 1, best_of, echo, logprobs, suffix, penalties, logit bias, response formats,
+tools and function calls, vLLM's min_p / min_tokens / stop_token_ids / guided decoding, ...) is
+refused with a 400 naming it unless it is absent, null or its neutral value (`UNSUPPORTED`), rather
+than silently dropped. Every malformed body (not UTF-8, not JSON, nested too deep, a wrong type
+anywhere) is a 400 too, never an exception out of this module. `sampling_of` reduces either
+request to one `Sampling`; `prompt_of` and `messages_of` give the prompt in the forms the
+tokenizer and the chat template take.
 
 Nullable fields: OpenAI documents most optional fields as "X or null", so an explicit ``null``
 is accepted everywhere and means "absent". `n` and `stream` are typed ``X | None`` for that
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +48,7 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_SLO_MS = 3_600_000.0
 SEED_MIN, SEED_END = -(2**63), 2**64  # seed in [SEED_MIN, SEED_END)
+TOP_K_OFF_ABOVE = 2**31 - 1  # no vocabulary is larger: a top_k above it limits nothing and is sent as 0 (off)
 CHAT_ROLES = frozenset({"system", "user", "assistant", "developer"})
 CONTENT_PART_JOINER = "\n"  # text parts of one message are joined as vLLM does
 
@@ -104,9 +110,29 @@ class _SamplingFields(Struct, kw_only=True):
     service_tier: str | None = None
     slo: SloSpec | None = None
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past EOS (benchmarks use it)
-    presence_penalty: float | None = None  # refused when nonzero
-    frequency_penalty: float | None = None  # refused when nonzero
-    logit_bias: dict[str, float] | None = None  # refused when non-empty
+    user: str | None = None  # metadata: accepted and not used
+    # Known features the gateway does not implement: refused unless absent, null or neutral (UNSUPPORTED).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    echo: bool | None = None  # a completions field; vLLM's chat has it too
+    top_logprobs: int | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None  # the deprecated form of tools
+    function_call: Any = None  # the deprecated form of tool_choice
+    min_p: Any = None  # vLLM's sampling extensions from here on
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    use_beam_search: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -121,9 +147,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None = until the context is full
     # Known features we do not implement: refused when they ask for anything.
-    echo: bool | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = None  # refused unless null (0 asks for the chosen token's logprob)
+    suffix: str | None = None  # refused unless null or empty
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -135,7 +160,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     # Known features we do not implement: refused when they ask for anything.
     logprobs: bool | None = None
-    top_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +168,7 @@ class Sampling:
 
     temperature: float  # 0 = greedy; 1.0 when absent (OpenAI's default)
     top_p: float  # (0, 1]; 1.0 when absent
-    top_k: int  # 0 = off (-1, vLLM's "off", is normalized to 0)
+    top_k: int  # 0 = off (-1, vLLM's "off", and values above TOP_K_OFF_ABOVE are normalized to 0)
     seed: int | None
     max_tokens: int | None  # None = until the context is full (the server fills it in)
     stop: tuple[str, ...]  # empty strings dropped
@@ -160,10 +184,17 @@ _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """The body as a request Struct; every way it can be malformed is an ApiError (400)."""
     if not body or not body.strip():
         raise ApiError("The request body is empty; expected a JSON object.")
     try:
+        body.decode("utf-8")  # JSON is UTF-8 (RFC 8259); msgspec would raise on bad bytes only in some fields
+    except UnicodeDecodeError as exc:
+        raise ApiError(f"The request body is not valid UTF-8: {exc}") from None
+    try:
         return decoder.decode(body)
+    except RecursionError:
+        raise ApiError("The request body nests JSON arrays or objects too deeply.") from None
     except msgspec.ValidationError as exc:
         message = str(exc)
         match = _AT_PATH.search(message)
@@ -174,6 +205,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise ApiError(f"Invalid request: {message}", param=path or None) from None
     except msgspec.DecodeError as exc:
         raise ApiError(f"The request body is not valid JSON: {exc}") from None
+    except (ValueError, OverflowError, MemoryError) as exc:  # anything else msgspec refuses to build
+        raise ApiError(f"The request body could not be decoded: {exc}") from None
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
@@ -182,12 +215,10 @@ def parse_completion(body: bytes) -> CompletionRequest:
     _check_common(req)
     _check_prompt(req.prompt)
     _check_max_tokens(req.max_tokens, "max_tokens")
-    if req.echo:
-        raise ApiError("echo is not supported", param="echo")
     if req.logprobs is not None:
         raise ApiError("logprobs are not supported", param="logprobs")
-    if req.best_of is not None and req.best_of != 1:
-        raise ApiError(f"best_of > 1 is not supported (best_of must be 1), got {req.best_of}", param="best_of")
+    if req.suffix:
+        raise ApiError("suffix is not supported (must be empty or absent)", param="suffix")
     return req
 
 
@@ -200,8 +231,6 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if req.logprobs:
         raise ApiError("logprobs are not supported", param="logprobs")
-    if req.top_logprobs:
-        raise ApiError("top_logprobs are not supported", param="top_logprobs")
     return req
 
 
@@ -225,18 +254,14 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
         if not 0.0 < req.top_p <= 1.0:
             raise ApiError(f"top_p must be in (0, 1], got {req.top_p:g}", param="top_p")
     if req.top_k is not None and req.top_k < -1:
-        raise ApiError(f"top_k must be -1 or 0 (off) or a positive integer, got {req.top_k}", param="top_k")
+        raise ApiError(f"top_k must be -1 or 0 (off) or a positive integer, got {_short(req.top_k)}", param="top_k")
     if req.seed is not None and not SEED_MIN <= req.seed < SEED_END:
-        raise ApiError(f"seed must be in [-2**63, 2**64), got {req.seed}", param="seed")
+        raise ApiError(f"seed must be in [-2**63, 2**64), got {_short(req.seed)}", param="seed")
     _check_stop(req.stop)
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name, (neutral, wanted) in UNSUPPORTED.items():
         value = getattr(req, name)
-        if value is not None:
-            _check_finite(value, name)
-            if value != 0:
-                raise ApiError(f"{name} is not supported (must be 0 or absent), got {value:g}", param=name)
-    if req.logit_bias:
-        raise ApiError("logit_bias is not supported", param="logit_bias")
+        if value is not None and not neutral(value):
+            raise ApiError(f"{name} is not supported ({wanted}), got {_short(value)}", param=name)
     if req.slo is not None:
         for name in ("ttft_ms", "tpot_ms"):
             value = getattr(req.slo, name)
@@ -247,6 +272,52 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
                         f"slo.{name} must be > 0 and <= {MAX_SLO_MS:.0f} milliseconds, got {value:g}",
                         param=f"slo.{name}",
                     )
+
+
+def _is(neutral: object) -> Callable[[Any], bool]:
+    """A test for `neutral` in JSON's sense: equal and of the same kind (1.0 is 1, but true is not 1)."""
+    numeric = isinstance(neutral, (int, float)) and not isinstance(neutral, bool)
+
+    def check(value: Any) -> bool:
+        if isinstance(value, bool) or numeric:
+            return isinstance(value, (int, float)) and isinstance(value, bool) == isinstance(neutral, bool) \
+                and value == neutral
+        return type(value) is type(neutral) and value == neutral
+
+    return check
+
+
+# Known features the gateway does not implement: field -> (is it neutral?, what is accepted). A value
+# that is neither absent, null nor neutral is refused with a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (_is(0), "must be 0 or absent"),
+    "frequency_penalty": (_is(0), "must be 0 or absent"),
+    "repetition_penalty": (_is(1), "must be 1 or absent"),
+    "logit_bias": (_is({}), "must be empty or absent"),
+    "best_of": (_is(1), "must be 1 or absent"),
+    "echo": (_is(False), "must be false or absent"),
+    "top_logprobs": (_is(0), "must be 0 or absent"),
+    "response_format": (_is({"type": "text"}), 'must be {"type": "text"} or absent'),
+    "tools": (_is([]), "must be empty or absent"),
+    "tool_choice": (_is("none"), 'must be "none" or absent'),
+    "functions": (_is([]), "must be empty or absent"),
+    "function_call": (_is("none"), 'must be "none" or absent'),
+    "min_p": (_is(0), "must be 0 or absent"),
+    "min_tokens": (_is(0), "must be 0 or absent"),
+    "stop_token_ids": (_is([]), "must be empty or absent; use stop strings"),
+    "include_stop_str_in_output": (_is(False), "must be false or absent"),
+    "use_beam_search": (_is(False), "must be false or absent"),
+    "guided_json": (lambda v: False, "must be absent"),
+    "guided_regex": (lambda v: False, "must be absent"),
+    "guided_choice": (lambda v: False, "must be absent"),
+    "guided_grammar": (lambda v: False, "must be absent"),
+}
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A value for an error message, cut short (a client may send megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _check_finite(value: float, param: str) -> None:
@@ -329,7 +400,7 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest) -> Sampling:
     return Sampling(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=0 if req.top_k is None or req.top_k <= 0 else req.top_k,
+        top_k=0 if req.top_k is None or not 0 < req.top_k <= TOP_K_OFF_ABOVE else req.top_k,
         seed=req.seed,
         max_tokens=max_tokens,
         stop=tuple(s for s in stops if s),

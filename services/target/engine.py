@@ -7,12 +7,19 @@ committed token but the newest, which is the root of the request's next tree.
 Entries are checked one by one before the pass; a refused entry gets an error in its result and
 changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
 KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
+
+No request can fail another: an exception while checking or accepting one entry (sampling,
+acceptance, the KV commit) ends that request alone. Its result carries `ErrorInfo("internal")`, it
+is released on the spot (no state, no KV blocks), and the other entries' results stand. Only a
+failure of the batched model pass itself fails the call, and that pass gives back every slot it took.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,8 +75,9 @@ class TargetEngine:
         seen: set[str] = set()
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         entries: list[tuple[int, Chunk | Tree]] = []
+        all_entries = list(msg.prefill) + list(msg.verify)
         for i, (entry, toks) in enumerate(zip(msg.prefill, chunks)):
-            error = self._check_prefill(entry, toks, seen)
+            error = self._isolated(entry.rid, "check", self._check_prefill, entry, toks, seen)
             if error:
                 errors[i] = error
             else:
@@ -77,7 +85,7 @@ class TargetEngine:
                 entries.append((i, Chunk(entry.rid, toks, logits_at=last)))
         base = len(msg.prefill)
         for j, (entry, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
-            error = self._check_verify(entry, toks, parents, seen)
+            error = self._isolated(entry.rid, "check", self._check_verify, entry, toks, parents, seen)
             if error:
                 errors[base + j] = error
             else:
@@ -89,9 +97,11 @@ class TargetEngine:
         forward_ms = ms_since(t0)
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
-        all_entries = list(msg.prefill) + list(msg.verify)
         for (index, entry), entry_logits in zip(entries, logits):
-            emitted[index] = self._accept(all_entries[index], entry, entry_logits)
+            try:
+                emitted[index] = self._accept(all_entries[index], entry, entry_logits)
+            except Exception as exc:  # this request alone ends; the others' results stand
+                errors[index] = self._failed(entry.request_id, "acceptance", exc)
         accept_ms = ms_since(t0)
 
         results, out = [], []
@@ -105,6 +115,21 @@ class TargetEngine:
         self.entry_errors += len(errors)
         reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks)
         return reply, {"tokens": torch.tensor(out, dtype=torch.int32)}
+
+    # ---- isolation ---------------------------------------------------------------------------
+    def _isolated(self, rid: str, what: str, check: Callable[..., ErrorInfo | None], *args: Any) -> ErrorInfo | None:
+        """Run one entry's check; an exception in it ends that request alone (see `_failed`)."""
+        try:
+            return check(*args)
+        except Exception as exc:
+            return self._failed(rid, what, exc)
+
+    def _failed(self, rid: str, what: str, exc: Exception) -> ErrorInfo:
+        """An unexpected failure of one request: release it here (its state, any pending tree and
+        its KV blocks) and say why. The call's other entries are not touched."""
+        self.release(rid)
+        return ErrorInfo("internal", f"{rid!r}: {what} failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                         "the request was released")
 
     # ---- checks ------------------------------------------------------------------------------
     def _common(self, rid: str, step: int, tokens: list[int], seen: set[str]) -> ErrorInfo | None:
@@ -175,7 +200,11 @@ class TargetEngine:
         free = self.runner.num_free_blocks
         admitted = []
         for index, entry in sorted(entries, key=lambda x: not isinstance(x[1], Tree)):
-            need = self.runner.blocks.extra_blocks_for(entry.request_id, len(entry.tokens))
+            try:
+                need = self.runner.blocks.extra_blocks_for(entry.request_id, len(entry.tokens))
+            except Exception as exc:
+                errors[index] = self._failed(entry.request_id, "the KV check", exc)
+                continue
             if need > free:
                 errors[index] = ErrorInfo("out_of_blocks", f"{entry.request_id!r} needs {need} KV blocks, "
                                           f"{free} are free now; retry after others finish")
