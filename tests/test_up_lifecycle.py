@@ -102,6 +102,43 @@ def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port(
         assert again.interrupt() == 0
 
 
+# A parent that starts a draft from a worker thread, reports the draft's pid, and waits to be killed.
+_THREAD_PARENT = """
+import threading, time
+from specserve.launch import ServiceProcess
+started = []
+worker = threading.Thread(target=lambda: started.append(ServiceProcess("draft", "--kv-blocks", "16")))
+worker.start()
+worker.join()
+print(started[0].proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_started_from_a_worker_thread_outlives_the_thread_and_follows_the_parent_by_its_watchdog():
+    """Linux's parent-death signal fires when the starting *thread* exits, so it must not be armed
+    there; the watchdog alone then takes the child down when the parent process dies."""
+    parent = subprocess.Popen([sys.executable, "-c", _THREAD_PARENT], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.5)
+        assert _alive(child), "the child died with the thread that started it"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the child outlived its parent"
+    finally:
+        if parent.poll() is None:
+            os.kill(parent.pid, signal.SIGKILL)
+            parent.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 @pytest.fixture
 def taken_port():
     with socket.socket() as sock:
