@@ -4,7 +4,7 @@
 - killing one replica ends only its own requests with an error; the other keeps serving and takes
   new requests; `up` restarts the killed one and it rejoins (new requests reach it again);
 - an error on one entry (a stranger released a request on its replica) ends that request alone;
-- a replica that answers a whole call with an error stays up, and the other replica is untouched;
+- a poison request on one replica leaves every other request and both replicas untouched;
 - the executor tells a remote error from a dead service and from a missed deadline (real target).
 """
 
@@ -164,9 +164,11 @@ def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
     wait_idle(up2)
 
 
-def test_remote_call_error_keeps_the_replica_up(up2, reference):
-    """A request whose sampling breaks the target's pass makes that replica answer the whole call with
-    an error: the requests in that call end, the replica stays up, the other replica is untouched."""
+def test_poison_on_one_replica_touches_nothing_else(up2, reference):
+    """A request with sampling values that once failed the target's whole pass (temperature 1e-38) is
+    served beside greedy requests on both replicas: every greedy request finishes exactly, both replicas
+    stay up. (A whole call answered with an error, the remote-error path, is exercised against a real
+    target in test_executor_tells_remote_errors_from_dead_services_and_deadlines.)"""
     async def run():
         c = aclient(up2.url)
         good = [asyncio.ensure_future(c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
