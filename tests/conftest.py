@@ -22,3 +22,23 @@ def single_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """`specserve up` for a test module: it profiles on first start into a fresh file, then B is pinned
+    to 24 so the tests do not depend on this machine's timing. (test_gateway.py has its own.)"""
+    from tests.gateway_procs import Up
+
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
+    server = Up("--profile", str(profile), "--", "--budget", "24")
+    yield server
+    server.interrupt()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    """transformers' greedy output of the target alone on test_gateway.PROMPTS."""
+    from tests.test_gateway import transformers_greedy
+
+    return transformers_greedy()

@@ -26,7 +26,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.gateway_procs import Up
 from tests.test_gateway import PROMPTS, wait_all_free
 
 MAX_EXAMPLES = 2000
@@ -34,14 +33,6 @@ FUZZ_SECONDS = 100.0
 MAX_NEW = 4  # the most tokens a valid generated request asks for
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
 STATS: Counter = Counter()
-
-
-@pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--profile", str(profile), "--", "--budget", "24")
-    yield server
-    server.interrupt()
 
 
 @pytest.fixture(scope="module")

@@ -25,21 +25,8 @@ import pytest
 
 from specserve.shared.messages import SamplingSpec
 from specserve.shared.service_client import PrefillItem, TargetClient
-from tests.gateway_procs import Up, gateway, service_pid
-from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, transformers_greedy, wait_all_free
-
-
-@pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--profile", str(profile), "--", "--budget", "24")
-    yield server
-    server.interrupt()
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[str]:
-    return transformers_greedy()
+from tests.gateway_procs import gateway, service_pid
+from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 
 
 def test_a_huge_prompt_does_not_stall_other_streams(up, reference):

@@ -18,10 +18,8 @@ import json
 import time
 
 import httpx
-import pytest
 
-from tests.gateway_procs import Up
-from tests.test_gateway import MAX_TOKENS, PROMPTS, transformers_greedy, wait_all_free
+from tests.test_gateway import MAX_TOKENS, PROMPTS, wait_all_free
 
 STREAM_PROMPTS = [*PROMPTS, PROMPTS[0]]  # 8 streams; PROMPTS[6] ends at once (EOS first)
 
@@ -74,19 +72,6 @@ POISON = [
     ("token id 2**63", C, b'{"model": "target", "prompt": [9223372036854775808]}', 400, "prompt"),
     ("a 9 MB body", C, completion(junk="x" * (9 * 2**20)), 413, None),
 ]
-
-
-@pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--profile", str(profile), "--", "--budget", "24")
-    yield server
-    server.interrupt()
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[str]:
-    return transformers_greedy()
 
 
 async def greedy_stream(h: httpx.AsyncClient, prompt: str, started: asyncio.Event) -> tuple[str, float]:

@@ -26,7 +26,7 @@ from specserve.gateway.pool import ServicePool, TargetReplica
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_client import PrefillItem, TargetClient
 from tests.gateway_procs import Up, service_pid
-from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, transformers_greedy
+from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +35,6 @@ def up2(tmp_path_factory):
     server = Up("--targets", "2", "--profile", str(profile), "--", "--budget", "24")
     yield server
     server.interrupt()
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[str]:
-    return transformers_greedy()
 
 
 def health(url: str) -> dict:
