@@ -256,16 +256,16 @@ def _rss_mib(pid: int) -> float:
 
 @pytest.mark.parametrize("kind", ["target", "draft"])
 def test_a_half_sent_frame_is_dropped_after_the_frame_timeout(services, kind):
-    """An authenticated client sends a prefix promising 200 MiB and 16 MiB of it, then nothing: the
+    """An authenticated client sends a prefix promising 200 MiB and 64 MiB of it, then nothing: the
     service answers frame_timeout after --frame-timeout-s, closes the connection and frees the bytes."""
     service = services[kind]
 
     async def main():
         client = await RpcClient.connect(service.address)
         base = _rss_mib(service.proc.pid)
-        client.writer.write(PREFIX.pack(MAGIC, 64, 200 << 20) + bytes(64 + (16 << 20)))
+        t0 = time.monotonic()  # the frame's clock starts when its prefix arrives, before the 64 MiB are in
+        client.writer.write(PREFIX.pack(MAGIC, 64, 200 << 20) + bytes(64 + (64 << 20)))
         await client.writer.drain()
-        t0 = time.monotonic()
         reply_id, reply, _ = await asyncio.wait_for(read_frame(client.reader), 10)
         closed_s = time.monotonic() - t0 + await _closed_after(client.reader)
         await asyncio.sleep(0.5)
@@ -274,7 +274,8 @@ def test_a_half_sent_frame_is_dropped_after_the_frame_timeout(services, kind):
     reply_id, reply, closed_s, base, after = _run(main())
     assert reply_id == -1 and isinstance(reply, Error) and reply.code == "frame_timeout", reply
     assert FRAME_TIMEOUT_S * 0.8 < closed_s < FRAME_TIMEOUT_S + 3
-    assert after < base + 8, (base, after)  # the 16 MiB buffered are given back
+    # the 64 MiB buffered are given back: a kept buffer would show +64; the allocator may keep some
+    assert after < base + 32, (base, after)
     assert service.alive()
 
 

@@ -69,9 +69,11 @@ def test_a_huge_prompt_does_not_stall_other_streams(up, reference):
     assert max(gaps) < 0.25, f"a stream stalled {max(gaps) * 1e3:.0f} ms while a 5 MB prompt was refused"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def strict(up):
-    """A second gateway on the same services: a short client timeout and a small waiting queue."""
+    """A second gateway on the same services: a short client timeout and a small waiting queue. Per
+    test, and stopped after it: a gateway that (re)connects releases what the services hold that it
+    does not own, so two gateways on one pair of services must not outlive each other's requests."""
     g = gateway(up, "none", "--budget", "24", "--client-timeout-s", "1", "--max-waiting", "2", "--max-running", "1")
     yield g
     g.stop()
