@@ -29,6 +29,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.sweep import relative_paths  # noqa: E402
 from specserve.bench.scrape import parse_counters  # noqa: E402
 from specserve.launch import ServiceProcess  # noqa: E402
 
@@ -108,7 +109,8 @@ def main() -> int:
     summary = {m: {k: {"median": statistics.median(r[k] for r in rows if r["mode"] == m),
                        "min": min(r[k] for r in rows if r["mode"] == m),
                        "max": max(r[k] for r in rows if r["mode"] == m)} for k in keys} for m in modes}
-    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": vars(args)}, indent=1))
+    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": relative_paths(vars(args))},
+                                         indent=1))
     print("| | " + " | ".join(modes) + " |")
     print("|---|" + "---:|" * len(modes))
     for k in keys:

@@ -33,6 +33,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.sweep import relative_paths  # noqa: E402
 from specserve.bench.scrape import parse_counters  # noqa: E402
 from specserve.launch import ServiceProcess  # noqa: E402
 
@@ -145,7 +146,8 @@ def main() -> int:
                                 "schedule_ms": statistics.median(ms), "min": min(ms), "max": max(ms),
                                 "share": statistics.median(share),
                                 "iteration_ms": statistics.median(r["iteration_ms"] for r in got)})
-    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": vars(args)}, indent=1))
+    run_args = relative_paths(vars(args) | {"baseline": f"a checkout of {base_rev}"})  # no machine paths
+    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": run_args}, indent=1))
     print("| policy | batch | version | schedule ms / iteration, median (min-max) | share of iteration | "
           "iteration ms |")
     print("|---|---:|---|---:|---:|---:|")
