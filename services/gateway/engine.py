@@ -366,7 +366,7 @@ class Engine:
             shape = plan.shapes[r.rid]
             record.requests.append(RequestStep(r.rid, r.replica, depth=shape.depth, width=shape.width,
                                                verified=len(toks)))
-        self._end_requests_of_down_replicas()
+        # (replicas that went down were handled after the releases; only draft calls ran since)
         return [by_replica[i] for i in sorted(by_replica) if by_replica[i].replica.up]
 
     async def _target_pass(self, plan: IterationPlan, passes: list[TargetPass], record: IterationRecord) -> None:
