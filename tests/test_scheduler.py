@@ -115,7 +115,8 @@ def test_max_running_per_replica():
 
 
 def test_chunks_per_replica_prefilling_first():
-    prefilling = [PrefillView("p0", 0, 500, 100, "chat", 1000.0, 0.0), PrefillView("p1", 1, 50, 0, "chat", 1000.0, 0.0)]
+    prefilling = [PrefillView("p0", 0, 500, 100, "chat", 50.0, 1000.0, 0.0),
+                  PrefillView("p1", 1, 50, 0, "chat", 50.0, 1000.0, 0.0)]
     reps = [replica(0), replica(1)]
     v = view(waiting_=[waiting("a", prompt=300), waiting("b", prompt=300)], prefilling=prefilling, replicas=reps,
              max_prefill=256)
@@ -156,7 +157,7 @@ def test_enforce_keeps_rejections_and_deferrals_with_reasons():
 
 
 def test_enforce_cuts_chunks_to_the_prompt_and_the_replica_limit():
-    prefilling = [PrefillView("p", 0, 100, 90, "chat", 1000.0, 0.0)]
+    prefilling = [PrefillView("p", 0, 100, 90, "chat", 50.0, 1000.0, 0.0)]
     v = view(waiting_=[waiting("a", prompt=300)], prefilling=prefilling, max_prefill=64)
     d = Decision(admit=[Admit("a")], chunks={"p": 50, "a": 300, "ghost": 10})
     plan = Scheduler(Scripted(d), RoundRobin()).plan(v, 1)
@@ -202,7 +203,7 @@ def test_eager_draft_sync_lists_lagging_requests_that_do_not_speculate():
 
 def test_default_decision_shapes_per_replica_with_its_own_prefill():
     """AdaServe's eq. 8-9 per replica: B = 16 each; replica 0 co-schedules 8 prompt tokens, replica 1 none."""
-    prefilling = [PrefillView("p", 0, 8, 0, "chat", 1000.0, 0.0)]
+    prefilling = [PrefillView("p", 0, 8, 0, "chat", 50.0, 1000.0, 0.0)]
     reqs = [decoding("a", 0), decoding("b", 0), decoding("c", 1), decoding("d", 1)]
     v = view(prefilling=prefilling, decoding_=reqs, replicas=[replica(0), replica(1)])
     plan = Scheduler(make_policy("adaserve"), RoundRobin()).plan(v, 1)

@@ -45,6 +45,14 @@ def resolve_slo(classes: dict[str, SloClass], tier: str | None, slo: SloSpec | N
     return cls
 
 
+def allows_best_effort(tier: str | None, slo: SloSpec | None) -> bool:
+    """Whether a request may be served without an SLO when admission cannot meet it: `slo.best_effort`
+    if given, else OpenAI's `service_tier: "flex"` (slower, cheaper processing)."""
+    if slo is not None and slo.best_effort is not None:
+        return slo.best_effort
+    return tier == "flex"
+
+
 def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: Sampling, slo: SloClass,
                   prefix: str) -> GenRequest:
     """Check the prompt and limits against the model and the KV pool; 400 with a clear reason otherwise."""

@@ -41,6 +41,10 @@ class GatewayConfig(Settings):
                                 default_text="the profile's")
     max_running: int = option(64, "most requests bound to one target replica at once")
     max_prefill_tokens: int = option(256, "most prompt tokens in one replica's pass (chunked prefill)")
+    admission: str = option("fifo", "fifo: admit in arrival order while KV and max_running allow; slo: SLOs-Serve's "
+                            "planner admits only what can meet its TTFT and TPOT SLOs (declined: the next replica, "
+                            "then best effort for service_tier flex, else 503 with Retry-After)",
+                            choices=("fifo", "slo"))
     max_waiting: int = option(256, "most requests waiting for admission; more get 503 with Retry-After")
     client_timeout_s: float = option(10.0, "a client must send its request head, and then its body, within this "
                                      "many seconds (408 for a body, the connection closed for a head)")

@@ -226,7 +226,7 @@ class Engine:
     # ---- 2. snapshot -----------------------------------------------------------------------------
     def _snapshot(self, now: float) -> SchedulerView:
         waiting = [WaitingView(r.rid, len(r.prompt), r.max_tokens, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
-                               r.slo.ttft_ms, (now - r.arrival) * 1e3) for r in self.waiting]
+                               r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok) for r in self.waiting]
         prefilling, decoding = [], []
         for r in self.running:
             assert r.replica is not None
@@ -236,7 +236,7 @@ class Engine:
                                             len(r.draft_unsent)))
             elif r.prefilled < len(r.prompt):
                 prefilling.append(PrefillView(r.rid, r.replica, len(r.prompt), r.prefilled, r.slo.name,
-                                              r.slo.ttft_ms, (now - r.arrival) * 1e3))
+                                              r.slo.tpot_ms, r.slo.ttft_ms, (now - r.arrival) * 1e3))
         draft = self.pool.draft.view() if self.pool.draft is not None else DraftView(False, False)
         lim = self.limits
         return SchedulerView(waiting, prefilling, decoding, [t.view() for t in self.pool.targets], draft,
@@ -246,6 +246,10 @@ class Engine:
     # ---- 3. admission ----------------------------------------------------------------------------
     def _apply_admission(self, plan: IterationPlan) -> None:
         now = time.perf_counter()
+        admission = self.scheduler.admission
+        if admission is not None:
+            for outcome in ("declined", "best_effort", "refused"):
+                self.metrics.on_admission(outcome, getattr(admission.last, outcome))
         for rid, reject in plan.rejected.items():
             r = self.requests[rid]
             self.metrics.on_error("rejected")
@@ -488,6 +492,8 @@ class Engine:
         for replica in self.pool.targets:
             replica.latency.observe_record(record, replica.index)
         self.policy.observe(record)
+        if self.scheduler.admission is not None:
+            self.scheduler.admission.observe(record)
         self._set_load()
 
     def _set_load(self) -> None:

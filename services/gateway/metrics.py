@@ -208,6 +208,9 @@ class GatewayMetrics:
         self.budget = gauge("specserve:budget_tokens", "Token budget B of one target pass (roots included).")
         self.errors = counter("specserve:request_errors_total", "Requests that ended in an error, by code.",
                               (*m, "code"))
+        self.admission = counter("specserve:admission_total",
+                                 "SLO-aware admission outcomes by tier: declined (a replica's planner said no), "
+                                 "best_effort (admitted without an SLO) and refused (503).", (*m, "tier", "outcome"))
         # ---- specserve: per replica, for a gateway in front of several
         self.replica_up = gauge("specserve:replica_up", "Whether the replica is up (1) or not (0).",
                                 (*m, "replica"))
@@ -257,6 +260,10 @@ class GatewayMetrics:
 
     def on_error(self, code: str) -> None:
         self.errors.labels(model_name=self.model_name, code=code).inc()
+
+    def on_admission(self, outcome: str, counts: dict[str, int]) -> None:
+        for tier, n in counts.items():
+            self.admission.labels(model_name=self.model_name, tier=tier, outcome=outcome).inc(n)
 
     def on_preempted(self, count: int = 1) -> None:
         self.preemptions.inc(count)

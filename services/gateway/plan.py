@@ -67,6 +67,7 @@ class PrefillView:
     prompt_tokens: int
     prefilled: int  # prompt tokens already in the target's KV
     tier: str
+    tpot_ms: float  # TPOT SLO, ms (it decodes at it once its prompt is in)
     ttft_ms: float  # TTFT SLO, ms
     waited_ms: float  # since arrival
 
@@ -83,6 +84,7 @@ class WaitingView:
     tpot_ms: float  # TPOT SLO, ms
     ttft_ms: float  # TTFT SLO, ms
     waited_ms: float  # since arrival
+    best_effort: bool = False  # it may be served without an SLO when no replica can meet it (service_tier flex)
 
 
 @dataclass(slots=True)
@@ -138,6 +140,7 @@ class Proposal:
     defer: dict[str, str]  # rid -> reason
     chunks: dict[str, int]  # rid -> prompt tokens this iteration (running and newly admitted)
     prefill_tokens: list[int]  # per replica: the sum of its chunks
+    reject: dict[str, Reject] = field(default_factory=dict)  # rid -> refused at once (SLO-aware admission)
 
 
 @dataclass(slots=True)

@@ -83,6 +83,7 @@ class SloSpec(Struct, forbid_unknown_fields=True):
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    best_effort: bool | None = None  # may be served without an SLO when none can be met (default: service_tier flex)
 
 
 class StreamOptions(Struct):

@@ -53,6 +53,7 @@ class GenRequest:
     draft_seen: bool = False  # the draft may hold state for it (it must be released there)
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None
+    best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
 
     @property
     def committed(self) -> int:

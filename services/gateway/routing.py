@@ -8,7 +8,8 @@ replica can take the request now.
 - `round-robin`: the next replica after the last one picked, skipping those that cannot take it;
 - `least-loaded`: the replica with the smallest share of its KV pool reserved, then the fewest
   requests, then the lowest index.
-The SLO-aware router (SLOs-Serve) comes with the admission policy.
+- `slo`: with `--admission slo`, SLOs-Serve's routing: the replicas' planners are asked in turn
+  (admission/slo.py); with FIFO admission it is round-robin.
 """
 
 from __future__ import annotations
@@ -73,7 +74,15 @@ class LeastLoaded(Router):
                                         ledgers[i].running, i))
 
 
-ROUTERS: dict[str, Callable[[], Router]] = {"round-robin": RoundRobin, "least-loaded": LeastLoaded}
+class SloAware(RoundRobin):
+    """SLOs-Serve's routing (`--admission slo`): the first replica in turn, and a request its planner
+    declines is offered to every other replica's planner (admission/slo.py). Under FIFO admission it
+    is round-robin."""
+
+    name = "slo"
+
+
+ROUTERS: dict[str, Callable[[], Router]] = {"round-robin": RoundRobin, "least-loaded": LeastLoaded, "slo": SloAware}
 
 
 def make_router(name: str) -> Router:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 
+from specserve.gateway.admission.slo import SloAdmission
 from specserve.gateway.plan import (
     NO_DRAFT,
     Admit,
@@ -36,10 +37,12 @@ from specserve.gateway.routing import Ledger, Router
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, router: Router, *, sync_draft: bool = False):
+    def __init__(self, policy: Policy, router: Router, *, sync_draft: bool = False,
+                 admission: SloAdmission | None = None):
         self.policy = policy
         self.router = router
         self.sync_draft = sync_draft  # send d = 0 requests' new tokens to the draft every iteration
+        self.admission = admission  # None: FIFO admission (below); else SLOs-Serve's planner proposes
 
     def plan(self, view: SchedulerView, step: int) -> IterationPlan:
         view.proposal = self.propose(view)
@@ -49,6 +52,8 @@ class Scheduler:
     def propose(self, view: SchedulerView) -> Proposal:
         if not view.waiting and not view.prefilling:  # the steady state of decoding: nothing to place
             return Proposal([], {}, {}, [0] * len(view.replicas))
+        if self.admission is not None:
+            return self._slo_proposal(view, self.admission)
         ledgers = _ledgers(view)
         router = copy.copy(self.router)  # a trial run: the real router moves on at enforcement
         admit: list[Admit] = []
@@ -64,6 +69,13 @@ class Scheduler:
             admit.append(Admit(w.rid, replica))
         chunks, per_replica = self._fifo_chunks(view, admit)
         return Proposal(admit, defer, chunks, per_replica)
+
+    def _slo_proposal(self, view: SchedulerView, admission: SloAdmission) -> Proposal:
+        first = None
+        if not admission.route_all and view.waiting:  # the router picks the one replica that is asked
+            head = view.waiting[0]
+            first = copy.copy(self.router).pick(_ledgers(view), head.kv_blocks, view.limits.max_running)
+        return admission.propose(view, {w.rid for w in view.waiting if w.best_effort}, first)
 
     def _fifo_chunks(self, view: SchedulerView, admitted: list[Admit]) -> tuple[dict[str, int], list[int]]:
         budget = [view.limits.max_prefill_tokens] * len(view.replicas)
@@ -82,7 +94,9 @@ class Scheduler:
     def enforce(self, view: SchedulerView, decision: Decision, step: int) -> IterationPlan:
         limits = view.limits
         waiting = {w.rid: w for w in view.waiting}
-        rejected = {rid: r for rid, r in decision.reject.items() if rid in waiting}
+        asked = {a.rid for a in decision.admit}
+        rejected = {rid: r for rid, r in view.proposal.reject.items() if rid in waiting and rid not in asked}
+        rejected.update({rid: r for rid, r in decision.reject.items() if rid in waiting})
         deferred = {rid: why for rid, why in decision.defer.items() if rid in waiting and rid not in rejected}
         ledgers = _ledgers(view) if decision.admit else []
         admitted: list[Admit] = []

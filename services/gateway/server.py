@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
-from specserve.gateway.api import Generation, ModelInfo, build_request, resolve_slo
+from specserve.gateway.admission.slo import SloAdmission
+from specserve.gateway.api import Generation, ModelInfo, allows_best_effort, build_request, resolve_slo
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine import Engine, EngineLimits, ServiceUnavailable
 from specserve.gateway.latency import LatencyModel
@@ -153,6 +154,7 @@ class Gateway:
         sampling = sampling_of(req)
         slo = resolve_slo(self.classes, req.service_tier, req.slo)
         gen_req = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix)
+        gen_req.best_effort_ok = allows_best_effort(req.service_tier, req.slo)
         self.engine.submit(gen_req)
         gen = Generation(self.engine, gen_req, self.tokenizer, sampling.stop)
         await gen.admitted()  # refused before admission: 503 before any response byte
@@ -252,7 +254,9 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
         classes[cls.name] = cls
     targets = [TargetReplica(i, address, new_latency()) for i, address in enumerate(config.target)]
     pool = ServicePool(targets, DraftService(config.draft) if policy.uses_draft else None)
-    scheduler = Scheduler(policy, make_router(config.router), sync_draft=config.draft_sync == "eager")
+    admission = SloAdmission(route_all=config.router == "slo") if config.admission == "slo" else None
+    scheduler = Scheduler(policy, make_router(config.router), sync_draft=config.draft_sync == "eager",
+                          admission=admission)
     limits = EngineLimits(config.max_running, config.max_prefill_tokens, max_waiting=config.max_waiting)
     engine = Engine(policy, scheduler, pool, GatewayMetrics(info.name), limits, config.call_timeout_s)
     await engine.start()

@@ -1,0 +1,102 @@
+"""The generalised roofline of SLOs-Serve (digest §3): a target pass's time from its composition.
+
+    T̂(tokens, spec_steps) = max over planes l of (k1_l · tokens + k2_l · spec_steps + b_l)
+
+`tokens` is every token of the pass (prefill chunks and tree nodes, roots included); `spec_steps`
+the deepest draft beam of the iteration (the draft runs its steps one after another before the
+pass). Two planes in practice: a memory-bound one (shallow k1, b ≈ the weight read plus our
+three-service round trips) and a compute-bound one (steep k1). Its inverse, `time2bs`, is the most
+tokens a pass may hold to finish within a time; the planner fills every batch up to it.
+
+Fitted from the profiled curve (`specserve profile`: median pass time per token count, measured
+through the target service) and refitted online from the iteration records, whose `total_ms`
+includes the draft call, the transport and the gateway's own time, as the digest's mapping asks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Plane:
+    k1: float  # ms per token in the pass
+    k2: float  # ms per sequential draft step
+    b: float  # ms, fixed cost (weights, round trips)
+
+    def time_ms(self, tokens: float, spec_steps: float) -> float:
+        return self.k1 * tokens + self.k2 * spec_steps + self.b
+
+
+Sample = tuple[int, int, float]  # (tokens in the pass, spec steps, iteration ms)
+
+
+@dataclass(slots=True)
+class Roofline:
+    planes: tuple[Plane, ...]
+    window: int = 512  # live samples kept for the online refit
+    refit_every: int = 64  # refit after this many new samples
+    samples: deque[Sample] = field(default_factory=deque)
+    _since_fit: int = 0
+
+    def time_ms(self, tokens: int, spec_steps: int = 0) -> float:
+        return max(p.time_ms(tokens, spec_steps) for p in self.planes)
+
+    def time2bs(self, time_ms: float, spec_steps: int = 0) -> int:
+        """The most tokens one pass may hold and finish within `time_ms` (negative: not even one)."""
+        best = math.inf
+        for p in self.planes:
+            room = time_ms - p.b - p.k2 * spec_steps
+            if p.k1 > 0:
+                best = min(best, math.floor(room / p.k1 + 1e-9))
+            elif room < 0:
+                return -1
+        return int(min(best, 1 << 20))  # a flat plane alone puts no bound on tokens
+
+    # ---- fitting ---------------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, samples: Sequence[Sample], knee: int, margin: float = 0.9) -> Roofline:
+        """Two planes split at the knee (tokens <= knee: memory-bound; above: compute-bound), each by
+        least squares, with the `margin` quantile of the positive residuals added to b so the planner
+        under-promises (digest §3, [Proposal])."""
+        pts = [s for s in samples if s[2] > 0]
+        if not pts:
+            raise ValueError("a roofline needs at least one timed sample")
+        low = [s for s in pts if s[0] <= knee] or pts
+        high = [s for s in pts if s[0] >= knee]
+        planes = [_plane(low, margin)]
+        if len(high) >= 2 and len({s[0] for s in high}) >= 2:
+            planes.append(_plane(high, margin))
+        return cls(tuple(planes))
+
+    def observe(self, tokens: int, spec_steps: int, ms: float, knee: int) -> None:
+        """A live sample (a whole iteration as the gateway timed it); refits every `refit_every`."""
+        self.samples.append((tokens, spec_steps, ms))
+        if len(self.samples) > self.window:
+            self.samples.popleft()
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len({s[0] for s in self.samples}) >= 3:
+            self._since_fit = 0
+            self.planes = Roofline.fit(list(self.samples), knee).planes
+
+
+def _plane(samples: Sequence[Sample], margin: float) -> Plane:
+    x = np.array([[s[0], s[1], 1.0] for s in samples], dtype=np.float64)
+    y = np.array([s[2] for s in samples], dtype=np.float64)
+    cols = [0, 2] if not x[:, 1].any() else [0, 1, 2]  # no draft steps seen: k2 cannot be fitted
+    if len({s[0] for s in samples}) < 2:
+        cols = [c for c in cols if c != 0]  # one token count: no slope either
+    coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+    full = dict(zip(cols, coef.tolist(), strict=True))
+    k1, k2, b = max(full.get(0, 0.0), 0.0), max(full.get(1, 0.0), 0.0), full.get(2, 0.0)
+    resid = y - (k1 * x[:, 0] + k2 * x[:, 1] + b)
+    b += float(np.quantile(resid, margin)) if len(resid) > 1 else 0.0
+    return Plane(k1, k2, max(b, 0.0))
+
+
+__all__ = ["Plane", "Roofline", "Sample"]

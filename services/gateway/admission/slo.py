@@ -1,0 +1,236 @@
+"""SLO-aware admission (SLOs-Serve): the scheduler's proposal stage when `--admission slo`.
+
+Each iteration, for each target replica, a planner (dp.py over budget_model.py) takes the replica's
+decoding requests (a constant per tier), its requests still prefilling (forced nodes) and the new
+requests offered to it, and admits the largest set whose TTFT and TPOT SLOs can all be met. Soft
+admission (digest §8):
+
+1. a request the replica declines is offered to the next replicas (`--router slo`: every replica, in
+   a rotating order; with `round-robin` / `least-loaded` only the router's pick is asked);
+2. then, if it allows best effort (`service_tier: "flex"`), it waits in the best-effort tier and is
+   admitted when a replica can take it with no TTFT bound at the loosest TPOT;
+3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
+   request on any replica is expected to finish).
+
+Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
+theirs, and the rest goes to prompts in prefill-deadline order.
+
+The per-replica roofline starts from the profiled curve plus the measured round-trip overhead and is
+refitted from the iteration records; each tier's cost (nodes per pass) and gain (tokens per pass)
+are moving averages of what the speculation policy in use really did. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specserve.gateway.admission.budget import TierLoad
+from specserve.gateway.admission.budget_model import ReplicaBudget
+from specserve.gateway.admission.dp import Node, plan
+from specserve.gateway.admission.roofline import Plane, Roofline
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.plan import Admit, Proposal, Reject, SchedulerView, WaitingView
+from specserve.gateway.record import IterationRecord
+
+BEST_EFFORT_SLACK = 4.0  # a best-effort request is planned at this many times the loosest TPOT
+MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
+BEST_EFFORT_DEADLINE_MS = 3.6e6  # no TTFT bound: an hour stands for "whenever"
+
+
+@dataclass(slots=True)
+class TierStats:
+    cost: float = 1.0  # nodes verified per request per pass (moving average)
+    gain: float = 1.0  # tokens emitted per request per pass (moving average)
+
+
+@dataclass(slots=True)
+class AdmissionCounts:
+    """What the last plan did, per tier name (the engine turns it into metrics)."""
+
+    declined: dict[str, int] = field(default_factory=dict)  # a replica's planner said no
+    best_effort: dict[str, int] = field(default_factory=dict)  # admitted in the best-effort tier
+    refused: dict[str, int] = field(default_factory=dict)  # 503
+
+
+class SloAdmission:
+    name = "slo"
+
+    def __init__(self, *, route_all: bool = True, max_new: int = 8, memory_buckets: int = 16,
+                 smoothing: float = 0.1):
+        self.route_all = route_all  # offer a declined request to every replica (SLO-aware routing)
+        self.max_new = max_new  # new requests offered per iteration (the DP's complexity budget, digest)
+        self.memory_buckets = memory_buckets
+        self.smoothing = smoothing
+        self.rooflines: dict[int, Roofline] = {}
+        self.stats: dict[float, TierStats] = {}  # by TPOT, ms
+        self.tier_of: dict[str, float] = {}  # rid -> its TPOT, ms (for observe)
+        self.best_effort: set[str] = set()  # rids admitted in the best-effort tier
+        self.spec_steps = 0.0  # moving average of the deepest beam per iteration
+        self.last = AdmissionCounts()
+        self._next = 0  # rotating first replica (SLO-aware routing)
+
+    # ---- the per-replica model -----------------------------------------------------------------
+    def roofline(self, index: int, latency: LatencyModel) -> Roofline:
+        r = self.rooflines.get(index)
+        if r is None:
+            r = self.rooflines[index] = initial_roofline(latency)
+        return r
+
+    def observe(self, record: IterationRecord) -> None:
+        a = self.smoothing
+        depth = 0
+        for s in record.verify_steps:
+            depth = max(depth, s.depth)
+            tpot = self.tier_of.get(s.rid)
+            if tpot is None:
+                continue
+            st = self.stats.setdefault(tpot, TierStats())
+            st.cost += a * (s.verified - st.cost)
+            st.gain += a * (max(s.emitted, 1) - st.gain)
+        self.spec_steps += a * (depth - self.spec_steps)
+        for rep in record.replicas:
+            if rep.failure is None and rep.replica in self.rooflines and (rep.prefill_tokens or rep.tree_nodes):
+                knee = max(1, rep.prefill_tokens + rep.tree_nodes)
+                self.rooflines[rep.replica].observe(rep.prefill_tokens + rep.tree_nodes, depth, record.total_ms,
+                                                    knee=max(knee, 8))
+
+    # ---- the proposal --------------------------------------------------------------------------
+    def propose(self, view: SchedulerView, best_effort_ok: set[str], first_replica: int | None) -> Proposal:
+        """Admissions, deferrals, rejections and prompt chunks for this iteration."""
+        self.last = AdmissionCounts()
+        self._prune(view)
+        tpot_of = {r.rid: self.tier_of.setdefault(r.rid, r.tpot_ms) for r in view.decoding}
+        tpot_of.update({p.rid: self.tier_of.get(p.rid, p.tpot_ms) for p in view.prefilling})
+        tpots = set(tpot_of.values()) | {w.tpot_ms for w in view.waiting}
+        be_tpot = max(tpots, default=1.0) * BEST_EFFORT_SLACK
+        tiers = sorted(tpots | {be_tpot})
+        index = {t: i for i, t in enumerate(tiers)}
+        loads = [self._load(t) for t in tiers]
+
+        up = [rep for rep in view.replicas if rep.up]
+        budgets = {rep.index: ReplicaBudget(self.roofline(rep.index, rep.latency), loads, tiers[0],
+                                            round(self.spec_steps)) for rep in up}
+        base = {rep.index: [0] * len(tiers) for rep in up}
+        for r in view.decoding:
+            if r.replica in base:
+                base[r.replica][index[tpot_of[r.rid]]] += 1
+        held = {rep.index: [Node(p.rid, index[tpot_of[p.rid]], p.prompt_tokens - p.prefilled,
+                                 p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
+                for rep in up}  # forced nodes: admitted before, and those admitted in this plan
+        free = {rep.index: rep.free_blocks for rep in up}
+        slots = {rep.index: max(0, view.limits.max_running - rep.running) for rep in up}
+
+        offered = view.waiting[:self.max_new]
+        admit: list[Admit] = []
+        defer = {w.rid: "waits its turn: the planner takes a few new requests per iteration"
+                 for w in view.waiting[self.max_new:]}
+        reject: dict[str, Reject] = {}
+
+        def offer(replica: int, cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
+            """Plan this replica with these candidates; returns the ones it declined."""
+            if not cands or slots[replica] <= 0:
+                return cands
+            unit = max(1, math.ceil(free[replica] / self.memory_buckets))
+            new = [Node(w.rid, index[be_tpot if best_effort else w.tpot_ms], w.prompt_tokens,
+                        BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms,
+                        math.ceil(w.kv_blocks / unit))
+                   for w in cands[:slots[replica]] if w.kv_blocks <= free[replica]]
+            took = set(plan(held[replica] + new, base[replica], free[replica] // unit,
+                            budgets[replica].as_budget()).admitted)
+            for w in cands:
+                if w.rid in took:
+                    tpot = be_tpot if best_effort else w.tpot_ms
+                    admit.append(Admit(w.rid, replica))
+                    deadline = BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms
+                    held[replica].append(Node(w.rid, index[tpot], w.prompt_tokens, deadline, 0, True))
+                    free[replica] -= w.kv_blocks
+                    slots[replica] -= 1
+                    self.tier_of[w.rid] = tpot
+                    if best_effort:
+                        self.best_effort.add(w.rid)
+            return [w for w in cands if w.rid not in took]
+
+        order = [rep.index for rep in up]
+        if order:
+            start = first_replica if first_replica in order else order[self._next % len(order)]
+            k = order.index(start)
+            order = order[k:] + order[:k]
+            self._next += 1
+        hops = order if self.route_all else order[:1]
+        declined = list(offered)
+        for replica in hops:
+            declined = offer(replica, declined, best_effort=False)
+        for w in declined:
+            self._count(self.last.declined, w.tier)
+        still = [w for w in declined if w.rid in best_effort_ok]
+        for replica in hops:
+            still = offer(replica, still, best_effort=True)
+        waits = {w.rid for w in still}
+        admitted = {a.rid for a in admit}
+        for w in declined:
+            if w.rid in admitted:
+                self._count(self.last.best_effort, w.tier)
+            elif w.rid in waits:
+                defer[w.rid] = "best effort: waits for spare capacity"
+            else:
+                self._count(self.last.refused, w.tier)
+                reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
+
+        chunks, per_replica = self._chunks(view, budgets, base, held, offered)
+        return Proposal(admit, defer, chunks, per_replica, reject)
+
+    def _chunks(self, view: SchedulerView, budgets: dict[int, ReplicaBudget], base: dict[int, list[int]],
+                held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
+        """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens), handed to
+        its prompts in prefill-deadline order."""
+        chunks: dict[str, int] = {}
+        per_replica = [0] * len(view.replicas)
+        left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
+        left.update({w.rid: w.prompt_tokens for w in offered})
+        for replica, b in budgets.items():
+            room = min(max(b.shape(tuple(base[replica])).prefill_per_batch, MIN_CHUNK_TOKENS),
+                       view.limits.max_prefill_tokens)
+            for n in sorted(held[replica], key=lambda x: x.deadline_ms):
+                take = min(left.get(n.rid, 0), room)
+                if take > 0:
+                    chunks[n.rid] = take
+                    room -= take
+                    per_replica[replica] += take
+        return chunks, per_replica
+
+    def _load(self, tpot: float) -> TierLoad:
+        st = self.stats.get(tpot)
+        if st is None or (st.cost <= 1.0 + 1e-6 and st.gain <= 1.0 + 1e-6):
+            return TierLoad(tpot)
+        return TierLoad(tpot, max(st.cost, 1.0), max(st.gain, 1.0))
+
+    def _prune(self, view: SchedulerView) -> None:
+        """Forget requests that are gone (the scheduler never hears of a finish)."""
+        live = len(view.decoding) + len(view.prefilling)
+        if len(self.tier_of) > 2 * live + 64:
+            keep = {r.rid for r in view.decoding} | {p.rid for p in view.prefilling}
+            self.tier_of = {k: v for k, v in self.tier_of.items() if k in keep}
+            self.best_effort &= keep
+
+    @staticmethod
+    def _count(where: dict[str, int], tier: str) -> None:
+        where[tier] = where.get(tier, 0) + 1
+
+
+def retry_after(view: SchedulerView) -> float:
+    """Seconds until the soonest running request is expected to finish (1 to 60)."""
+    soonest = min((r.remaining * r.tpot_ms / 1e3 for r in view.decoding), default=1.0)
+    return min(60.0, max(1.0, soonest))
+
+
+def initial_roofline(latency: LatencyModel) -> Roofline:
+    """The profiled curve, with the round trips the profile does not see (the baseline iteration
+    minus the pass at batch 8) added to every plane's fixed cost."""
+    curve = latency.curve or [(8, latency.baseline_iteration_ms)]
+    base = Roofline.fit([(t, 0, ms) for t, ms in curve], knee=max(1, latency.budget_tokens))
+    overhead = max(0.0, latency.baseline_iteration_ms - base.time_ms(8))
+    return Roofline(tuple(Plane(p.k1, p.k2, p.b + overhead) for p in base.planes))
+
+
+__all__ = ["AdmissionCounts", "SloAdmission", "initial_roofline", "retry_after"]

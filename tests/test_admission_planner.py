@@ -1,0 +1,234 @@
+"""SLOs-Serve's planner pieces (specserve.gateway.admission) on hand-built cases: no processes.
+
+- the roofline: its fit reproduces a two-plane table, and time2bs is its inverse;
+- PB*: Algorithm 2 (corrected) equals its closed form (digest §6) on random instances;
+- the DP equals brute force over every subset on small random instances (tiers, memory, forced nodes);
+- the admission stage: chunk budgets in deadline order that meet the deadlines, soft admission
+  (next replica, best effort, 503 with Retry-After) and the metrics' counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from specserve.gateway.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
+from specserve.gateway.admission.budget_model import ReplicaBudget
+from specserve.gateway.admission.dp import Budget, Node, plan
+from specserve.gateway.admission.roofline import Plane, Roofline
+from specserve.gateway.admission.slo import SloAdmission
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.plan import (
+    DraftView,
+    Limits,
+    PrefillView,
+    ReplicaView,
+    RequestView,
+    SchedulerView,
+    WaitingView,
+)
+from specserve.gateway.routing import make_router
+from specserve.gateway.scheduler import Scheduler
+from specserve.gateway.policy import Policy
+
+
+# ---- the roofline ----------------------------------------------------------------------------------
+def test_roofline_fit_reproduces_a_two_plane_table():
+    truth = Roofline((Plane(0.01, 0.0, 10.0), Plane(0.1, 0.0, 0.0)))  # flat to 111 tokens, then steep
+    table = [(t, 0, truth.time_ms(t)) for t in (1, 8, 16, 32, 64, 111, 128, 256, 512)]
+    fit = Roofline.fit(table, knee=111, margin=0.5)
+    for t, _, ms in table:
+        assert fit.time_ms(t) == pytest.approx(ms, rel=0.02)
+
+
+def test_time2bs_is_the_inverse_of_the_roofline():
+    r = Roofline((Plane(0.02, 1.0, 8.0), Plane(0.25, 1.0, 0.0)))
+    for target in (9.0, 12.0, 20.0, 50.0, 200.0):
+        for steps in (0, 2):
+            n = r.time2bs(target, steps)
+            assert r.time_ms(n, steps) <= target + 1e-9
+            assert r.time_ms(n + 1, steps) > target
+    assert r.time2bs(5.0) < 0  # below the fixed cost nothing fits
+
+
+# ---- PB* -------------------------------------------------------------------------------------------
+def test_pb_schedule_equals_the_closed_form_on_random_instances():
+    rng = random.Random(7)
+    for _ in range(2000):
+        tiers = [rng.choice([10.0, 20.0, 25.0, 50.0, 100.0]) for _ in range(rng.randint(1, 3))]
+        tpots = [rng.choice(tiers) for _ in range(rng.randint(0, 12))]
+        cap = rng.randint(1, 16)
+        window = rng.uniform(0, 400)
+        t0 = None if tpots else 10.0
+        assert pb_schedule(window, tpots, cap, t0) == pb_closed_form(window, tpots, cap, t0), (window, tpots, cap)
+
+
+def test_pb_hand_computed():
+    # two 10 ms decoders and one 30 ms decoder, batches of 10 ms holding 5 tokens, 40 ms: 4 batches
+    # due: 4 + 4 + (0, 30 -> 2 tokens) = 10; budget 4*5 - 10 = 10
+    assert pb_closed_form(40, [10, 10, 30], 5) == 10
+    assert pb_schedule(40, [10, 10, 30], 5) == 10
+    assert pb_closed_form(40, [10] * 6, 5) is None  # six due at batch 0, five fit
+    assert pb_schedule(40, [10] * 6, 5) is None
+
+
+def test_speculative_batch_shape():
+    # a tier of 50 ms TPOT that yields 2.5 tokens per pass may run 125 ms batches
+    tiers = [TierLoad(50.0, cost=4.0, gain=2.5), TierLoad(200.0)]
+    shape = batch_shape((2, 3), tiers, lambda ms: int(ms), idle_ms=50.0)
+    assert shape.length_ms == 125.0
+    assert shape.prefill_per_batch == 125 - (2 * 4 + 3)
+    assert shape.budget(260.0) == 2 * shape.prefill_per_batch
+
+
+# ---- the DP against brute force --------------------------------------------------------------------
+def brute_force(nodes, base, free, budget: Budget, weights):
+    """The best Σ w·n over every subset of new nodes whose chained deadlines all hold."""
+    new = [n for n in nodes if not n.forced]
+    best = None
+    for k in range(len(new) + 1):
+        for subset in itertools.combinations(new, k):
+            if sum(n.blocks for n in subset) > free:
+                continue
+            chosen = [n for n in nodes if n.forced] + list(subset)
+            chain = sorted(chosen, key=lambda n: (n.deadline_ms, not n.forced, nodes.index(n)))
+            dec = list(base)
+            pb, prev, ok = 0.0, 0.0, True
+            for n in chain:
+                gain = budget.window(n.deadline_ms - prev, tuple(dec))
+                if gain is None or pb + gain - n.prompt < 0:
+                    ok = False
+                    break
+                pb, prev = pb + gain - n.prompt, n.deadline_ms
+                dec[n.tier] += 1
+            if not ok or not budget.sustainable(tuple(dec)):
+                continue
+            value = sum(weights[n.tier] for n in subset)
+            best = value if best is None else max(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_equals_brute_force(seed):
+    rng = random.Random(seed)
+    ntiers = rng.randint(1, 3)
+    tiers = [TierLoad(rng.choice([20.0, 40.0, 80.0])) for _ in range(ntiers)]
+    if rng.random() < 0.4:  # the speculative form
+        tiers = [TierLoad(t.tpot_ms, cost=rng.choice([1.0, 3.0, 5.0]), gain=rng.choice([1.0, 1.5, 2.5])) for t in tiers]
+    roof = Roofline((Plane(rng.choice([0.05, 0.1, 0.2]), 0.0, rng.choice([4.0, 8.0, 12.0])),))
+    budget = ReplicaBudget(roof, tiers, min(t.tpot_ms for t in tiers)).as_budget()
+    base = [rng.randint(0, 3) for _ in range(ntiers)]
+    nodes = []
+    t_forced = 0.0
+    for i in range(rng.randint(0, 2)):  # forced nodes that are feasible on their own
+        t_forced += rng.uniform(100, 300)
+        nodes.append(Node(f"f{i}", rng.randrange(ntiers), rng.randint(1, 30), t_forced, 0, True))
+    for i in range(rng.randint(1, 6)):
+        nodes.append(Node(f"n{i}", rng.randrange(ntiers), rng.randint(1, 400), rng.uniform(-20, 900),
+                          rng.randint(1, 5)))
+    free = rng.randint(0, 15)
+    weights = [rng.choice([1.0, 2.0]) for _ in range(ntiers)]
+    res = plan(nodes, base, free, budget, weights)
+    if not res.forced_ok:
+        pytest.skip("the random forced nodes were infeasible on their own (covered below)")
+    want = brute_force(nodes, base, free, budget, weights)
+    got = sum(weights[n.tier] for n in nodes if n.rid in res.admitted) if want is not None else None
+    assert got == want
+    if want is not None:  # the admitted set itself is feasible
+        chosen = [n for n in nodes if n.forced or n.rid in res.admitted]
+        assert brute_force(chosen, base, free, budget, weights) == want
+        assert set(res.admitted) | set(res.declined) == {n.rid for n in nodes if not n.forced}
+
+
+def test_dp_moves_a_missed_forced_deadline_and_still_plans():
+    roof = Roofline((Plane(0.1, 0.0, 5.0),))  # 10 ms batches hold 50 tokens
+    budget = ReplicaBudget(roof, [TierLoad(10.0)], 10.0).as_budget()
+    late = Node("late", 0, 400, 20.0, 0, True)  # 400 tokens due in 20 ms: impossible
+    fresh = Node("new", 0, 10, 5000.0, 1)
+    res = plan([late, fresh], [0], 10, budget)
+    assert not res.forced_ok and res.moved["late"] > 20.0
+    assert res.admitted == ["new"]
+
+
+def test_dp_admits_by_deadline_under_a_tight_budget():
+    roof = Roofline((Plane(0.1, 0.0, 5.0),))  # 10 ms batches hold 50 tokens, no decoders yet
+    budget = ReplicaBudget(roof, [TierLoad(10.0)], 10.0).as_budget()
+    # 100 ms give 10 batches = 500 tokens minus the decoders' tokens; two 300-token prompts due at 100 ms
+    nodes = [Node("a", 0, 300, 100.0, 1), Node("b", 0, 300, 100.0, 1), Node("c", 0, 100, 1000.0, 1)]
+    res = plan(nodes, [0], 10, budget)
+    assert len(res.admitted) == 2 and "c" in res.admitted
+
+
+# ---- the admission stage -----------------------------------------------------------------------------
+def latency() -> LatencyModel:
+    # the profiled curve: 5 ms + 0.1 ms per token, so a 10 ms batch holds 50 tokens
+    return LatencyModel(16, 5.8, [(t, 5.0 + 0.1 * t) for t in (1, 8, 16, 64, 128)])
+
+
+def rview(waiting, prefilling=(), decoding=(), n_replicas=1, total=1000):
+    reps = [ReplicaView(i, True, total, 0, 0, latency()) for i in range(n_replicas)]
+    return SchedulerView(list(waiting), list(prefilling), list(decoding), reps, DraftView(False, False),
+                         Limits(64, 256, 16, 16))
+
+
+def w(rid, prompt=20, *, tpot=10.0, ttft=1000.0, best_effort=False, blocks=4):
+    return WaitingView(rid, prompt, 20, blocks, "chat", tpot, ttft, 0.0, best_effort)
+
+
+def d(rid, replica=0, tpot=10.0):
+    return RequestView(rid, "chat", tpot, 1000.0, 5, 50.0, 100, [], replica, 0)
+
+
+def test_chunk_budgets_go_in_deadline_order_and_meet_the_deadlines():
+    adm = SloAdmission()
+    # 2 decoders at 10 ms: a batch holds 50 tokens, 48 left for prompts per batch
+    pre = [PrefillView("late", 0, 200, 0, "chat", 10.0, 1000.0, 0.0),
+           PrefillView("soon", 0, 60, 0, "chat", 10.0, 100.0, 0.0)]
+    p = adm.propose(rview([], pre, [d("x"), d("y")]), set(), None)
+    assert p.chunks == {"soon": 48}  # the earlier deadline first, the batch's whole prefill room
+    assert p.prefill_tokens == [48]
+    # "soon" needs 60 tokens by 100 ms: 48 now, 12 in the next batch
+    pre2 = [PrefillView("late", 0, 200, 0, "chat", 10.0, 1000.0, 10.0),
+            PrefillView("soon", 0, 60, 48, "chat", 10.0, 100.0, 10.0)]
+    p = adm.propose(rview([], pre2, [d("x"), d("y")]), set(), None)
+    assert p.chunks == {"soon": 12, "late": 36}
+
+
+def test_overload_refuses_with_retry_after_and_best_effort_waits():
+    adm = SloAdmission()
+    # 50 decoders at 10 ms fill every 10 ms batch (50 tokens): nothing new can meet a 10 ms TPOT
+    dec = [d(f"r{i}") for i in range(50)]
+    p = adm.propose(rview([w("strict"), w("flex", best_effort=True)], (), dec), {"flex"}, None)
+    assert p.admit == []
+    assert "strict" in p.reject and p.reject["strict"].retry_after_s >= 1.0
+    assert "flex" in p.defer and "best effort" in p.defer["flex"]
+    assert adm.last.refused == {"chat": 1} and adm.last.declined == {"chat": 2}
+
+
+def test_a_declined_request_goes_to_the_next_replica():
+    adm = SloAdmission(route_all=True)
+    dec = [d(f"r{i}", replica=0) for i in range(50)]  # replica 0 is full, replica 1 idle
+    p = adm.propose(rview([w("a")], (), dec, n_replicas=2), set(), 0)
+    assert [(a.rid, a.replica) for a in p.admit] == [("a", 1)]
+    only_first = SloAdmission(route_all=False)
+    p = only_first.propose(rview([w("a")], (), dec, n_replicas=2), set(), 0)
+    assert p.admit == [] and "a" in p.reject
+
+
+def test_scheduler_turns_the_planners_refusal_into_a_rejection():
+    sched = Scheduler(Policy(), make_router("slo"), admission=SloAdmission())
+    dec = [d(f"r{i}") for i in range(50)]
+    plan_ = sched.plan(rview([w("strict")], (), dec), 1)
+    assert "strict" in plan_.rejected and plan_.admitted == []
+    plan_ = sched.plan(rview([w("ok", tpot=1000.0)], (), []), 2)
+    assert [a.rid for a in plan_.admitted] == ["ok"] and plan_.chunks == {"ok": 20}
+
+
+def test_ttft_already_lost_is_declined():
+    adm = SloAdmission()
+    late = WaitingView("late", 20, 20, 4, "chat", 10.0, 100.0, 150.0)  # waited 150 ms of a 100 ms TTFT
+    p = adm.propose(rview([late]), set(), None)
+    assert "late" in p.reject and math.isfinite(p.reject["late"].retry_after_s)
