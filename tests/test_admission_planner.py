@@ -30,9 +30,9 @@ from specserve.gateway.plan import (
     SchedulerView,
     WaitingView,
 )
+from specserve.gateway.policy import Policy
 from specserve.gateway.routing import make_router
 from specserve.gateway.scheduler import Scheduler
-from specserve.gateway.policy import Policy
 
 
 # ---- the roofline ----------------------------------------------------------------------------------
@@ -63,15 +63,16 @@ def test_pb_schedule_equals_the_closed_form_on_random_instances():
         cap = rng.randint(1, 16)
         window = rng.uniform(0, 400)
         t0 = None if tpots else 10.0
-        assert pb_schedule(window, tpots, cap, t0) == pb_closed_form(window, tpots, cap, t0), (window, tpots, cap)
+        pairs = [(t, tpots.count(t)) for t in set(tpots)]
+        assert pb_schedule(window, tpots, cap, t0) == pb_closed_form(window, pairs, cap, t0), (window, tpots, cap)
 
 
 def test_pb_hand_computed():
     # two 10 ms decoders and one 30 ms decoder, batches of 10 ms holding 5 tokens, 40 ms: 4 batches
     # due: 4 + 4 + (0, 30 -> 2 tokens) = 10; budget 4*5 - 10 = 10
-    assert pb_closed_form(40, [10, 10, 30], 5) == 10
+    assert pb_closed_form(40, [(10, 2), (30, 1)], 5) == 10
     assert pb_schedule(40, [10, 10, 30], 5) == 10
-    assert pb_closed_form(40, [10] * 6, 5) is None  # six due at batch 0, five fit
+    assert pb_closed_form(40, [(10, 6)], 5) is None  # six due at batch 0, five fit
     assert pb_schedule(40, [10] * 6, 5) is None
 
 

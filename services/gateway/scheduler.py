@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 
-from specserve.gateway.admission.slo import SloAdmission
+from specserve.gateway.admission.slo import AdmissionCounts, SloAdmission
 from specserve.gateway.plan import (
     NO_DRAFT,
     Admit,
@@ -50,6 +50,8 @@ class Scheduler:
 
     # ---- 1. the FIFO proposal ------------------------------------------------------------------
     def propose(self, view: SchedulerView) -> Proposal:
+        if self.admission is not None:
+            self.admission.last = AdmissionCounts()  # what this plan declined, counted once
         if not view.waiting and not view.prefilling:  # the steady state of decoding: nothing to place
             return Proposal([], {}, {}, [0] * len(view.replicas))
         if self.admission is not None:

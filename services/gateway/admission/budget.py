@@ -5,7 +5,7 @@ tokens. Decode tokens are handed out earliest-due-first; what a batch has left i
 budget. `None` means infeasible: some batch cannot hold the decode tokens due in it.
 
 - `pb_schedule`: Algorithm 2 as corrected in the digest (errata 1-3), one request at a time on a heap;
-- `pb_closed_form`: the same number in O(requests), the form the planner uses;
+- `pb_closed_form`: the same number in O(tiers), the form the planner uses (budget_model.py);
 - `TierLoad` / `BatchShape`: the speculative variant of §7 with our measured per-tier cost (tree
   nodes verified per request per pass) and yield (tokens emitted per pass) in place of Acc(sl):
   a batch may last T = min_l TPOT_l · yield_l, and holds time2bs(T) − Σ_l n_l · cost_l prefill tokens.
@@ -40,17 +40,20 @@ def pb_schedule(window_ms: float, tpots_ms: Sequence[float], cap: int, t0_ms: fl
     return total
 
 
-def pb_closed_form(window_ms: float, tpots_ms: Sequence[float], cap: int, t0_ms: float | None = None) -> int | None:
-    """B·cap − Σ_r (⌊(B−1)·t0 / TPOT_r⌋ + 1), feasible iff every request fits batch 0 (digest §6)."""
-    t0 = min(tpots_ms) if tpots_ms else t0_ms
+def pb_closed_form(window_ms: float, decoders: Sequence[tuple[float, int]], cap: int,
+                   t0_ms: float | None = None) -> int | None:
+    """B·cap − Σ_r (⌊(B−1)·t0 / TPOT_r⌋ + 1), feasible iff every request fits batch 0 (digest §6).
+
+    `decoders` is (TPOT ms, how many) pairs, so the cost is per tier, not per request."""
+    t0 = min((tpot for tpot, n in decoders if n > 0), default=t0_ms)
     if t0 is None or t0 <= 0:
         raise ValueError("PB* needs a batch length: decoding requests or an explicit t0")
     batches = int(math.floor(window_ms / t0 + EPS))
     if batches == 0:
         return 0
-    if len(tpots_ms) > cap:
+    if sum(n for _, n in decoders) > cap:
         return None
-    return batches * cap - sum(int(math.floor((batches - 1) * t0 / tpot + EPS)) + 1 for tpot in tpots_ms)
+    return batches * cap - sum(n * (int(math.floor((batches - 1) * t0 / tpot + EPS)) + 1) for tpot, n in decoders if n)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,18 @@
 """One replica's PB* for the DP: the roofline, the tiers' measured cost and gain, memoised per call.
 
-Plain decoding (every tier costs and yields one token per pass) uses the closed form of Algorithm 2
-(digest §6); with speculation the §7 form with measured per-tier cost and gain (budget.py).
+Our engine puts every decoding request in every target pass (continuous batching), so in the
+digest's terms every decoder is due in every batch, whatever its TPOT: a looser tier does not free
+budget by skipping batches, it only lengthens the batch it may ride. Plain decoding (every tier
+costs and yields one token per pass) is therefore the closed form of Algorithm 2 with every TPOT_r
+= t0, i.e. B·(time2bs(t0) − n); with speculation it is the §7 form with the measured per-tier cost
+and gain (budget.py). The batch length with nothing decoding is `idle_ms`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-from specserve.gateway.admission.budget import EPS, BatchShape, TierLoad, batch_shape
+from specserve.gateway.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
 from specserve.gateway.admission.dp import Budget
 from specserve.gateway.admission.roofline import Roofline
 
@@ -43,15 +46,7 @@ class ReplicaBudget:
             s = self.shape(decoders)
             return s.budget(ms) if s.feasible else None
         t0 = min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0), default=self.idle_ms)
-        batches = int(math.floor(ms / t0 + EPS))
-        if batches == 0:
-            return 0
-        cap = self.cap(t0)
-        if sum(decoders) > cap:
-            return None
-        due = sum(n * (int(math.floor((batches - 1) * t0 / t.tpot_ms + EPS)) + 1)
-                  for n, t in zip(decoders, self.tiers, strict=True) if n)
-        return batches * cap - due
+        return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0), t0)
 
     def sustainable(self, decoders: tuple[int, ...]) -> bool:
         return self.shape(decoders).feasible

@@ -12,6 +12,9 @@ admission (digest §8):
 3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
    request on any replica is expected to finish).
 
+A best-effort request, once admitted, is planned as a decoder with no TPOT: it costs its tokens in
+every batch but never sets the batch length.
+
 Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
 theirs, and the rest goes to prompts in prefill-deadline order.
 
@@ -33,7 +36,7 @@ from specserve.gateway.latency import LatencyModel
 from specserve.gateway.plan import Admit, Proposal, Reject, SchedulerView, WaitingView
 from specserve.gateway.record import IterationRecord
 
-BEST_EFFORT_SLACK = 4.0  # a best-effort request is planned at this many times the loosest TPOT
+BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
 MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
 BEST_EFFORT_DEADLINE_MS = 3.6e6  # no TTFT bound: an hour stands for "whenever"
 
@@ -98,19 +101,23 @@ class SloAdmission:
     # ---- the proposal --------------------------------------------------------------------------
     def propose(self, view: SchedulerView, best_effort_ok: set[str], first_replica: int | None) -> Proposal:
         """Admissions, deferrals, rejections and prompt chunks for this iteration."""
-        self.last = AdmissionCounts()
         self._prune(view)
         tpot_of = {r.rid: self.tier_of.setdefault(r.rid, r.tpot_ms) for r in view.decoding}
         tpot_of.update({p.rid: self.tier_of.get(p.rid, p.tpot_ms) for p in view.prefilling})
         tpots = set(tpot_of.values()) | {w.tpot_ms for w in view.waiting}
-        be_tpot = max(tpots, default=1.0) * BEST_EFFORT_SLACK
+        be_tpot = BEST_EFFORT_TPOT_MS
         tiers = sorted(tpots | {be_tpot})
         index = {t: i for i, t in enumerate(tiers)}
         loads = [self._load(t) for t in tiers]
 
         up = [rep for rep in view.replicas if rep.up]
-        budgets = {rep.index: ReplicaBudget(self.roofline(rep.index, rep.latency), loads, tiers[0],
-                                            round(self.spec_steps)) for rep in up}
+        budgets = {}
+        for rep in up:
+            roof = self.roofline(rep.index, rep.latency)
+            # with nothing decoding, batches last the tightest TPOT this replica can hold a token in
+            # (a request asking for less must not stall everyone else's prefill)
+            idle = min((t for t in tiers if roof.time2bs(t) >= 1), default=tiers[-1])
+            budgets[rep.index] = ReplicaBudget(roof, loads, idle, round(self.spec_steps))
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
             if r.replica in base:
