@@ -136,9 +136,10 @@ def _insert(front: list[_State], s: _State) -> None:
     front.append(s)
 
 
-def _move_forced(seq: list[Node], base: Sequence[int], budget: Budget, max_batches: int = 100_000) -> dict[str, float]:
+def _move_forced(seq: list[Node], base: Sequence[int], budget: Budget) -> dict[str, float]:
     """Digest §5.6: if the forced nodes alone miss a deadline (a misprediction), plan that node at its
-    earliest feasible time instead. Mutates `seq` in place (kept sorted); returns the moved deadlines."""
+    earliest feasible time instead (found by doubling, then bisection). Mutates `seq` in place (kept
+    sorted); returns the moved deadlines (inf: it can never finish with these decoders)."""
     moved: dict[str, float] = {}
     dec = list(base)
     pb, prev = 0.0, 0.0
@@ -147,22 +148,14 @@ def _move_forced(seq: list[Node], base: Sequence[int], budget: Budget, max_batch
             continue
         gain = budget.window(nd.deadline_ms - prev, tuple(dec))
         if gain is None or pb + gain < nd.prompt:
-            t = max(nd.deadline_ms, prev)
-            step = max(1.0, (nd.deadline_ms - prev) / 64 if nd.deadline_ms > prev else 1.0)
-            for _ in range(max_batches):
-                t += step
-                gain = budget.window(t - prev, tuple(dec))
-                if gain is not None and pb + gain >= nd.prompt:
-                    break
-                step *= 1.25
-            else:
-                gain = None
-            if gain is None:
-                t = math.inf  # it cannot finish: nothing new is admitted behind it
-            moved[nd.rid] = t
-            seq[i] = Node(nd.rid, nd.tier, nd.prompt, t, nd.blocks, True)
-        pb += (gain or 0) - nd.prompt
-        pb = max(pb, 0.0)
+            t = _earliest(lambda window: budget.window(window, tuple(dec)), nd.prompt - pb,
+                          max(nd.deadline_ms - prev, 0.0))
+            moved[nd.rid] = math.inf if t is None else prev + t
+            seq[i] = Node(nd.rid, nd.tier, nd.prompt, moved[nd.rid], nd.blocks, True)
+            if t is None:
+                break
+            gain = budget.window(t, tuple(dec)) or 0
+        pb = max(pb + gain - nd.prompt, 0.0)
         prev = seq[i].deadline_ms
         dec[nd.tier] += 1
     if moved:
@@ -170,6 +163,26 @@ def _move_forced(seq: list[Node], base: Sequence[int], budget: Budget, max_batch
         rest.sort(key=lambda x: (x.deadline_ms, not x.forced))
         seq[:] = head + rest
     return moved
+
+
+def _earliest(window: Callable[[float], int | None], need: float, lo: float, limit_ms: float = 1e9) -> float | None:
+    """The shortest window (ms, above `lo`) whose budget reaches `need`; None if none up to `limit_ms`."""
+    hi = max(lo * 2, 1.0)
+    while True:
+        g = window(hi)
+        if g is not None and g >= need:
+            break
+        if hi >= limit_ms:
+            return None
+        hi *= 2
+    for _ in range(24):  # to within (hi - lo) / 2^24
+        mid = (lo + hi) / 2
+        g = window(mid)
+        if g is not None and g >= need:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 __all__ = ["Budget", "DpResult", "Node", "plan"]
