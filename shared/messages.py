@@ -159,6 +159,9 @@ class PrefillEntry(Struct):
     num_tokens: int  # this chunk's prompt tokens (its slice of tensor "prefill_tokens")
     last: bool  # the prompt's last chunk: sample and return the first output token
     sampling: SamplingSpec | None = None  # required on the first chunk, ignored after
+    # a preempted request rebuilding its KV: the prompt here is prompt + output but its newest token,
+    # and that token (already emitted) becomes the root instead of a newly sampled one
+    resume_token: int | None = None
 
 
 class VerifyEntry(Struct):

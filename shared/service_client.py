@@ -75,6 +75,7 @@ class PrefillItem:
     tokens: list[int]
     last: bool
     sampling: SamplingSpec | None = None
+    resume_token: int | None = None  # see PrefillEntry.resume_token
 
 
 @dataclass(slots=True)
@@ -141,7 +142,8 @@ class DraftClient(_ServiceClient):
 class TargetClient(_ServiceClient):
     async def forward(self, prefill: Sequence[PrefillItem] = (),
                       verify: Sequence[VerifyItem] = ()) -> tuple[list[StepOutput], ForwardReply]:
-        msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling) for p in prefill],
+        msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling, p.resume_token)
+                       for p in prefill],
                       [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens)) for v in verify])
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),

@@ -4,7 +4,9 @@
   client's usual error type, before any byte of a stream; requests beside it are served exactly;
 - the same request allowing best effort (`slo.best_effort`, or `service_tier: "flex"`) is served in the
   best-effort tier and equals transformers' greedy output;
-- the outcomes are counted per tier in `specserve:admission_total`; no KV block is left reserved.
+- the outcomes are counted per tier in `specserve:admission_total`; no KV block is left reserved;
+- with a KV look-ahead on a pool too small for every worst case, requests are preempted, resume by
+  recompute and still equal transformers; `vllm:num_preemptions_total` counts them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specserve.launch import ServiceProcess
+from specserve.shared.service_client import DraftClient, TargetClient
 from tests.gateway_procs import gateway
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 
@@ -80,3 +84,47 @@ def test_best_effort_is_served_exactly(up, slo_gateway, reference, ask):
         counts = admission_counts(slo_gateway.address)
         assert counts.get(("best_effort", "custom")) == 1.0, counts
     wait_all_free(up)
+
+
+def test_preempted_requests_resume_exactly_and_free_every_block(reference):
+    """A target pool too small for every request's worst case: with a 16-token look-ahead all are
+    admitted, some are preempted when they outgrow it, resume by recompute and still equal
+    transformers' greedy output; the preemptions are counted and no block is held at the end."""
+    target = ServiceProcess("target", "--kv-blocks", "48")
+    draft = ServiceProcess("draft")
+    gw = ServiceProcess("gateway", "--draft", draft.address, "--target", target.address, "--policy", "chain:2",
+                        "--budget", "24", "--kv-lookahead-tokens", "16")
+    try:
+        async def run():
+            c = aclient(gw.address)
+            out = await asyncio.gather(*[c.completions.create(model="target", prompt=PROMPTS[i % len(PROMPTS)],
+                                                              max_tokens=MAX_TOKENS, temperature=0)
+                                         for i in range(10)])
+            await c.close()
+            return [r.choices[0].text for r in out]
+
+        texts = asyncio.run(run())
+        assert texts == [reference[i % len(PROMPTS)] for i in range(10)]
+        metrics = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{gw.address}/metrics").text)
+                   for s in f.samples}
+        assert metrics["vllm:num_preemptions_total"] > 0, "the pool was large enough: nothing was preempted"
+        for address, kind in ((target.address, "target"), (draft.address, "draft")):
+            stats = asyncio.run(_stats(kind, address))
+            assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0, (kind, stats)
+    finally:
+        gw.stop()
+        draft.stop()
+        target.stop()
+
+
+async def _stats(kind: str, address: str):
+    client = await (TargetClient if kind == "target" else DraftClient).connect(address)
+    try:
+        for _ in range(100):  # releases are sent at the start of the gateway's next iteration
+            stats = await client.stats()
+            if stats.free_blocks == stats.total_blocks and stats.resident_requests == 0:
+                return stats
+            await asyncio.sleep(0.1)
+        return stats
+    finally:
+        await client.close()

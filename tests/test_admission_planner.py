@@ -233,3 +233,15 @@ def test_ttft_already_lost_is_declined():
     late = WaitingView("late", 20, 20, 4, "chat", 10.0, 100.0, 150.0)  # waited 150 ms of a 100 ms TTFT
     p = adm.propose(rview([late]), set(), None)
     assert "late" in p.reject and math.isfinite(p.reject["late"].retry_after_s)
+
+
+# ---- preemption order --------------------------------------------------------------------------------
+def test_preemption_takes_best_effort_first_then_the_newest():
+    from specserve.gateway.preempt import Holder, victims
+
+    hs = [Holder("old", 4, False, 1.0), Holder("new", 4, False, 3.0), Holder("be", 2, True, 0.5),
+          Holder("grower", 4, False, 2.0)]
+    assert victims(hs, "grower", 2, 0) == ["be"]  # best effort first, whatever its age
+    assert victims(hs, "grower", 5, 0) == ["be", "new"]  # then the most recently admitted
+    assert victims(hs, "grower", 7, 0) == ["grower"]  # next would be the grower itself: it yields
+    assert victims(hs, "grower", 3, 2) == ["be"]

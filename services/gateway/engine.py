@@ -42,6 +42,7 @@ from specserve.gateway.plan import (
 )
 from specserve.gateway.policy import CandidateTree, Policy, RequestView
 from specserve.gateway.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
+from specserve.gateway.preempt import Holder, victims
 from specserve.gateway.record import IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.scheduler import Scheduler
@@ -68,6 +69,7 @@ class EngineLimits:
     draft_max_width: int = 16
     max_waiting: int = 256  # most requests waiting for admission; more get 503
     max_out_of_blocks: int = 200  # iterations a request may be refused for KV room before it is ended
+    kv_lookahead_tokens: int = 0  # > 0: reserve context + this many tokens, grow on the way, preempt when short
 
 
 class Engine:
@@ -112,7 +114,13 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------------
     def kv_blocks_for(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The worst case: prompt + max_tokens + the tree slack."""
         return math.ceil((prompt_tokens + max_tokens + self.limits.tree_slack_tokens) / self.pool.block_size)
+
+    def reserve_blocks_for(self, context_tokens: int, remaining: int) -> int:
+        """What admission reserves: the worst case, or with a look-ahead only that much of the output."""
+        ahead = self.limits.kv_lookahead_tokens
+        return self.kv_blocks_for(context_tokens, min(remaining, ahead) if ahead > 0 else remaining)
 
     def submit(self, req: GenRequest) -> None:
         if not self.pool.any_target_up:
@@ -121,7 +129,7 @@ class Engine:
             self.metrics.on_error("queue_full")
             raise ServiceUnavailable(f"the server is busy: {len(self.waiting)} requests are waiting",
                                      self.retry_after_s())
-        req.kv_blocks = self.kv_blocks_for(len(req.prompt), req.max_tokens)
+        req.kv_blocks = self.reserve_blocks_for(len(req.prompt), req.max_tokens)
         self.requests[req.rid] = req
         self.waiting.append(req)
         self.metrics.on_queued()
@@ -198,6 +206,8 @@ class Engine:
         t0 = time.perf_counter()
         if self.pool.needs_reconnect and "draft" in await self.pool.reconnect(TRANSPORT_ERRORS):
             self._draft_lost()  # it may have restarted empty: every request rebuilds its draft state
+        if self.limits.kv_lookahead_tokens > 0:
+            self._grow_reservations()  # before the releases, so a preempted request's go out now
         await self.executor.release_owed()
         self._end_requests_of_down_replicas()
         if not self.pool.any_target_up:
@@ -223,10 +233,54 @@ class Engine:
         record.waiting, record.running = len(self.waiting), len(self.running)
         self._consume(record)
 
+    # ---- 1b. KV reservations with a look-ahead ------------------------------------------------------
+    def _grow_reservations(self) -> None:
+        """Each decoding request's reservation covers its committed tokens and the next tree; one that
+        outgrows it takes another look-ahead, preempting lower-priority requests when its replica is
+        short (preempt.py)."""
+        slack, block = self.limits.tree_slack_tokens, self.pool.block_size
+        for r in list(self.running):
+            if r.finish_reason is not None or not r.decoding or r.replica is None:
+                continue
+            if math.ceil((r.committed + slack) / block) <= r.kv_blocks:
+                continue
+            replica = self.pool.targets[r.replica]
+            want = self.reserve_blocks_for(r.committed, r.remaining) - r.kv_blocks
+            free = replica.total_blocks - replica.reserved_blocks
+            if want > free:
+                best = self.scheduler.admission.best_effort if self.scheduler.admission is not None else set()
+                holders = [Holder(x.rid, x.kv_blocks, x.rid in best, x.admitted_at or 0.0) for x in self.running
+                           if x.replica == r.replica and x.finish_reason is None]
+                for rid in victims(holders, r.rid, want, free):
+                    self._preempt(self.requests[rid])
+                if r.replica is None:  # it was the one preempted
+                    continue
+            replica.reserved_blocks += want
+            r.kv_blocks += want
+
+    def _preempt(self, r: GenRequest) -> None:
+        """Give its KV back on both services and queue it again at the head; it keeps its tokens."""
+        assert r.replica is not None
+        replica = self.pool.targets[r.replica]
+        replica.requests.discard(r.rid)
+        replica.reserved_blocks -= r.kv_blocks
+        replica.owed_releases.add(r.rid)
+        if r.draft_seen:
+            self._resync_draft(r)
+        self.running.remove(r)
+        r.replica, r.prefilled, r.out_of_blocks = None, 0, 0
+        r.resuming = bool(r.output)
+        r.preemptions += 1
+        r.kv_blocks = self.reserve_blocks_for(len(r.context), r.remaining)
+        self.waiting.insert(0, r)
+        self.metrics.on_preempted()
+        log.info("preempted %s (%d tokens kept) to free KV on target %d", r.rid, len(r.output), replica.index)
+
     # ---- 2. snapshot -----------------------------------------------------------------------------
     def _snapshot(self, now: float) -> SchedulerView:
-        waiting = [WaitingView(r.rid, len(r.prompt), r.max_tokens, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
-                               r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok) for r in self.waiting]
+        waiting = [WaitingView(r.rid, len(r.context), r.remaining, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
+                               r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok or r.resuming)
+                   for r in self.waiting]  # a preempted request is never refused: it has streamed already
         prefilling, decoding = [], []
         for r in self.running:
             assert r.replica is not None
@@ -234,8 +288,8 @@ class Engine:
                 decoding.append(RequestView(r.rid, r.slo.name, r.slo.tpot_ms, r.slo.ttft_ms, len(r.output) - 1,
                                             (now - r.token_times[0]) * 1e3, r.remaining, r.accepted, r.replica,
                                             len(r.draft_unsent)))
-            elif r.prefilled < len(r.prompt):
-                prefilling.append(PrefillView(r.rid, r.replica, len(r.prompt), r.prefilled, r.slo.name,
+            elif r.prefilled < len(r.context):
+                prefilling.append(PrefillView(r.rid, r.replica, len(r.context), r.prefilled, r.slo.name,
                                               r.slo.tpot_ms, r.slo.ttft_ms, (now - r.arrival) * 1e3))
         draft = self.pool.draft.view() if self.pool.draft is not None else DraftView(False, False)
         lim = self.limits
@@ -358,10 +412,12 @@ class Engine:
             if n <= 0 or r.finish_reason is not None:
                 continue
             assert r.replica is not None
-            toks = r.prompt[r.prefilled: r.prefilled + n]
-            last = r.prefilled + n == len(r.prompt)
+            context = r.context
+            toks = context[r.prefilled: r.prefilled + n]
+            last = r.prefilled + n == len(context)
             pass_of(r.replica).prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, toks, last,
-                                                          r.sampling if r.prefilled == 0 else None))
+                                                          r.sampling if r.prefilled == 0 else None,
+                                                          r.output[-1] if last and r.resuming else None))
             record.requests.append(RequestStep(r.rid, r.replica, prompt_tokens=n))
         for r in decoding:
             assert r.replica is not None
@@ -453,6 +509,9 @@ class Engine:
                 r.verified.append((self.step, step.verified))
             elif not out.tokens:  # a prompt chunk that was not the last
                 r.prefilled += prefill_len[out.rid]
+                continue
+            elif r.resuming:  # its KV is rebuilt; the token it returned is the one it had
+                r.resuming, r.prefilled, step.emitted = False, len(r.prompt), 0
                 continue
             else:
                 r.prefilled = len(r.prompt)

@@ -53,6 +53,8 @@ class GenRequest:
     draft_seen: bool = False  # the draft may hold state for it (it must be released there)
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None
+    resuming: bool = False  # preempted: its KV is being rebuilt from `context` before it decodes again
+    preemptions: int = 0
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
 
     @property
@@ -60,8 +62,14 @@ class GenRequest:
         return len(self.prompt) + len(self.output)
 
     @property
+    def context(self) -> list[int]:
+        """The tokens its target KV is built from by prefill: the prompt, or after a preemption the
+        prompt and every output token but the newest (which is the next tree's root)."""
+        return self.prompt + self.output[:-1] if self.resuming else self.prompt
+
+    @property
     def decoding(self) -> bool:
-        return bool(self.output) and self.finish_reason is None
+        return bool(self.output) and not self.resuming and self.finish_reason is None
 
     @property
     def remaining(self) -> int:

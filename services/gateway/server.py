@@ -257,7 +257,8 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     admission = SloAdmission(route_all=config.router == "slo") if config.admission == "slo" else None
     scheduler = Scheduler(policy, make_router(config.router), sync_draft=config.draft_sync == "eager",
                           admission=admission)
-    limits = EngineLimits(config.max_running, config.max_prefill_tokens, max_waiting=config.max_waiting)
+    limits = EngineLimits(config.max_running, config.max_prefill_tokens, max_waiting=config.max_waiting,
+                          kv_lookahead_tokens=config.kv_lookahead_tokens)
     engine = Engine(policy, scheduler, pool, GatewayMetrics(info.name), limits, config.call_timeout_s)
     await engine.start()
     gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)

@@ -228,7 +228,10 @@ class TargetEngine:
             req.last_step = message.step
             if not message.last:
                 return [], 0
-            token = accept_tree([entry.tokens[-1]], [-1], logits, req.params, req.generator).tokens[0]
+            if message.resume_token is not None:  # a preempted request: its next token is already known
+                token = message.resume_token
+            else:
+                token = accept_tree([entry.tokens[-1]], [-1], logits, req.params, req.generator).tokens[0]
             req.committed, req.last_token = req.prefilled + 1, token
             return [token], 0
         acceptance = accept_tree(entry.tokens, entry.parents, logits, req.params, req.generator)
