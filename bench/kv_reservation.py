@@ -33,15 +33,17 @@ def main() -> None:
         reqs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         for with_max in (True, False):
             for ahead in LOOKAHEADS:
-                per = [blocks(r["prompt_tokens"], r["max_tokens"] if with_max else CONTEXT - r["prompt_tokens"],
+                per: list[int] = [blocks(r["prompt_tokens"], r["max_tokens"] if with_max else CONTEXT - r["prompt_tokens"],
                               ahead) for r in reqs]
+                mean = statistics.mean(per)
                 rows.append({"workload": path.stem, "max_tokens": with_max, "lookahead": ahead,
-                             "mean_blocks": round(statistics.mean(per), 1), "fit": POOL // max(1, statistics.mean(per))})
+                             "mean_blocks": round(mean, 1), "fit": int(POOL // max(1.0, mean))})
     print("| workload | max_tokens given | look-ahead | blocks per request | requests the pool admits at once |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
         ahead = "worst case" if r["lookahead"] == 0 else f"{r['lookahead']} tokens"
-        print(f"| {r['workload']} | {'yes' if r['max_tokens'] else 'no'} | {ahead} | {r['mean_blocks']} | {int(r['fit'])} |")
+        given = "yes" if r["max_tokens"] else "no"
+        print(f"| {r['workload']} | {given} | {ahead} | {r['mean_blocks']} | {r['fit']} |")
     (ROOT / "bench" / "results" / "kv_reservation.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 

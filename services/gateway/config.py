@@ -45,10 +45,10 @@ class GatewayConfig(Settings):
                             "planner admits only what can meet its TTFT and TPOT SLOs (declined: the next replica, "
                             "then best effort for service_tier flex, else 503 with Retry-After)",
                             choices=("fifo", "slo"))
-    kv_lookahead_tokens: int = option(0, "0: a request reserves KV for prompt + max_tokens when admitted; N > 0: for its "
-                                      "context + N output tokens, grown by N as it goes; when its replica is short, "
-                                      "lower-priority requests (best effort, then the newest) are preempted and later "
-                                      "resumed by recompute")
+    kv_lookahead_tokens: int = option(0, "0: a request reserves KV for prompt + max_tokens when admitted; N > 0: "
+                                      "for its context + N output tokens, grown by N as it goes; when its replica is "
+                                      "short, lower-priority requests (best effort, then the newest) are preempted and "
+                                      "later resumed by recompute")
     max_waiting: int = option(256, "most requests waiting for admission; more get 503 with Retry-After")
     client_timeout_s: float = option(10.0, "a client must send its request head, and then its body, within this "
                                      "many seconds (408 for a body, the connection closed for a head)")
