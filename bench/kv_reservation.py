@@ -33,8 +33,8 @@ def main() -> None:
         reqs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         for with_max in (True, False):
             for ahead in LOOKAHEADS:
-                per: list[int] = [blocks(r["prompt_tokens"], r["max_tokens"] if with_max else CONTEXT - r["prompt_tokens"],
-                              ahead) for r in reqs]
+                per = [blocks(r["prompt_tokens"], r["max_tokens"] if with_max else CONTEXT - r["prompt_tokens"], ahead)
+                       for r in reqs]
                 mean = statistics.mean(per)
                 rows.append({"workload": path.stem, "max_tokens": with_max, "lookahead": ahead,
                              "mean_blocks": round(mean, 1), "fit": int(POOL // max(1.0, mean))})
