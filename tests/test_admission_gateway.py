@@ -128,3 +128,45 @@ async def _stats(kind: str, address: str):
         return stats
     finally:
         await client.close()
+
+
+def test_best_effort_is_preempted_for_an_slo_request_and_resumes_exactly(up, reference):
+    """One slot: a best-effort stream is running when an SLO request arrives; the SLO request takes
+    the slot (the best-effort one is preempted), and the best-effort stream resumes by recompute and
+    still equals transformers."""
+    g = gateway(up, "none", "--budget", "24", "--admission", "slo", "--router", "slo", "--max-running", "1")
+    try:
+        async def run():
+            c = aclient(g.address)
+            stream = await c.completions.create(model="target", prompt=PROMPTS[3], max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True,
+                                                extra_body={"slo": {**IMPOSSIBLE, "best_effort": True}})
+            text, arrived = "", asyncio.Event()
+
+            async def consume():
+                nonlocal text
+                n = 0
+                async for ch in stream:
+                    text += ch.choices[0].text if ch.choices else ""
+                    n += 1
+                    if n == 3:
+                        arrived.set()
+
+            async def slo_request():
+                await arrived.wait()
+                return await c.completions.create(model="target", prompt=PROMPTS[4], max_tokens=MAX_TOKENS,
+                                                  temperature=0)
+
+            _, r = await asyncio.gather(consume(), slo_request())
+            await c.close()
+            return text, r.choices[0].text
+
+        best_effort_text, slo_text = asyncio.run(run())
+        assert slo_text == reference[4]
+        assert best_effort_text == reference[3]
+        metrics = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{g.address}/metrics").text)
+                   for s in f.samples}
+        assert metrics["vllm:num_preemptions_total"] >= 1
+        wait_all_free(up)
+    finally:
+        g.stop()

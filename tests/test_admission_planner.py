@@ -245,3 +245,32 @@ def test_preemption_takes_best_effort_first_then_the_newest():
     assert victims(hs, "grower", 5, 0) == ["be", "new"]  # then the most recently admitted
     assert victims(hs, "grower", 7, 0) == ["grower"]  # next would be the grower itself: it yields
     assert victims(hs, "grower", 3, 2) == ["be"]
+
+
+def test_slo_arrivals_preempt_best_effort():
+    adm = SloAdmission()
+    dec = [d(f"be{i}") for i in range(50)]  # a replica full of best-effort decoders
+    for r in dec:
+        adm.best_effort.add(r.rid)
+        adm.tier_of[r.rid] = 1e6
+    sched = Scheduler(Policy(), make_router("slo"), admission=adm)
+    p = sched.plan(rview([w("strict")], (), dec), 1)
+    assert [a.rid for a in p.admitted] == ["strict"]
+    assert len(p.preempt) == 1 and p.preempt[0].startswith("be") and p.preempt[0] not in p.shapes  # the fewest
+    # SLO decoders are never preempted for an arrival: the arrival is refused instead
+    adm2 = SloAdmission()
+    p = Scheduler(Policy(), make_router("slo"), admission=adm2).plan(rview([w("strict")], (), dec), 1)
+    assert p.preempt == [] and "strict" in p.rejected
+
+
+def test_a_replica_full_of_best_effort_kv_admits_an_slo_arrival():
+    adm = SloAdmission()
+    dec = [RequestView(f"be{i}", "chat", 10.0, 1000.0, 5 + i, 50.0, 100, [], 0, 0, 25) for i in range(4)]
+    for r in dec:
+        adm.best_effort.add(r.rid)
+        adm.tier_of[r.rid] = 1e6
+    view = rview([w("strict", blocks=40)], (), dec, total=100)  # 4 x 25 blocks reserved: none free
+    view.replicas[0].reserved_blocks = 100
+    p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
+    assert [a.rid for a in p.admitted] == ["strict"]
+    assert p.preempt == ["be0", "be1"]  # two give 50 blocks; the least decoded go first

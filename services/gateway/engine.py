@@ -287,7 +287,7 @@ class Engine:
             if r.decoding:
                 decoding.append(RequestView(r.rid, r.slo.name, r.slo.tpot_ms, r.slo.ttft_ms, len(r.output) - 1,
                                             (now - r.token_times[0]) * 1e3, r.remaining, r.accepted, r.replica,
-                                            len(r.draft_unsent)))
+                                            len(r.draft_unsent), r.kv_blocks))
             elif r.prefilled < len(r.context):
                 prefilling.append(PrefillView(r.rid, r.replica, len(r.context), r.prefilled, r.slo.name,
                                               r.slo.tpot_ms, r.slo.ttft_ms, (now - r.arrival) * 1e3))
@@ -304,6 +304,8 @@ class Engine:
         if admission is not None:
             for outcome in ("declined", "best_effort", "refused"):
                 self.metrics.on_admission(outcome, getattr(admission.last, outcome))
+        for rid in plan.preempt:  # best effort giving its KV to SLO requests admitted below
+            self._preempt(self.requests[rid])
         for rid, reject in plan.rejected.items():
             r = self.requests[rid]
             self.metrics.on_error("rejected")

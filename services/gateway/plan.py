@@ -52,6 +52,7 @@ class RequestView:
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens of each past verify step
     replica: int = 0  # the target replica it is bound to
     draft_lag: int = 0  # committed tokens the draft has not seen (its catch-up if it speculates now)
+    kv_blocks: int = 0  # target KV blocks it has reserved
 
     def required(self, t_spec_ms: float) -> float:
         """AdaServe's A(r): tokens this step must yield to stay on the TPOT SLO in expectation."""
@@ -141,6 +142,7 @@ class Proposal:
     chunks: dict[str, int]  # rid -> prompt tokens this iteration (running and newly admitted)
     prefill_tokens: list[int]  # per replica: the sum of its chunks
     reject: dict[str, Reject] = field(default_factory=dict)  # rid -> refused at once (SLO-aware admission)
+    preempt: list[str] = field(default_factory=list)  # best-effort rids whose KV goes to SLO arrivals
 
 
 @dataclass(slots=True)
@@ -203,6 +205,7 @@ class IterationPlan:
     batches: list[BatchView]  # per replica, for node selection
     residency: Residency
     draft_sync: list[str] = field(default_factory=list)  # d = 0 requests whose new tokens go to the draft anyway
+    preempt: list[str] = field(default_factory=list)  # decoding requests to preempt (recompute) before admitting
 
     @property
     def speculating(self) -> list[str]:

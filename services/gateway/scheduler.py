@@ -101,6 +101,12 @@ class Scheduler:
         rejected.update({rid: r for rid, r in decision.reject.items() if rid in waiting})
         deferred = {rid: why for rid, why in decision.defer.items() if rid in waiting and rid not in rejected}
         ledgers = _ledgers(view) if decision.admit else []
+        if ledgers and view.proposal.preempt:  # what the preempted give back is there to admit with
+            going = set(view.proposal.preempt)
+            for r in view.decoding:
+                if r.rid in going:
+                    ledgers[r.replica].reserved_blocks -= r.kv_blocks
+                    ledgers[r.replica].running -= 1
         admitted: list[Admit] = []
         blocked: str | None = None
         for a in decision.admit:
@@ -156,8 +162,11 @@ class Scheduler:
         replica_of.update({r.rid: r.replica for r in view.decoding})
         replica_of.update({a.rid: a.replica for a in admitted if a.replica is not None})
         batches = view.batches(prefill)
+        preempt = [rid for rid in proposal.preempt if rid in shapes]  # decoding requests only
+        for rid in preempt:
+            shapes.pop(rid)
         return IterationPlan(step, admitted, deferred, rejected, chunks, shapes, replica_of, batches, residency,
-                             sync)
+                             sync, preempt)
 
     def _clip_chunks(self, view: SchedulerView, admitted: list[Admit],
                      wanted: dict[str, int]) -> tuple[dict[str, int], list[int]]:

@@ -63,6 +63,7 @@ class TierLoad:
     tpot_ms: float  # the tier's TPOT SLO, ms per token
     cost: float = 1.0  # tree nodes verified per request per pass, root included (1: plain decoding)
     gain: float = 1.0  # tokens emitted per request per pass (1: plain decoding)
+    paced: bool = True  # False: best effort, which costs its tokens but never sets the batch length
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +84,10 @@ class BatchShape:
 
 def batch_shape(counts: Sequence[int], tiers: Sequence[TierLoad], time2bs: Callable[[float], int],
                 idle_ms: float) -> BatchShape:
-    """§7 with measured cost and gain: T = min over tiers in use of TPOT_l · gain_l (`idle_ms` when
-    nothing decodes); each batch holds time2bs(T) tokens, of which the decoders take Σ n_l · cost_l."""
-    length = min((t.tpot_ms * t.gain for n, t in zip(counts, tiers, strict=True) if n > 0), default=idle_ms)
+    """§7 with measured cost and gain: T = min over paced tiers in use of TPOT_l · gain_l (`idle_ms`
+    when none decodes); each batch holds time2bs(T) tokens, of which the decoders take Σ n_l · cost_l."""
+    length = min((t.tpot_ms * t.gain for n, t in zip(counts, tiers, strict=True) if n > 0 and t.paced),
+                 default=idle_ms)
     decode = sum(n * t.cost for n, t in zip(counts, tiers, strict=True))
     return BatchShape(length, int(time2bs(length) - math.ceil(decode - EPS)))
 

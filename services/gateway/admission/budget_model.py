@@ -45,7 +45,8 @@ class ReplicaBudget:
         if not self.plain:
             s = self.shape(decoders)
             return s.budget(ms) if s.feasible else None
-        t0 = min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0), default=self.idle_ms)
+        t0 = min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0 and t.paced),
+                 default=self.idle_ms)
         return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0), t0)
 
     def sustainable(self, decoders: tuple[int, ...]) -> bool:

@@ -26,6 +26,7 @@ are moving averages of what the speculation policy in use really did. No I/O, no
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.gateway.admission.budget import TierLoad
@@ -33,7 +34,7 @@ from specserve.gateway.admission.budget_model import ReplicaBudget
 from specserve.gateway.admission.dp import Node, plan
 from specserve.gateway.admission.roofline import Plane, Roofline
 from specserve.gateway.latency import LatencyModel
-from specserve.gateway.plan import Admit, Proposal, Reject, SchedulerView, WaitingView
+from specserve.gateway.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
 from specserve.gateway.record import IterationRecord
 
 BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
@@ -128,23 +129,33 @@ class SloAdmission:
         free = {rep.index: rep.free_blocks for rep in up}
         slots = {rep.index: max(0, view.limits.max_running - rep.running) for rep in up}
 
+        best_effort_on = {rep.index: [r for r in view.decoding if r.replica == rep.index and r.rid in self.best_effort]
+                          for rep in up}
+        preempt: list[str] = []
         offered = view.waiting[:self.max_new]
         admit: list[Admit] = []
         defer = {w.rid: "waits its turn: the planner takes a few new requests per iteration"
                  for w in view.waiting[self.max_new:]}
         reject: dict[str, Reject] = {}
 
+        def nodes(cands: list[WaitingView], best_effort: bool, slots_: int, free_: int, unit: int) -> list[Node]:
+            """The DP's new nodes: the candidates that fit this replica's free slots and blocks."""
+            return [Node(w.rid, index[be_tpot if best_effort else w.tpot_ms], w.prompt_tokens,
+                         BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms,
+                         math.ceil(w.kv_blocks / unit))
+                    for w in cands[:slots_] if w.kv_blocks <= free_]
+
         def offer(replica: int, cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
             """Plan this replica with these candidates; returns the ones it declined."""
-            if not cands or slots[replica] <= 0:
+            if not cands:
                 return cands
             unit = max(1, math.ceil(free[replica] / self.memory_buckets))
-            new = [Node(w.rid, index[be_tpot if best_effort else w.tpot_ms], w.prompt_tokens,
-                        BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms,
-                        math.ceil(w.kv_blocks / unit))
-                   for w in cands[:slots[replica]] if w.kv_blocks <= free[replica]]
+            new = nodes(cands, best_effort, slots[replica], free[replica], unit)
             took = set(plan(held[replica] + new, base[replica], free[replica] // unit,
-                            budgets[replica].as_budget()).admitted)
+                            budgets[replica].as_budget()).admitted) if new else set()
+            if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
+                took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
+                                         slots, budgets[replica], index, tpot_of, preempt)
             for w in cands:
                 if w.rid in took:
                     tpot = be_tpot if best_effort else w.tpot_ms
@@ -185,7 +196,40 @@ class SloAdmission:
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
 
         chunks, per_replica = self._chunks(view, budgets, base, held, offered)
-        return Proposal(admit, defer, chunks, per_replica, reject)
+        for rid in preempt:
+            self.best_effort.discard(rid)
+            self.tier_of.pop(rid, None)
+        return Proposal(admit, defer, chunks, per_replica, reject, preempt)
+
+    def _preempt_for(self, replica: int, held: list[Node], cands: list[WaitingView],
+                     nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]], took: set[str],
+                     best_effort_on: dict[int, list[RequestView]], base: dict[int, list[int]], free: dict[int, int],
+                     slots: dict[int, int], budget: ReplicaBudget, index: dict[float, int], tpot_of: dict[str, float],
+                     preempt: list[str]) -> set[str]:
+        """SLO arrivals come before best effort (digest §8): plan again as if the replica's k best-effort
+        requests with the least output (the cheapest to recompute) gave their KV back, k = 1, 2, 4, ...;
+        the first k that admits more is preempted."""
+        victims = sorted(best_effort_on[replica], key=lambda r: r.decoded)
+        k = 1
+        while True:
+            k = min(k, len(victims))
+            going = victims[:k]
+            base2 = list(base[replica])
+            for r in going:
+                base2[index[tpot_of[r.rid]]] -= 1
+            free2 = free[replica] + sum(r.kv_blocks for r in going)
+            unit2 = max(1, math.ceil(free2 / self.memory_buckets))
+            new2 = nodes(cands, False, slots[replica] + k, free2, unit2)
+            took2 = set(plan(held + new2, base2, free2 // unit2, budget.as_budget()).admitted)
+            if len(took2) > len(took):
+                preempt.extend(r.rid for r in going)
+                best_effort_on[replica] = victims[k:]
+                base[replica], free[replica] = base2, free2
+                slots[replica] += k
+                return took2
+            if k == len(victims):
+                return took
+            k *= 2
 
     def _chunks(self, view: SchedulerView, budgets: dict[int, ReplicaBudget], base: dict[int, list[int]],
                 held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
@@ -207,6 +251,8 @@ class SloAdmission:
         return chunks, per_replica
 
     def _load(self, tpot: float) -> TierLoad:
+        if tpot >= BEST_EFFORT_TPOT_MS:
+            return TierLoad(tpot, paced=False)
         st = self.stats.get(tpot)
         if st is None or (st.cost <= 1.0 + 1e-6 and st.gain <= 1.0 + 1e-6):
             return TierLoad(tpot)
