@@ -238,6 +238,8 @@ def test_request_body():
     assert body["max_tokens"] == 16 and body["temperature"] == 0.0
     plain = request_body(BenchRequest(0, "chat", "short", "x", "p", 4, None), "target", ignore_eos=False)
     assert "slo" not in plain and "ignore_eos" not in plain
+    flexible = request_body(BenchRequest(0, "chat", "short", "x", "p", 4, None), "target", False, best_effort=True)
+    assert flexible["slo"] == {"best_effort": True}
 
 
 # ================================================================================================ records
@@ -305,6 +307,12 @@ def test_summarize():
     assert crit["errors"] == 1 and chat["errors"] == 2
     assert s["error_kinds"] == {"HTTP 503": 1, "ClientConnectorError: refused": 1,
                                 "the stream ended without a finish_reason": 1}
+    assert s["refused"] == 1 and s["best_effort"] == 0
+    assert s["admitted_attainment"] == 3 / 4  # among the completed, none of them best effort
+    records = _records()
+    records[0].best_effort = True  # a met request served best effort leaves the admitted ones
+    s = summarize(records, 2.0)
+    assert s["best_effort"] == 1 and s["admitted_attainment"] == 2 / 3
 
 
 def test_summarize_empty_duration_gives_none():

@@ -19,24 +19,29 @@ from specserve.bench.workload import BenchRequest
 _decode = msgspec.json.Decoder().decode
 
 
-def request_body(req: BenchRequest, model: str, ignore_eos: bool) -> dict:
+def request_body(req: BenchRequest, model: str, ignore_eos: bool, best_effort: bool = False) -> dict:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "service_tier": req.category}
+    slo: dict = {}
     if req.tpot_ms is not None:
-        body["slo"] = {"tpot_ms": req.tpot_ms}
+        slo["tpot_ms"] = req.tpot_ms
+    if best_effort:
+        slo["best_effort"] = True
+    if slo:
+        body["slo"] = slo
     if ignore_eos:
         body["ignore_eos"] = True
     return body
 
 
 async def send(session: aiohttp.ClientSession, url: str, req: BenchRequest, record: RequestRecord, model: str,
-               ignore_eos: bool, t_start: float) -> RequestRecord:
+               ignore_eos: bool, t_start: float, best_effort: bool = False) -> RequestRecord:
     """Stream `req` to `url` (…/v1/completions) and fill `record` in; `t_start` is the run's perf_counter origin."""
     sent = time.perf_counter()
     record.sent_s = sent - t_start
     last = None
     try:
-        async with session.post(url, json=request_body(req, model, ignore_eos)) as resp:
+        async with session.post(url, json=request_body(req, model, ignore_eos, best_effort)) as resp:
             record.status = resp.status
             if resp.status != 200:
                 text = await resp.text()
@@ -78,6 +83,7 @@ async def send(session: aiohttp.ClientSession, url: str, req: BenchRequest, reco
                             record.steps = len(ext["steps"])
                             record.step_tokens = sum(1 + acc for _, _, acc in ext["steps"])
                             record.server_tpot_ms = ext.get("tpot_ms")
+                            record.best_effort = bool(ext.get("best_effort"))
                             record.slo_tpot_ms = ext["slo"]["tpot_ms"]
                             record.slo_ttft_ms = ext["slo"]["ttft_ms"]
     except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, KeyError, TypeError) as exc:

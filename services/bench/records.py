@@ -42,6 +42,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     steps: int = 0  # verify steps the server ran for it (from the specserve extension)
     step_tokens: int = 0  # tokens those steps emitted (1 + accepted per step)
     server_tpot_ms: float | None = None  # the server's own TPOT measure (specserve extension), ms
+    best_effort: bool = False  # served in the best-effort tier (no SLO applied; specserve extension)
 
     @property
     def ok(self) -> bool:
@@ -93,6 +94,13 @@ def summarize_records(records: list[RequestRecord], duration_s: float) -> dict:
         "requests": len(records),
         "completed": len(done),
         "errors": len(records) - len(done),
+        "refused": sum(r.status == 503 for r in records),  # 503: refused at once (admission, or a full queue)
+        "best_effort": sum(r.best_effort for r in done),
+        # attainment among the requests admitted with an SLO (neither refused nor served best effort)
+        "admitted_attainment": _ratio(sum(r.tpot_met for r in done if not r.best_effort),
+                                      sum(not r.best_effort for r in done)),
+        "admitted_ttft_attainment": _ratio(sum(r.ttft_met for r in done if not r.best_effort),
+                                           sum(not r.best_effort for r in done)),
         "attainment": _ratio(len(met), len(records)),
         "ttft_attainment": _ratio(sum(r.ttft_met for r in records), len(records)),
         "goodput_tok_s": _ratio(sum(r.completion_tokens for r in met), duration_s),

@@ -43,6 +43,7 @@ class BenchConfig:
     mix: str = DEFAULT_MIX  # TIER=SHARE:WORKLOAD[:TPOT_MS],...
     max_tokens: int | None = None  # override every prompt row's max_tokens
     ignore_eos: bool = False  # generate exactly max_tokens (vLLM's ignore_eos)
+    best_effort: bool = False  # every request allows best effort (slo.best_effort) when its SLO cannot be met
     sequential_prompts: bool = False  # each prompt set in its file order instead of drawn at random
     seed: int = 0
     out: str | None = None  # per-request JSONL; the summary goes to <out minus .jsonl>.summary.json
@@ -70,6 +71,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help=f"categories TIER=SHARE:WORKLOAD[:TPOT_MS],... (default {DEFAULT_MIX})")
     p.add_argument("--max-tokens", type=int, default=None, help="override each prompt's max_tokens")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (vLLM's ignore_eos)")
+    p.add_argument("--best-effort", action="store_true",
+                   help="every request allows best effort when no replica can meet its SLO (gateway --admission slo)")
     p.add_argument("--sequential-prompts", action="store_true",
                    help="take each category's prompts in file order (cycling) instead of at random")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals, category order and prompt choice")
@@ -168,9 +171,9 @@ async def _drive(session, url, model, cfg: BenchConfig, requests, records, times
             await asyncio.sleep(delay)
         if limit is not None:
             async with limit:
-                await send(session, endpoint, req, record, model, cfg.ignore_eos, t_start)
+                await send(session, endpoint, req, record, model, cfg.ignore_eos, t_start, cfg.best_effort)
         else:
-            await send(session, endpoint, req, record, model, cfg.ignore_eos, t_start)
+            await send(session, endpoint, req, record, model, cfg.ignore_eos, t_start, cfg.best_effort)
         end = max(end, time.perf_counter())
         met += record.tpot_met
         errors += not record.ok

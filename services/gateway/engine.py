@@ -317,6 +317,8 @@ class Engine:
             self.waiting.remove(r)
             self.running.append(r)
             r.replica, r.admitted_at = a.replica, now
+            if admission is not None and a.rid in admission.best_effort:
+                r.served_best_effort = True
             replica.requests.add(r.rid)
             replica.reserved_blocks += r.kv_blocks
             r.events.put_nowait(Admitted(a.replica))

@@ -55,6 +55,7 @@ class GenRequest:
     finish_reason: str | None = None
     resuming: bool = False  # preempted: its KV is being rebuilt from `context` before it decodes again
     preemptions: int = 0
+    served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
 
     @property
@@ -86,6 +87,7 @@ class GenRequest:
         tpot = self.tpot_s()
         return {"slo": {"tier": self.slo.name, "tpot_ms": self.slo.tpot_ms, "ttft_ms": self.slo.ttft_ms},
                 "replica": self.replica,
+                "best_effort": self.served_best_effort,
                 "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
                 "steps": [[step, nodes, acc] for (step, nodes), acc in zip(self.verified, self.accepted)]}
 
