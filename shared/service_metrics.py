@@ -11,19 +11,27 @@ The gauges and counters are read from the service's own `Stats` reply at scrape 
 never stale and cost nothing between scrapes. The server is prometheus_client's (a daemon thread);
 it starts once the model is loaded and the RPC socket listens, so an answer on this port also
 means "ready" (the compose health checks use it). Each service has its own registry.
+
+The server is a small `http.server` on a daemon thread that always answers in the text format
+0.0.4, as the gateway does (services/gateway/metrics.py): prometheus_client's own server would
+answer Prometheus's Accept header with OpenMetrics 1.0 and escape the `:` of every name to `_`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from specserve.shared.messages import Message, StatsReply
 
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text format generate_latest writes
 # Model calls take from well under a millisecond (a small release) to seconds (a long prefill on CPU).
 CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -79,6 +87,26 @@ class ServiceMetrics:
 
         return run
 
-    def serve(self, host: str, port: int) -> None:
-        """Start the HTTP server (a daemon thread) on host:port."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int) -> ThreadingHTTPServer:
+        """Start the HTTP server (a daemon thread) on host:port: GET /metrics; anything else is 404."""
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (scrapes are not logged)
+                pass
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name=f"{self.name}-metrics", daemon=True).start()
+        return server

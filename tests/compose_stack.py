@@ -188,3 +188,18 @@ class ComposeStack:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+
+
+def known_variables() -> set[str]:
+    """Every SPECSERVE_* variable a gateway, draft or target reads (shared/settings.py), plus the secret's
+    and the log level's."""
+    import dataclasses
+
+    from specserve.draft.config import DraftConfig
+    from specserve.gateway.config import GatewayConfig
+    from specserve.target.config import TargetConfig
+
+    out = {"SPECSERVE_SECRET", "SPECSERVE_SECRET_FILE", "SPECSERVE_LOG_LEVEL"}
+    for cls in (GatewayConfig, DraftConfig, TargetConfig):
+        out |= {cls.env_prefix + f.name.upper() for f in dataclasses.fields(cls)}
+    return out

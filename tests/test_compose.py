@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -26,9 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.compose_stack import COMPOSE, ROOT, ComposeStack
+from tests.compose_stack import COMPOSE, ROOT, ComposeStack, known_variables
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
 
@@ -165,3 +167,153 @@ def test_compose_processes_parity_and_scaling(stack, reference):
     assert asyncio.run(complete_all(url, PROMPTS)) == reference
     assert target_calls(stack, second) == calls
     assert json.dumps(health(url)["status"]) == '"ok"'
+
+
+# ---- the dashboard and Prometheus against the running stack ----------------------------------------
+DASHBOARD = ROOT / "deploy/grafana/dashboards/specserve.json"
+PROMETHEUS_DIR = ROOT / "deploy/prometheus"
+# PromQL words that are not metric names (functions, aggregations, keywords) and Prometheus's own `up`.
+PROMQL_WORDS = {"histogram_quantile", "rate", "irate", "increase", "sum", "avg", "min", "max", "count", "by",
+                "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset",
+                "abs", "clamp_min", "clamp_max", "delta", "deriv", "topk", "bottomk", "avg_over_time",
+                "max_over_time", "min_over_time", "sum_over_time", "time", "vector", "scalar", "humanizePercentage"}
+PROMETHEUS_OWN = {"up"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers outside label matchers, grouping
+    clauses, range selectors and strings, that are not PromQL's own words."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
+    return {n for n in names if n not in PROMQL_WORDS}
+
+
+def dashboard_exprs() -> list[str]:
+    def walk(panels):
+        for p in panels:
+            yield from (t["expr"] for t in p.get("targets", []))
+            yield from walk(p.get("panels", []))
+
+    return list(walk(json.loads(DASHBOARD.read_text())["panels"]))
+
+
+def alert_exprs() -> list[str]:
+    rules = yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+
+
+def stack_endpoints(stack) -> dict[str, list[str]]:
+    """Prometheus job -> the stack's host:port of each /metrics (compose's ports)."""
+    env = {n: stack.spec(n)["environment"] for n in ("gateway", "draft", "target")}
+    return {"gateway": [f"{stack.gateway.host}:{env['gateway']['SPECSERVE_GATEWAY_PORT']}"],
+            "draft": [f"{stack.draft.host}:{env['draft']['SPECSERVE_DRAFT_METRICS_PORT']}"],
+            "target": [f"{t.host}:{env['target']['SPECSERVE_TARGET_METRICS_PORT']}" for t in stack.targets]}
+
+
+def exported_names(stack) -> set[str]:
+    names: set[str] = set()
+    for addresses in stack_endpoints(stack).values():
+        for address in addresses:
+            text = httpx.get(f"http://{address}/metrics", timeout=30).text
+            names |= {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    return names
+
+
+def test_metric_name_parser():
+    assert metric_names('histogram_quantile(0.99, sum by (le, tier) (rate(a:b_bucket{x="y"}[5m])))') == {"a:b_bucket"}
+    assert metric_names('sum by (tier) (rate(c_total{met="true"}[1m])) / sum(rate(d[1m])) > 0.9') == {"c_total", "d"}
+
+
+def test_dashboard_and_alerts_name_only_exported_metrics(stack):
+    assert asyncio.run(complete_all(stack.url, PROMPTS[:2])) is not None  # every tier-labelled series exists
+    exported = exported_names(stack) | PROMETHEUS_OWN
+    exprs = dashboard_exprs() + alert_exprs()
+    assert len(dashboard_exprs()) >= 20
+    unknown = {e: metric_names(e) - exported for e in exprs if metric_names(e) - exported}
+    assert not unknown, unknown
+    titles = {p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]}
+    for wanted in ("TTFT p50 / p99 per tier", "TPOT p50 / p99 per tier", "SLO attainment per tier", "Goodput per tier",
+                   "Acceptance rate", "Mean accepted length", "Iteration time split", "Batch size and tokens per pass",
+                   "KV usage", "Queue length", "Requests per replica", "Target pass time p50 / p99 per replica"):
+        assert wanted in titles, wanted
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    if not shutil.which("promtool"):
+        pytest.skip("no promtool: install Debian's prometheus package (scripts/test.sh does as root)")
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_promtool_checks_config_and_rules(tmp_path):
+    ok = promtool("check", "config", str(PROMETHEUS_DIR / "prometheus.yml"))
+    assert ok.returncode == 0 and "SUCCESS" in ok.stdout, ok.stdout + ok.stderr
+    assert promtool("check", "rules", str(PROMETHEUS_DIR / "alerts.yml")).returncode == 0
+    broken = tmp_path / "alerts.yml"
+    broken.write_text((PROMETHEUS_DIR / "alerts.yml").read_text().replace("< 0.9", "< < 0.9"))
+    assert promtool("check", "rules", str(broken)).returncode != 0
+
+
+def test_prometheus_scrapes_the_stack(stack, tmp_path):
+    """The real Prometheus, with the shipped config's jobs and rules pointed at this stack."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus binary: install Debian's prometheus package (scripts/test.sh does as root)")
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    endpoints = stack_endpoints(stack)
+    for job in config["scrape_configs"]:
+        job.pop("dns_sd_configs", None)
+        job["static_configs"] = [{"targets": endpoints[job["job_name"]]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(PROMETHEUS_DIR / "alerts.yml", tmp_path / "alerts.yml")
+    listen = f"{stack.gateway.host}:9090"
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={listen}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        api = f"http://{listen}/api/v1"
+
+        def query(expr: str) -> list:
+            body = httpx.get(f"{api}/query", params={"query": expr}, timeout=30).json()
+            assert body["status"] == "success", (expr, body)
+            return body["data"]["result"]
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"http://{listen}/-/ready", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, "prometheus to be ready")
+        asyncio.run(complete_all(stack.url, PROMPTS[:3]))
+        gateway_text = httpx.get(f"{stack.url}/metrics", timeout=30).text
+        direct = sum(s.value for f in text_string_to_metric_families(gateway_text) for s in f.samples
+                     if s.name == "vllm:request_success_total")
+        assert direct >= 3
+
+        def scraped() -> bool:
+            result = query('sum(vllm:request_success_total{job="gateway"})')
+            return bool(result) and float(result[0]["value"][1]) == direct
+
+        wait_for(scraped, "prometheus to scrape the gateway's counters")
+        up = {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in query("up")}
+        assert up == {(job, a): "1" for job, addresses in endpoints.items() for a in addresses}, up
+        calls = query('specserve:service_calls_total{job="target"}')
+        assert len(calls) == 2 and all(float(r["value"][1]) > 0 for r in calls), calls
+        for expr in dashboard_exprs():  # every panel's expression is valid PromQL here
+            query(expr.replace("$__rate_interval", "15s"))  # Grafana's variable, as it would fill it in
+        rules = httpx.get(f"{api}/rules", timeout=30).json()["data"]["groups"]
+        assert sum(len(g["rules"]) for g in rules) == len(alert_exprs())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_compose_names_only_real_settings():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    for name, spec in compose["services"].items():
+        unknown = {k for k in (spec.get("environment") or {}) if k.startswith("SPECSERVE_")} - known_variables()
+        assert not unknown, (name, unknown)
