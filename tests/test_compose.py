@@ -168,6 +168,15 @@ def test_compose_processes_parity_and_scaling(stack, reference):
     assert target_calls(stack, second) == calls
     assert json.dumps(health(url)["status"]) == '"ok"'
 
+    # Idle again: the draft and the remaining replica hold no request and no block (releases were sent).
+    draft_port = int(stack.spec("draft")["environment"]["SPECSERVE_DRAFT_METRICS_PORT"])
+
+    def nothing_held() -> bool:
+        d, t = service_metrics(stack.draft.host, draft_port), service_metrics(first.host, port)
+        return d["specserve:service_requests"] == t["specserve:service_requests"] == 0 \
+            and d["specserve:service_kv_blocks_used"] == t["specserve:service_kv_blocks_used"] == 0
+    wait_for(nothing_held, "the services to hold nothing")
+
 
 # ---- the dashboard and Prometheus against the running stack ----------------------------------------
 DASHBOARD = ROOT / "deploy/grafana/dashboards/specserve.json"
@@ -299,8 +308,9 @@ def test_prometheus_scrapes_the_stack(stack, tmp_path):
             return bool(result) and float(result[0]["value"][1]) == direct
 
         wait_for(scraped, "prometheus to scrape the gateway's counters")
-        up = {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in query("up")}
-        assert up == {(job, a): "1" for job, addresses in endpoints.items() for a in addresses}, up
+        every = {(job, a): "1" for job, addresses in endpoints.items() for a in addresses}
+        wait_for(lambda: {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in query("up")} == every,
+                 "every job's targets to be scraped and up")  # each job's first scrape has its own offset
         calls = query('specserve:service_calls_total{job="target"}')
         assert len(calls) == 2 and all(float(r["value"][1]) > 0 for r in calls), calls
         for expr in dashboard_exprs():  # every panel's expression is valid PromQL here

@@ -25,7 +25,7 @@ def test_hosts_file_lists_every_address_of_a_name(tmp_path):
                                       "draft": ["127.0.0.9"]}
     r = Resolver(str(hosts))
     assert asyncio.run(r.resolve_address("Target:8102")) == ["127.0.0.2:8102", "127.0.0.3:8102"]
-    assert asyncio.run(r.resolve_address("unix:/tmp/x.sock")) == ["unix:/tmp/x.sock"]
+    assert asyncio.run(r.resolve_address("unix:/run/specserve/target.sock")) == ["unix:/run/specserve/target.sock"]
     assert asyncio.run(r.first("draft:8101")) == "127.0.0.9:8101"
     assert asyncio.run(r.first("elsewhere:8101")) == "elsewhere:8101"  # left to the system at connect
     assert asyncio.run(r.resolve_address("localhost:8102"))  # not in the file: DNS (getaddrinfo)
