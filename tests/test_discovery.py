@@ -58,3 +58,17 @@ def test_pool_adds_retires_drops_and_reuses_replicas():
     pool.set_addresses(["127.0.0.1:2", "127.0.0.1:1"])  # the old address comes back: the same entry
     asyncio.run(pool.reconnect((OSError, TimeoutError)))
     assert len(pool.targets) == 2 and not a.retired and a.state == "down"
+
+
+def test_gateway_exits_1_when_the_target_name_resolves_to_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2 draft\n")
+    out = subprocess.run([sys.executable, "-m", "specserve.cli", "gateway", "--port", "0", "--discover-targets",
+                          "--target", "no-such-target.invalid:8102", "--hosts-file", str(hosts),
+                          "--profile", str(tmp_path / "profile.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "error: cannot reach the services" in out.stderr and "resolve to no address" in out.stderr, out.stderr
