@@ -4,6 +4,20 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 ensure_venv test
 cd "$ROOT"
+# The deployment tests use real tools: a compose implementation (`config`), Prometheus and promtool,
+# kubectl (`kustomize`). Installed from Debian's packages when this runs as root with apt-get (CI);
+# elsewhere the tests that need one skip, saying which package would bring it.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=()
+    command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || missing+=(docker-compose)
+    command -v promtool >/dev/null || missing+=(prometheus)
+    command -v kubectl >/dev/null || missing+=(kubernetes-client)
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "[specserve] installing ${missing[*]} (Debian packages, for the deployment tests)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}"; } >/dev/null || echo "[specserve] could not install ${missing[*]}: those tests skip"
+    fi
+fi
 echo "[specserve] ruff check"
 "$VENV/bin/ruff" check .
 echo "[specserve] mypy (the gateway and shared/)"

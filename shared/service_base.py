@@ -26,6 +26,7 @@ from specserve.shared.lifeline import follow_parent
 from specserve.shared.messages import Error, Health, HealthReply, Message, Release, ReleaseReply, Stats
 from specserve.shared.ports import check_port_free
 from specserve.shared.rpc import DEFAULT_FRAME_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT_S, RpcServer
+from specserve.shared.service_metrics import ServiceMetrics
 from specserve.shared.settings import Settings, option
 from specserve.shared.transport import DEFAULT_MAX_FRAME_BYTES, Tensors, split_flat
 
@@ -62,6 +63,8 @@ class ServiceConfig(Settings):
     max_frame_mb: int = option(DEFAULT_MAX_FRAME_BYTES >> 20, "largest message accepted, MiB")
     frame_timeout_s: float = option(DEFAULT_FRAME_TIMEOUT_S, "a frame must be complete this long after its "
                                     "16-byte prefix, or the connection is dropped, seconds")
+    metrics_port: int | None = option(None, "serve Prometheus /metrics (pass time, KV blocks, offload state) over "
+                                      "HTTP on this port of --host, once the service is ready; off when unset")
     handshake_timeout_s: float = option(DEFAULT_HANDSHAKE_TIMEOUT_S, "a connection that has not authenticated "
                                         "with the shared secret this long after connecting is dropped, seconds")
 
@@ -77,7 +80,9 @@ class ServiceHost:
     def __init__(self, name: str, model: str, device: str, dtype: str, handlers: dict[type, Callable],
                  stats: Callable[[], Message], status: Callable[[], str] = lambda: "ok"):
         self.name, self.model, self.device, self.dtype = name, model, device, dtype
-        self.handlers, self.stats, self.status = handlers, stats, status
+        self.stats, self.status = stats, status
+        self.metrics = ServiceMetrics(name, stats)  # served only with --metrics-port
+        self.handlers = {kind: self.metrics.timed(h, kind.__name__) for kind, h in handlers.items()}
         self.started = time.monotonic()
         # One worker thread: model calls run one at a time, in arrival order.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
@@ -107,6 +112,8 @@ def setup_process(config: ServiceConfig) -> bytes:
     secret = load_secret()
     if not config.unix_socket:
         check_port_free(config.host, config.port)
+    if config.metrics_port:
+        check_port_free(config.host, config.metrics_port)
     torch.set_num_threads(config.threads)
     return secret
 
@@ -118,6 +125,8 @@ def serve(host: ServiceHost, config: ServiceConfig, secret: bytes) -> int:
         server = RpcServer(host.handle, config.max_frame_mb << 20, secret=secret,
                            frame_timeout_s=config.frame_timeout_s, handshake_timeout_s=config.handshake_timeout_s)
         bound = await server.start(config.address)
+        if config.metrics_port is not None:
+            host.metrics.serve(config.host, config.metrics_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -66,6 +66,10 @@ EXPORTED = {
     "specserve:requests_received_total": ("counter", M, "Requests received (queued)."),
     "specserve:request_slo_total": ("counter", (*M, "tier", "met"),
                                     "Finished requests by SLO tier and whether the SLO was met."),
+    "specserve:request_ttft_seconds": ("histogram", (*M, "tier"), "Time to first token of finished requests, by "
+                                                                  "SLO tier, seconds."),
+    "specserve:request_tpot_seconds": ("histogram", (*M, "tier"), "Time per output token of finished requests "
+                                                                  "(after the first), by SLO tier, seconds."),
     "specserve:budget_tokens": ("gauge", M, "Token budget B of one target pass (roots included)."),
     "specserve:request_errors_total": ("counter", (*M, "code"), "Requests that ended in an error, by code."),
     "specserve:replica_up": ("gauge", (*M, "replica"), "Whether the replica is up (1) or not (0)."),
@@ -171,8 +175,8 @@ def drive(m: GatewayMetrics) -> None:
     m.on_tokens(0, 1.0)  # nothing
     for record in sample_records():
         m.on_iteration(record)
-    m.on_finished("stop", 12, 8, 0.9, 0.05, "chat", True)
-    m.on_finished("length", 30, 1, 2.0, None, "urgent", False)
+    m.on_finished("stop", 12, 8, 0.9, 0.05, "chat", True, 0.25)
+    m.on_finished("length", 30, 1, 2.0, None, "urgent", False, 1.5)
     m.on_finished("stop", 5, 3, 0.4, 0.1, "chat", None)
     m.on_error("too_large")
     m.on_error("too_large")
@@ -229,6 +233,7 @@ def test_fresh_metrics_have_the_zero_series_dashboards_query():
     # label sets that only calls create have no series yet
     present = {n for n, _ in s}
     for name in ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "specserve:request_slo_total",
+                 "specserve:request_ttft_seconds_count", "specserve:request_tpot_seconds_count",
                  "specserve:request_errors_total", "specserve:replica_up", "specserve:replica_running",
                  "specserve:replica_kv_usage_perc"):
         assert name not in present, name
@@ -257,6 +262,11 @@ def test_values_after_a_known_sequence():
     assert value(s, "specserve:request_slo_total", tier="urgent", met="false") == 1
     slo = {dict(ls)["tier"] + "/" + dict(ls)["met"] for n, ls in s if n == "specserve:request_slo_total"}
     assert slo == {"chat/true", "urgent/false"}  # slo_met=None counts nothing
+    assert value(s, "specserve:request_ttft_seconds_sum", tier="chat") == pytest.approx(0.25)
+    assert value(s, "specserve:request_ttft_seconds_count", tier="urgent") == 1
+    assert value(s, "specserve:request_tpot_seconds_sum", tier="chat") == pytest.approx(0.15)  # 0.05 + 0.1
+    assert value(s, "specserve:request_tpot_seconds_count", tier="chat") == 2
+    assert ("specserve:request_tpot_seconds_count", frozenset({("model_name", MODEL), ("tier", "urgent")})) not in s
 
     assert value(s, "vllm:request_queue_time_seconds_count") == 2
     assert value(s, "vllm:request_queue_time_seconds_sum") == pytest.approx(1.4)
@@ -413,3 +423,16 @@ def test_registry_rejects_a_second_gateway_metrics():
     GatewayMetrics(MODEL, registry)
     with pytest.raises(ValueError):
         GatewayMetrics("other", registry)  # same names in one registry
+
+
+def test_a_dropped_replica_has_no_series():
+    """A replica that left the set (discovery) is removed, not left at up=0 (the replica-down alert)."""
+    m = GatewayMetrics(MODEL)
+    drive(m)
+    m.drop_replica("r1")
+    m.drop_replica("never-seen")  # nothing to remove
+    s = parse(m.render())
+    assert value(s, "specserve:replica_up", replica="r0") == 1
+    assert not [n for n, ls in s if dict(ls).get("replica") == "r1"]
+    m.set_replica("r1", up=True, running=1, kv_usage=0.25)  # an address that comes back
+    assert value(parse(m.render()), "specserve:replica_up", replica="r1") == 1

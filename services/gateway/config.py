@@ -24,6 +24,13 @@ class GatewayConfig(Settings):
     target: list[str] = option(default_factory=lambda: ["127.0.0.1:8102"],
                                help="a target replica's address (host:port or unix:/path); repeat it for N "
                                     "replicas (env: comma-separated)")
+    discover_targets: bool = option(False, "each --target host:port is a DNS name: one replica per address it "
+                                    "resolves to, re-resolved every --discovery-interval-s; new addresses join, "
+                                    "vanished ones are drained and dropped (docker compose --scale, a Kubernetes "
+                                    "headless Service)")
+    discovery_interval_s: float = option(5.0, "seconds between lookups of the target names (--discover-targets)")
+    hosts_file: str | None = option(None, "a hosts file (/etc/hosts format) read before DNS, at every lookup, for "
+                                    "the draft's and the targets' names (a name on several lines: all of them)")
     router: str = option("round-robin", "how new requests are spread over the target replicas",
                          choices=tuple(ROUTERS))
     model: str = option(default_factory=lambda: str(MODELS / "target"),

@@ -173,7 +173,8 @@ class Engine:
         e2e = time.perf_counter() - r.arrival
         if reason in ("stop", "length"):
             self._mean_latency_s += 0.1 * (e2e - self._mean_latency_s)
-        self.metrics.on_finished(reason, len(r.prompt), len(r.output), e2e, tpot, r.slo.name, ok)
+        self.metrics.on_finished(reason, len(r.prompt), len(r.output), e2e, tpot, r.slo.name, ok,
+                                 r.token_times[0] - r.arrival if r.token_times else None)
 
     # ---- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -562,7 +563,9 @@ class Engine:
     def _set_load(self) -> None:
         used = total = 0
         for t in self.pool.targets:
-            if t.up and t.total_blocks:
+            if t.retired and not t.up:  # dropped (discovery.py): no series of its own any more
+                self.metrics.drop_replica(str(t.index))
+            elif t.up and t.total_blocks:
                 t_used = t.total_blocks - t.free_blocks
                 used, total = used + t_used, total + t.total_blocks
                 self.metrics.set_replica(str(t.index), True, len(t.requests), t_used / t.total_blocks)

@@ -205,6 +205,12 @@ class GatewayMetrics:
         self.requests_received = counter("specserve:requests_received_total", "Requests received (queued).")
         self.slo = counter("specserve:request_slo_total",
                            "Finished requests by SLO tier and whether the SLO was met.", (*m, "tier", "met"))
+        # per SLO tier (the dashboard's p50/p99 per tier): observed when a request finishes
+        self.tier_ttft = Histogram("specserve:request_ttft_seconds", "Time to first token of finished requests, "
+                                   "by SLO tier, seconds.", (*m, "tier"), registry=r, buckets=TTFT_BUCKETS)
+        self.tier_tpot = Histogram("specserve:request_tpot_seconds", "Time per output token of finished requests "
+                                   "(after the first), by SLO tier, seconds.", (*m, "tier"), registry=r,
+                                   buckets=TOKEN_LATENCY_BUCKETS)
         self.budget = gauge("specserve:budget_tokens", "Token budget B of one target pass (roots included).")
         self.errors = counter("specserve:request_errors_total", "Requests that ended in an error, by code.",
                               (*m, "code"))
@@ -245,9 +251,10 @@ class GatewayMetrics:
             itl.observe(per_token)
 
     def on_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float,
-                    tpot_s: float | None, tier: str, slo_met: bool | None) -> None:
-        """tpot_s is None for a request with fewer than two output tokens; slo_met is None when the
-        request has no SLO to judge (nothing is counted in specserve:request_slo_total then)."""
+                    tpot_s: float | None, tier: str, slo_met: bool | None, ttft_s: float | None = None) -> None:
+        """tpot_s is None for a request with fewer than two output tokens, ttft_s for one with none;
+        slo_met is None when the request has no SLO to judge (nothing is counted in
+        specserve:request_slo_total then)."""
         name = self.model_name
         self.request_success.labels(model_name=name, finished_reason=reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
@@ -255,6 +262,9 @@ class GatewayMetrics:
         self.e2e.observe(e2e_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+            self.tier_tpot.labels(model_name=name, tier=tier).observe(tpot_s)
+        if ttft_s is not None:
+            self.tier_ttft.labels(model_name=name, tier=tier).observe(ttft_s)
         if slo_met is not None:
             self.slo.labels(model_name=name, tier=tier, met="true" if slo_met else "false").inc()
 
@@ -299,6 +309,14 @@ class GatewayMetrics:
         series[0].set(1 if up else 0)
         series[1].set(running)
         series[2].set(kv_usage)
+
+    def drop_replica(self, replica: str) -> None:
+        """A replica that left the set (discovery.py): its series are removed, not left at 0 (an alert on
+        specserve:replica_up == 0 is for replicas the gateway still counts on)."""
+        if self._replicas.pop(replica, None) is not None:
+            labels = (self.model_name, replica)
+            for family in (self.replica_up, self.replica_running, self.replica_kv_usage):
+                family.remove(*labels)
 
     def render(self) -> str:
         """The text exposition (format 0.0.4, see CONTENT_TYPE), without `_created` samples."""

@@ -91,7 +91,7 @@ class WaitingView:
 @dataclass(slots=True)
 class ReplicaView:
     index: int
-    up: bool  # reachable (a request is never placed on a replica that is down)
+    up: bool  # reachable and taking requests (none is placed on a replica that is down or draining)
     total_blocks: int  # its KV pool, blocks
     reserved_blocks: int  # blocks reserved by the requests bound to it
     running: int  # requests bound to it

@@ -13,6 +13,16 @@ failure (connection lost, deadline exceeded); `reconnect` tries again at most on
 starts empty, and whatever one holds that the gateway does not (a gateway restart, a call that
 timed out after it ran) is released. Releases owed to a service survive its outage and are sent once it
 is back (a restarted service answers them as unknown, which is harmless).
+
+The replica set can change while serving (`discovery.py`: a DNS name re-resolved). The pool takes
+the new address set with `set_addresses` and applies it in `reconnect`, which the engine calls at
+the start of an iteration: a new address becomes a new replica (down until it connects, then it
+takes new requests); a replica whose address vanished is *retired*: it takes no new request, serves
+the ones bound to it to their end, gets the releases it is owed, and is then disconnected and
+dropped. A retired replica that is down is dropped at once (its requests end with an error, as for
+any replica that goes down). Replicas keep their index for the life of the gateway (requests and
+iteration records name them by index), so a dropped replica stays in the list, down, and an address
+that comes back reuses its entry.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.plan import DraftView, ReplicaView
@@ -60,10 +71,17 @@ class TargetReplica(_Service):
         self.free_blocks = 0  # free after its last call (what the service said)
         self.reserved_blocks = 0  # reserved by the requests bound to it
         self.requests: set[str] = set()  # ids of the requests bound to it
+        self.retired = False  # its address vanished: no new requests; dropped once drained
 
     @property
     def up(self) -> bool:
         return self.client is not None
+
+    @property
+    def state(self) -> str:
+        if self.retired:
+            return "draining" if self.up else "dropped"
+        return "up" if self.up else "down"
 
     async def connect(self) -> None:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
@@ -86,8 +104,8 @@ class TargetReplica(_Service):
                 await client.close()
 
     def view(self) -> ReplicaView:
-        return ReplicaView(self.index, self.up, self.total_blocks, self.reserved_blocks, len(self.requests),
-                           self.latency)
+        return ReplicaView(self.index, self.up and not self.retired, self.total_blocks, self.reserved_blocks,
+                           len(self.requests), self.latency)
 
 
 class DraftService(_Service):
@@ -128,9 +146,48 @@ class DraftService(_Service):
 class ServicePool:
     """The target replicas and the draft, and their reconnects."""
 
-    def __init__(self, targets: list[TargetReplica], draft: DraftService | None):
+    def __init__(self, targets: list[TargetReplica], draft: DraftService | None,
+                 new_latency: Callable[[], LatencyModel] | None = None):
         self.targets = targets
         self.draft = draft  # None when the policy never speculates
+        self.new_latency = new_latency  # a new replica's latency model (needed for set_addresses)
+        self._pending: list[str] | None = None  # an address set from discovery, applied in reconnect
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        """The target replicas should be exactly these addresses (applied at the next `reconnect`)."""
+        current = [t.address for t in self.targets if not t.retired]
+        if addresses != current:
+            self._pending = list(addresses)
+
+    def _apply_addresses(self) -> None:
+        addresses, self._pending = self._pending, None
+        if addresses is None:
+            return
+        by_address = {t.address: t for t in self.targets}
+        for address in addresses:
+            t = by_address.get(address)
+            if t is None:
+                assert self.new_latency is not None, "a pool that is given addresses needs new_latency"
+                self.targets.append(TargetReplica(len(self.targets), address, self.new_latency()))
+                log.info("target replica %d added at %s", len(self.targets) - 1, address)
+            elif t.retired:
+                t.retired = False
+                log.info("target replica %d at %s is back in the set", t.index, address)
+        for t in self.targets:
+            if t.address not in addresses and not t.retired:
+                t.retired = True
+                log.info("target replica %d at %s left the set: draining its %d requests", t.index, t.address,
+                         len(t.requests))
+
+    async def _drop_drained(self) -> None:
+        for t in self.targets:
+            if not t.retired:
+                continue
+            if not t.up:
+                t.owed_releases.clear()  # gone: nobody to tell
+            elif not t.requests and not t.owed_releases:
+                await t.mark_down()
+                log.info("target replica %d at %s drained and dropped", t.index, t.address)
 
     @property
     def any_target_up(self) -> bool:
@@ -153,10 +210,13 @@ class ServicePool:
             await self.draft.connect()
 
     async def reconnect(self, errors: tuple[type[BaseException], ...]) -> list[str]:
-        """Try the services that are down (each at most once per interval); returns what came back."""
+        """Apply a new address set, drop drained replicas, then try the services that are down (each
+        at most once per interval); returns what came back."""
+        self._apply_addresses()
+        await self._drop_drained()
         now = time.monotonic()
         back = []
-        services: list[TargetReplica | DraftService] = [t for t in self.targets if not t.up]
+        services: list[TargetReplica | DraftService] = [t for t in self.targets if not t.up and not t.retired]
         if self.draft is not None and not self.draft.up:
             services.append(self.draft)
         for s in services:
@@ -173,7 +233,8 @@ class ServicePool:
 
     @property
     def needs_reconnect(self) -> bool:
-        return not all(t.up for t in self.targets) or (self.draft is not None and not self.draft.up)
+        return (self._pending is not None or any(t.up != (not t.retired) for t in self.targets)
+                or (self.draft is not None and not self.draft.up))
 
     async def close(self) -> None:
         for s in [*self.targets, *([self.draft] if self.draft else [])]:

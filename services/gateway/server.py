@@ -23,6 +23,8 @@ from aiohttp import web
 from specserve.gateway.admission.slo import SloAdmission
 from specserve.gateway.api import Generation, ModelInfo, allows_best_effort, build_request, resolve_slo
 from specserve.gateway.config import GatewayConfig
+from specserve.gateway.discovery import Resolver, TargetDiscovery
+from specserve.gateway.discovery import stop as stop_discovery
 from specserve.gateway.engine import Engine, EngineLimits, ServiceUnavailable
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -135,8 +137,8 @@ class Gateway:
         body = {"status": "ok" if e.target_up else "degraded", "target": e.target_up,
                 "draft": draft.up if draft is not None else None,
                 "draft_offloaded": draft.offloaded if draft is not None else None,
-                "replicas": [{"index": t.index, "address": t.address, "up": t.up, "running": len(t.requests)}
-                             for t in e.pool.targets],
+                "replicas": [{"index": t.index, "address": t.address, "up": t.up, "state": t.state,
+                              "running": len(t.requests)} for t in e.pool.targets],
                 "running": len(e.running), "waiting": len(e.waiting)}
         return web.json_response(body, status=200 if e.target_up else 503)
 
@@ -205,7 +207,8 @@ class Gateway:
 
 
 # ---- process -------------------------------------------------------------------------------------
-async def load_latency(config: GatewayConfig, vocab_size: int) -> tuple[Callable[[], LatencyModel], Path]:
+async def load_latency(config: GatewayConfig, vocab_size: int,
+                       target: str) -> tuple[Callable[[], LatencyModel], Path]:
     """The profile (budget B, baseline latency, curve); measured against the target now if missing."""
     from specserve.gateway import profile as profiling
     from specserve.shared.service_client import TargetClient
@@ -215,11 +218,11 @@ async def load_latency(config: GatewayConfig, vocab_size: int) -> tuple[Callable
         prof = profiling.Profile.load(path)
     else:
         print(f"no profile at {path}: measuring the target now (specserve profile)", file=sys.stderr, flush=True)
-        target = await TargetClient.connect(config.target[0])
+        client = await TargetClient.connect(target)
         try:
-            prof = await profiling.measure(target, vocab_size=vocab_size)
+            prof = await profiling.measure(client, vocab_size=vocab_size)
         finally:
-            await target.close()
+            await client.close()
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.model, prof.device = config.model, config.device
         prof.save(path)
@@ -246,14 +249,23 @@ def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInf
 
 async def run(config: GatewayConfig, policy: Policy) -> int:
     tokenizer, info = model_info(config)
-    new_latency, profile_path = await load_latency(config, info.vocab_size)
+    resolver = Resolver(config.hosts_file)
+    discovery = TargetDiscovery(config.target, resolver, config.discovery_interval_s)
+    addresses = list(config.target)
+    if config.discover_targets:
+        found = await discovery.addresses()
+        if not found:
+            raise ConnectionError(f"the target names {config.target} resolve to no address")
+        addresses = found
+    new_latency, profile_path = await load_latency(config, info.vocab_size, addresses[0])
     latency = new_latency()
     classes = default_classes(latency.baseline_iteration_ms)
     for spec in config.slo_classes:
         cls = parse_class(spec)
         classes[cls.name] = cls
-    targets = [TargetReplica(i, address, new_latency()) for i, address in enumerate(config.target)]
-    pool = ServicePool(targets, DraftService(config.draft) if policy.uses_draft else None)
+    targets = [TargetReplica(i, address, new_latency()) for i, address in enumerate(addresses)]
+    draft = DraftService(await resolver.first(config.draft)) if policy.uses_draft else None
+    pool = ServicePool(targets, draft, new_latency)
     admission = SloAdmission(route_all=config.router == "slo") if config.admission == "slo" else None
     scheduler = Scheduler(policy, make_router(config.router), sync_draft=config.draft_sync == "eager",
                           admission=admission)
@@ -261,6 +273,7 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
                           kv_lookahead_tokens=config.kv_lookahead_tokens)
     engine = Engine(policy, scheduler, pool, GatewayMetrics(info.name), limits, config.call_timeout_s)
     await engine.start()
+    rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None
     gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)
     # keepalive_timeout also bounds a new connection that does not finish a request head (slow headers)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None,
@@ -278,6 +291,7 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await stop_discovery(rediscover)
     await runner.cleanup()
     await engine.close()
     return 0

@@ -1,0 +1,74 @@
+"""Target discovery without the services: the hosts file, the resolver, and the pool's replica set.
+
+The end-to-end behaviour (a replica that joins serves; one that leaves while serving is drained,
+with the same greedy output and no KV left behind) is in test_compose.py, on real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from specserve.gateway.discovery import Resolver, TargetDiscovery, read_hosts, split_address
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.pool import ServicePool, TargetReplica
+
+
+def latency() -> LatencyModel:
+    return LatencyModel(24, 10.0, [])
+
+
+def test_hosts_file_lists_every_address_of_a_name(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# comment\n127.0.0.2 target replica-a  # trailing comment\n127.0.0.3 target\n"
+                     "127.0.0.2 target\n\n127.0.0.9 draft\n")
+    assert read_hosts(str(hosts)) == {"target": ["127.0.0.2", "127.0.0.3"], "replica-a": ["127.0.0.2"],
+                                      "draft": ["127.0.0.9"]}
+    r = Resolver(str(hosts))
+    assert asyncio.run(r.resolve_address("Target:8102")) == ["127.0.0.2:8102", "127.0.0.3:8102"]
+    assert asyncio.run(r.resolve_address("unix:/run/specserve/target.sock")) == ["unix:/run/specserve/target.sock"]
+    assert asyncio.run(r.first("draft:8101")) == "127.0.0.9:8101"
+    assert asyncio.run(r.first("elsewhere:8101")) == "elsewhere:8101"  # left to the system at connect
+    assert asyncio.run(r.resolve_address("localhost:8102"))  # not in the file: DNS (getaddrinfo)
+    assert split_address("[::1]:8102") == ("::1", 8102)
+
+
+def test_a_failed_lookup_keeps_the_replicas(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2 target\n")
+    found = asyncio.run(TargetDiscovery(["target:8102", "no-such-name.invalid:8102"], Resolver(str(hosts)),
+                                        1.0).addresses())
+    assert found is None
+    assert asyncio.run(TargetDiscovery(["target:8102"], Resolver(str(hosts)), 1.0).addresses()) == ["127.0.0.2:8102"]
+
+
+def test_pool_adds_retires_drops_and_reuses_replicas():
+    a = TargetReplica(0, "127.0.0.1:1", latency())
+    pool = ServicePool([a], None, latency)
+    a.requests.add("r1")  # bound to a replica that is down: the engine ends it, the pool just drops it
+    a.owed_releases.add("old")
+    pool.set_addresses(["127.0.0.1:1"])
+    assert not pool._pending  # the same set: nothing to do
+    pool.set_addresses(["127.0.0.1:2"])
+    assert pool.needs_reconnect
+    asyncio.run(pool.reconnect((OSError, TimeoutError)))  # nothing listens: the new one stays down
+    assert [t.address for t in pool.targets] == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert [t.index for t in pool.targets] == [0, 1]
+    assert a.retired and a.state == "dropped" and not a.owed_releases
+    assert not a.view().up and pool.targets[1].state == "down"
+    pool.set_addresses(["127.0.0.1:2", "127.0.0.1:1"])  # the old address comes back: the same entry
+    asyncio.run(pool.reconnect((OSError, TimeoutError)))
+    assert len(pool.targets) == 2 and not a.retired and a.state == "down"
+
+
+def test_gateway_exits_1_when_the_target_name_resolves_to_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2 draft\n")
+    out = subprocess.run([sys.executable, "-m", "specserve.cli", "gateway", "--port", "0", "--discover-targets",
+                          "--target", "no-such-target.invalid:8102", "--hosts-file", str(hosts),
+                          "--profile", str(tmp_path / "profile.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "error: cannot reach the services" in out.stderr and "resolve to no address" in out.stderr, out.stderr
