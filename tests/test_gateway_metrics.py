@@ -72,6 +72,9 @@ EXPORTED = {
                                                                   "(after the first), by SLO tier, seconds."),
     "specserve:budget_tokens": ("gauge", M, "Token budget B of one target pass (roots included)."),
     "specserve:request_errors_total": ("counter", (*M, "code"), "Requests that ended in an error, by code."),
+    "specserve:admission_total": ("counter", (*M, "tier", "outcome"),
+                                  "SLO-aware admission outcomes by tier: declined (a replica's planner said no), "
+                                  "best_effort (admitted without an SLO) and refused (503)."),
     "specserve:replica_up": ("gauge", (*M, "replica"), "Whether the replica is up (1) or not (0)."),
     "specserve:replica_running": ("gauge", (*M, "replica"), "Requests running on the replica."),
     "specserve:replica_kv_usage_perc": ("gauge", (*M, "replica"),
@@ -183,6 +186,8 @@ def drive(m: GatewayMetrics) -> None:
     m.on_error("bad_request")
     m.on_preempted()
     m.on_preempted(2)
+    m.on_admission("refused", {"chat": 2})
+    m.on_admission("best_effort", {"urgent": 1})
     m.set_load(running=2, waiting=5, kv_usage=0.375)
     m.set_replica("r0", up=True, running=3, kv_usage=0.5)
     m.set_replica("r1", up=False, running=0, kv_usage=0.0)
@@ -235,7 +240,7 @@ def test_fresh_metrics_have_the_zero_series_dashboards_query():
     for name in ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "specserve:request_slo_total",
                  "specserve:request_ttft_seconds_count", "specserve:request_tpot_seconds_count",
                  "specserve:request_errors_total", "specserve:replica_up", "specserve:replica_running",
-                 "specserve:replica_kv_usage_perc"):
+                 "specserve:replica_kv_usage_perc", "specserve:admission_total"):
         assert name not in present, name
 
 
@@ -258,6 +263,8 @@ def test_values_after_a_known_sequence():
     assert value(s, "vllm:num_preemptions_total") == 3
     assert value(s, "specserve:request_errors_total", code="too_large") == 2
     assert value(s, "specserve:request_errors_total", code="bad_request") == 1
+    assert value(s, "specserve:admission_total", tier="chat", outcome="refused") == 2
+    assert value(s, "specserve:admission_total", tier="urgent", outcome="best_effort") == 1
     assert value(s, "specserve:request_slo_total", tier="chat", met="true") == 1
     assert value(s, "specserve:request_slo_total", tier="urgent", met="false") == 1
     slo = {dict(ls)["tier"] + "/" + dict(ls)["met"] for n, ls in s if n == "specserve:request_slo_total"}
