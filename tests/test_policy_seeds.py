@@ -318,3 +318,105 @@ def test_slo_goodput_off_switch_at_high_load():
     shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
     assert all(s.depth == 0 for s in shapes.values())
     assert p.budget[0] == 64  # roots only
+
+
+# ---------------------------------------------------------------- Nightjar
+
+
+def test_bandit_converges_to_the_best_arm_on_a_synthetic_reward():
+    from specserve.gateway.policy.nightjar import Bandit
+    means = [1.0, 1.3, 1.1, 0.8]  # tokens per ms; arm 1 is best
+    b = Bandit([(0, 1), (1, 1), (2, 1), (4, 2)], explore_cap=0.05, seed=1)
+    rng = random.Random(5)
+    chosen = []
+    for _ in range(3000):
+        i = b.choose(8, [0, 1, 2, 3])
+        chosen.append(i)
+        b.update(8, i, means[i] + rng.uniform(-0.2, 0.2), 10.0)
+    late = chosen[-1000:]
+    assert late.count(1) >= 900
+    bucket = b.bucket(8)
+    assert bucket.explored <= 0.05 * bucket.rounds + 1  # the exploration cap holds
+    assert chosen[:4] == [0, 1, 2, 3]  # every arm once first
+    assert b.bucket_of(5) == 8 and b.bucket_of(8) == 8 and b.bucket_of(9) == 16 and b.bucket_of(1) == 1
+    assert b.bucket(3) is not bucket  # another batch-size bucket learns alone
+
+
+def test_bandit_switching_cost_keeps_speculation_off_while_the_draft_lags():
+    from specserve.gateway.policy.nightjar import Bandit
+    b = Bandit([(0, 1), (2, 1)], explore_cap=0.0)
+    for _ in range(30):
+        for i, g in ((0, 1.0), (1, 1.1)):
+            b.update(4, i, g, 10.0)
+    assert b.choose(4, [0, 1], switch_ms=0.0) == 1  # drafting pays 10% once the draft is in sync
+    # a 500 ms catch-up, amortised over 8 rounds: 1/1.1 + 500 / (8 * 1.1 * 10) > 1/1.0
+    assert b.choose(4, [0, 1], switch_ms=500.0) == 0
+    assert b.choose(4, [0, 1], switch_ms=0.5) == 1  # a small catch-up does not outweigh the gain
+
+
+def test_offload_reload_hysteresis_on_a_scripted_pressure_trace():
+    from specserve.gateway.plan import Residency
+    from specserve.gateway.policy.nightjar import Residence
+    r = Residence(offload_free=0.10, reload_free=0.30, persist=3, dwell_ms=1000.0)
+    KEEP, OFF, ON = Residency.KEEP, Residency.OFFLOAD, Residency.RELOAD
+    offloaded = False
+    got = []
+    # (unreserved fraction, waiting, ms elapsed after the iteration)
+    trace = [(0.50, 0, 100), (0.05, 4, 100), (0.05, 4, 100), (0.20, 4, 100),  # a dip, reset by 0.20
+             (0.05, 4, 100), (0.05, 4, 100), (0.05, 4, 100),  # three in a row: offload
+             (0.50, 0, 100), (0.50, 0, 100),  # plenty free at once, but the dwell (1 s) holds it
+             (0.50, 3, 1000), (0.25, 0, 500),  # waiting; then dwelt, nobody waits, but below reload_free
+             (0.35, 0, 100),  # nobody waits, above 0.30, dwelt 1.3 s: reload
+             (0.05, 4, 100), (0.05, 4, 100), (0.05, 4, 100), (0.05, 4, 100),  # pressure again, but dwell
+             (0.05, 4, 700), (0.05, 4, 100)]  # dwelt: offload
+    for free, waiting, ms in trace:
+        res = r.step(free, waiting, offloaded)
+        got.append(res)
+        if res is OFF:
+            offloaded = True
+        elif res is ON:
+            offloaded = False
+        r.chose(2)  # speculating: only the waiting queue makes pressure
+        r.elapse(ms)
+    assert got == [KEEP, KEEP, KEEP, KEEP, KEEP, KEEP, OFF, KEEP, KEEP, KEEP, KEEP, ON,
+                   KEEP, KEEP, KEEP, KEEP, KEEP, OFF]
+
+
+def test_offload_needs_the_queue_or_speculation_off():
+    from specserve.gateway.plan import Residency
+    from specserve.gateway.policy.nightjar import Residence
+    r = Residence(offload_free=0.10, reload_free=0.30, persist=3, dwell_ms=0.0)
+    for _ in range(5):  # KV is scarce but nobody waits and the arms draft: keep the draft
+        assert r.step(0.05, 0, False) is Residency.KEEP
+        r.chose(2)
+    got = []
+    for _ in range(6):  # the arms turned to (0, 1): after `persist` such arms and `persist` low steps
+        got.append(r.step(0.05, 0, False))
+        r.chose(0)
+    # the window of 3 arms is all (0, 1) from the 4th step on; the low count then needs 3 steps
+    assert got == [Residency.KEEP] * 5 + [Residency.OFFLOAD]
+    with pytest.raises(ValueError):
+        Residence(offload_free=0.4, reload_free=0.3)
+
+
+def test_nightjar_policy_marks_requests_cold_across_an_offload():
+    from specserve.gateway.plan import DraftView, Limits, ReplicaView, Residency, SchedulerView
+    from specserve.gateway.policy.nightjar import Nightjar, NightjarOptions
+    p = Nightjar([(2, 1)], NightjarOptions(nightjar_persist=1, nightjar_dwell_s=0.0))
+    lat = latency()
+
+    def view(reqs, reserved, waiting, offloaded):
+        from specserve.gateway.plan import WaitingView
+        w = [WaitingView(f"w{i}", 8, 8, 1, "t", 50.0, 1000.0, 0.0) for i in range(waiting)]
+        return SchedulerView(w, [], reqs, [ReplicaView(0, True, 100, reserved, len(reqs), lat)],
+                             DraftView(True, offloaded), Limits(8, 64, 8, 4))
+    d = p.decide(view([req("a"), req("b")], 50, 0, False))
+    assert d.residency is Residency.KEEP and d.shapes == {"a": Shape(2, 1), "b": Shape(2, 1)}
+    d = p.decide(view([req("a"), req("b")], 95, 3, False))  # 5% free, 3 waiting: offload (persist 1)
+    assert d.residency is Residency.OFFLOAD and d.shapes == {}
+    d = p.decide(view([req("a"), req("b"), req("c")], 95, 2, True))
+    assert d.residency is Residency.KEEP and d.shapes == {}
+    d = p.decide(view([req("a"), req("c")], 40, 0, True))  # 60% free, nobody waits: reload
+    assert d.residency is Residency.RELOAD
+    d = p.decide(view([req("a"), req("c"), req("n")], 40, 0, False))
+    assert d.shapes == {"a": Shape(0, 1), "c": Shape(0, 1), "n": Shape(2, 1)}  # cold stay off; n is new
