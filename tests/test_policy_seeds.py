@@ -420,3 +420,10 @@ def test_nightjar_policy_marks_requests_cold_across_an_offload():
     assert d.residency is Residency.RELOAD
     d = p.decide(view([req("a"), req("c"), req("n")], 40, 0, False))
     assert d.shapes == {"a": Shape(0, 1), "c": Shape(0, 1), "n": Shape(2, 1)}  # cold stay off; n is new
+
+
+def test_turbospec_probe_takes_the_least_draft_lag():
+    p = TurboSpec(probe_every=1)
+    big = BatchView([req(f"r{i}", lag=100 - i) for i in range(64)])
+    shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
+    assert [rid for rid, s in shapes.items() if s.depth > 0] == ["r63"]

@@ -10,8 +10,9 @@ The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
   receives its prompt (digest §3, errata 4). `thr` resets after `skip_reset` skips; when the best
   k is positive again and the batch is below `thr`, skipped requests whose draft lag is at most
   `late_lag` tokens are enabled late (their catch-up is priced in the draft time);
-- probes after long off periods: after `probe_every` iterations at k = 0, one request (in turn)
-  speculates with k = 1 for one iteration so the acceptance estimate and draft fit stay fresh.
+- probes after long off periods: after `probe_every` iterations at k = 0, one request (the least
+  draft lag, in turn among equals) speculates with k = 1 for one iteration so the acceptance
+  estimate and the draft fit stay fresh.
 
 Nothing here does I/O: time comes from the IterationRecords given to `observe`.
 """
@@ -118,7 +119,9 @@ class GoodputControl:
             return None
         self.off_steps[batch.replica] = 0
         self.probe_turn += 1
-        return candidates[self.probe_turn % len(candidates)]
+        least = min(r.draft_lag for r in candidates)  # the cheapest catch-up; in turn among equals
+        cheapest = [r for r in candidates if r.draft_lag == least]
+        return cheapest[self.probe_turn % len(cheapest)]
 
     def plan(self, replica: int, shapes: dict[str, Shape], batch: BatchView) -> None:
         lag = {r.rid: r.draft_lag for r in batch.requests}
