@@ -427,3 +427,22 @@ def test_turbospec_probe_takes_the_least_draft_lag():
     big = BatchView([req(f"r{i}", lag=100 - i) for i in range(64)])
     shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
     assert [rid for rid, s in shapes.items() if s.depth > 0] == ["r63"]
+
+
+def test_target_time_is_measured_per_token_count_and_interpolated():
+    sm = StepTimeModel(latency())  # line 6 + 0.5 t
+    for _ in range(3):
+        sm.observe(iteration(1, nodes=1, target_ms=14.0), 0, 0, 1, 0)
+        sm.observe(iteration(2, nodes=5, target_ms=30.0), 0, 0, 1, 0)
+    assert sm.target_ms(1) == pytest.approx(14.0)  # measured, although the line says 6.5
+    assert sm.target_ms(3) == pytest.approx(22.0)  # between 1 and 5
+    line = sm.target.predict
+    assert sm.target_ms(9) == pytest.approx(30.0 + line([1.0, 9.0]) - line([1.0, 5.0]))  # the line, through 5
+
+
+def test_pause_measures_the_plain_pass_while_speculating():
+    p = TurboSpec(probe_every=4)
+    small = BatchView([req("a")])
+    lat = latency(curve=[(1, 10.0), (64, 11.0)])
+    depths = [p.shapes(small, lat)["a"].depth for _ in range(8)]
+    assert depths[3] == 0 and depths[7] == 0 and all(d > 0 for i, d in enumerate(depths) if i not in (3, 7))

@@ -13,8 +13,9 @@ Two parts, both fed by the IterationRecord (`observe`), both pure arithmetic (no
 
       T(d) = [d > 0] (R_d + draft(d, n_spec, w, lag)) + R_t + target(N_tok) + T_gw
 
-  `target` is c0 + c1 * tokens, fitted from the profiled curve and refitted online from the
-  replica's service time; `draft` is e0 + e1 d + e2 d n_spec w + e3 lag (lag: committed tokens the
+  `target` is the moving average of the replica's service time at each measured token count,
+  interpolated between counts, and c0 + c1 * tokens (fitted from the profiled curve, refitted
+  online) beyond them; `draft` is e0 + e1 d + e2 d n_spec w + e3 lag (lag: committed tokens the
   draft catches up in the call), fitted online from the draft's service time; R_d and R_t are
   moving averages of each call's round trip beyond the service's own time; T_gw the gateway's own
   share (schedule time). The fits are ridge regressions toward their priors with exponential
@@ -25,6 +26,7 @@ Two parts, both fed by the IterationRecord (`observe`), both pure arithmetic (no
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from specserve.gateway.latency import LatencyModel
@@ -139,6 +141,7 @@ class StepTimeModel:
         # priors: the target line from the profile, weighted like a few dozen observations so the
         # online fit needs some data to move it; the draft's from a share of the batch-8 pass per beam step
         self.target = OnlineLinear([c0, c1], prior_weight=50.0)
+        self.seen: dict[int, float] = {}  # tokens in a pass -> moving average of its service time, ms
         step = draft_step_share * max(model.baseline_iteration_ms, 1e-3)
         self.draft = OnlineLinear([0.5, step, step / 16, 0.05], prior_weight=2.0)
         self.smoothing = smoothing
@@ -148,7 +151,23 @@ class StepTimeModel:
 
     # ---- prediction ------------------------------------------------------------------------------
     def target_ms(self, tokens: int) -> float:
-        return self.target.predict([1.0, float(tokens)])
+        """The pass over `tokens`: the measured time at that token count when there is one (moving
+        average), else interpolated between the nearest measured counts, else the fitted line moved
+        to pass through the nearest measured count. A line alone is wrong at small counts on a CPU,
+        where a 1-token pass takes a cheap matrix-vector path (docs/benchmarks.md)."""
+        seen = self.seen
+        if tokens in seen:
+            return seen[tokens]
+        line = self.target.predict([1.0, float(tokens)])
+        if not seen:
+            return line
+        keys = sorted(seen)
+        i = bisect.bisect_left(keys, tokens)
+        if 0 < i < len(keys):
+            (x0, x1) = keys[i - 1], keys[i]
+            return seen[x0] + (seen[x1] - seen[x0]) * (tokens - x0) / (x1 - x0)
+        near = keys[0] if i == 0 else keys[-1]
+        return max(1e-3, line + seen[near] - self.target.predict([1.0, float(near)]))
 
     def draft_ms(self, depth: int, spec: int, width: int, lag: int) -> float:
         return self.draft.predict([1.0, float(depth), float(depth * spec * width), float(lag)])
@@ -170,6 +189,7 @@ class StepTimeModel:
         tokens = mine.prefill_tokens + mine.tree_nodes
         if tokens > 0 and mine.service_ms > 0:
             self.target.observe([1.0, float(tokens)], mine.service_ms)
+            self.seen[tokens] = _ema(self.seen.get(tokens, -1.0), mine.service_ms, a)
             self.r_t = _ema(self.r_t, max(0.0, mine.call_ms - mine.service_ms), a)
         self.gateway = _ema(self.gateway, record.schedule_ms, a)
         d = record.draft

@@ -55,6 +55,8 @@ class SloGoodput(Policy):
     def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
         k, spec = self.control.choose(batch, model)
         probe = self.control.probe(batch, spec, k)
+        if self.control.pause(batch, k):
+            spec, k = [], 0
         chosen = {r.rid for r in spec}
         n = len(batch.requests)
         depth = min(self.max_depth, k + (self.extra if n > 1 else 0)) if k > 0 else 0

@@ -12,7 +12,9 @@ The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
   `late_lag` tokens are enabled late (their catch-up is priced in the draft time);
 - probes after long off periods: after `probe_every` iterations at k = 0, one request (the least
   draft lag, in turn among equals) speculates with k = 1 for one iteration so the acceptance
-  estimate and the draft fit stay fresh.
+  estimate and the draft fit stay fresh; and the other way, after `probe_every` iterations at
+  k > 0, one iteration runs without a draft call so the plain pass stays measured (on a CPU the
+  1-token-per-request pass is much cheaper than the profiled line says).
 
 Nothing here does I/O: time comes from the IterationRecords given to `observe`.
 """
@@ -49,6 +51,7 @@ class GoodputControl:
     models: dict[int, StepTimeModel] = field(default_factory=dict)  # per replica
     current: dict[int, int] = field(default_factory=dict)  # per replica: the k in force
     off_steps: dict[int, int] = field(default_factory=dict)  # per replica: iterations at k = 0 since a probe
+    on_steps: dict[int, int] = field(default_factory=dict)  # per replica: iterations at k > 0 since a pause
     probe_turn: int = 0
     thr: float = math.inf  # draft-prefill skip threshold (running requests)
     skips: int = 0
@@ -123,6 +126,16 @@ class GoodputControl:
         cheapest = [r for r in candidates if r.draft_lag == least]
         return cheapest[self.probe_turn % len(cheapest)]
 
+    def pause(self, batch: BatchView, k: int) -> bool:
+        """After `probe_every` iterations at k > 0, one iteration without a draft call, so the plain
+        pass's time stays measured at the running batch (the other side of the probe)."""
+        if k <= 0:
+            self.on_steps[batch.replica] = 0
+            return False
+        on = self.on_steps.get(batch.replica, 0) + 1
+        self.on_steps[batch.replica] = 0 if on >= self.probe_every else on
+        return on >= self.probe_every
+
     def plan(self, replica: int, shapes: dict[str, Shape], batch: BatchView) -> None:
         lag = {r.rid: r.draft_lag for r in batch.requests}
         drafting = [(rid, s) for rid, s in shapes.items() if s.depth > 0]
@@ -163,6 +176,8 @@ class TurboSpec(Policy):
     def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
         k, spec = self.control.choose(batch, model)
         probe = self.control.probe(batch, spec, k)
+        if self.control.pause(batch, k):
+            spec = []
         chosen = {r.rid for r in spec}
         shapes = {r.rid: Shape(min(k, r.remaining - 1), 1) if r.rid in chosen else Shape(0, 1)
                   for r in batch.requests}
