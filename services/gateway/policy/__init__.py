@@ -16,6 +16,10 @@ from specserve.gateway.plan import BatchView, Decision, RequestView, Shape
 from specserve.gateway.policy.adaserve import AdaServe, EqualGreedy, GlobalGreedy
 from specserve.gateway.policy.base import CandidateTree, Policy
 from specserve.gateway.policy.fixed import Chain, ExpansionTree
+from specserve.gateway.policy.nightjar import Nightjar, NightjarOptions, parse_arms
+from specserve.gateway.policy.slo_goodput import SloGoodput
+from specserve.gateway.policy.tetris import Tetris
+from specserve.gateway.policy.turbospec import TurboSpec
 from specserve.shared.settings import Settings, option
 
 SPECINFER_TREE = [1, 1, 3, 1, 1, 1, 1, 1]
@@ -63,6 +67,29 @@ def _chain(arg: str, _opts: Any) -> Policy:
     return Chain(int(arg or 4))
 
 
+def _tetris(arg: str, _opts: Any) -> Policy:
+    parts = [int(x) for x in arg.split(",")] if arg else []
+    if len(parts) > 2:
+        raise ValueError(f"takes K or K,E (got {arg!r})")
+    return Tetris(*parts)
+
+
+def _turbospec(arg: str, opts: Any) -> Policy:
+    if arg:
+        raise ValueError(f"takes no argument (got {arg!r})")
+    return TurboSpec(max_k=min(7, opts.max_depth))
+
+
+def _slo_goodput(arg: str, opts: Any) -> Policy:
+    if arg:
+        raise ValueError(f"takes no argument (got {arg!r})")
+    return SloGoodput(max_depth=opts.max_depth, max_added=opts.max_added)
+
+
+def _nightjar(arg: str, opts: Any) -> Policy:
+    return Nightjar(parse_arms(arg), opts)
+
+
 def _tree(arg: str, _opts: Any) -> Policy:
     return ExpansionTree([int(x) for x in arg.split(",")] if arg else SPECINFER_TREE)
 
@@ -76,6 +103,15 @@ register(PolicySpec("equal-greedy", "equal-greedy", "AdaServe ablation: B split 
                     _no_argument(EqualGreedy), TreeOptions))
 register(PolicySpec("global-greedy", "global-greedy", "AdaServe ablation: the throughput phase alone",
                     _no_argument(GlobalGreedy), TreeOptions))
+register(PolicySpec("tetris", "tetris:K,E", "TETRIS: chains of K+E draft tokens, the batch's best C = min(N K, B - N) "
+                    "verified (default 3,1)", _tetris))
+register(PolicySpec("turbospec", "turbospec", "TurboSpec: the chain length (0 = no draft call) of the best "
+                    "predicted goodput, per pass", _turbospec, TreeOptions))
+register(PolicySpec("nightjar", "nightjar[:DxW,...]", "Nightjar: a batch-size bandit over (d, w) arms (default "
+                    "0x1,1x1,2x1,3x1,4x1,2x2,4x2), draft offload under KV pressure", _nightjar, NightjarOptions))
+register(PolicySpec("slo-goodput", "slo-goodput", "AdaServe's SLO-customized selection under the goodput "
+                    "model's budget at the running batch, off when drafting does not pay, hopeless "
+                    "requests left out of the SLO phase", _slo_goodput, TreeOptions))
 
 NAMES = [spec.usage for spec in REGISTRY.values()]
 

@@ -1,0 +1,202 @@
+"""TurboSpec: each iteration, the chain length k that maximises predicted goodput, 0 (no draft call) included.
+
+The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
+
+- predicts goodput G(k) = sum_i l(a_i, k_i) / T(k) for k in 0..K_max from the goodput model
+  (goodput.py: the MLE acceptance rate per request, the three-service step time), and changes k
+  only when the best predicts a gain above `margin` over the current one (digest pitfalls);
+- skips the draft "prefill" under load: a request that starts decoding while more requests run
+  than the smallest batch at which k = 0 was chosen (`thr`) never speculates, so the draft never
+  receives its prompt (digest §3, errata 4). `thr` resets after `skip_reset` skips; when the best
+  k is positive again and the batch is below `thr`, skipped requests whose draft lag is at most
+  `late_lag` tokens are enabled late (their catch-up is priced in the draft time);
+- probes after long off periods: after `probe_every` iterations at k = 0, one request (the least
+  draft lag, in turn among equals) speculates with k = 1 for one iteration so the acceptance
+  estimate and the draft fit stay fresh; and the other way, after `probe_every` iterations at
+  k > 0, one iteration runs without a draft call so the plain pass stays measured (on a CPU the
+  1-token-per-request pass is much cheaper than the profiled line says).
+
+Nothing here does I/O: time comes from the IterationRecords given to `observe`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.plan import SchedulerView
+from specserve.gateway.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
+from specserve.gateway.policy.goodput import Acceptance, StepTimeModel, best_depth, expected_tokens
+from specserve.gateway.record import IterationRecord
+
+
+@dataclass(slots=True)
+class _Planned:
+    """What the draft call carries for one replica's batch this iteration (for refitting)."""
+
+    depth: int = 0
+    width: int = 1
+    lag: int = 0
+
+
+@dataclass(slots=True)
+class GoodputControl:
+    max_k: int = 7  # K_max
+    margin: float = 0.03  # relative predicted gain needed to change k
+    probe_every: int = 50  # iterations at k = 0 before a probe
+    skip_reset: int = 32  # skipped draft prefills before the threshold resets
+    late_lag: int = 256  # most draft lag (tokens) of a skipped request enabled late
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    models: dict[int, StepTimeModel] = field(default_factory=dict)  # per replica
+    current: dict[int, int] = field(default_factory=dict)  # per replica: the k in force
+    off_steps: dict[int, int] = field(default_factory=dict)  # per replica: iterations at k = 0 since a probe
+    on_steps: dict[int, int] = field(default_factory=dict)  # per replica: iterations at k > 0 since a pause
+    probe_turn: int = 0
+    thr: float = math.inf  # draft-prefill skip threshold (running requests)
+    skips: int = 0
+    draft_ok: dict[str, bool] = field(default_factory=dict)  # rid -> may it speculate
+    planned: dict[int, _Planned] = field(default_factory=dict)
+    proposed: dict[str, int] = field(default_factory=dict)  # rid -> draft tokens verified (chain depth)
+
+    # ---- per iteration -----------------------------------------------------------------------------
+    def admit(self, view: SchedulerView) -> None:
+        """New decoding requests: skip their draft prefill under load; forget finished ones."""
+        live = {r.rid for r in view.decoding}
+        running = len(view.decoding)
+        for r in view.decoding:
+            if r.rid not in self.draft_ok:
+                ok = running <= self.thr
+                self.draft_ok[r.rid] = ok
+                if not ok:
+                    self.skips += 1
+                    if self.skips % self.skip_reset == 0:
+                        self.thr = math.inf  # periodic re-enable
+        for rid in [rid for rid in self.draft_ok if rid not in live]:
+            del self.draft_ok[rid]
+        self.acceptance.forget(live)
+        self.planned = {}
+
+    def model(self, replica: int, latency: LatencyModel) -> StepTimeModel:
+        m = self.models.get(replica)
+        if m is None:
+            m = self.models[replica] = StepTimeModel(latency)
+        return m
+
+    def goodput(self, batch: BatchView, latency: LatencyModel, spec: list[RequestView], k: int) -> float:
+        """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains."""
+        sm = self.model(batch.replica, latency)
+        n = len(batch.requests)
+        ks = [min(k, r.remaining - 1) for r in spec]
+        tokens = sum(expected_tokens(self.acceptance.rate_of(r.rid), kr) for r, kr in zip(spec, ks, strict=True))
+        tokens += n - len(spec)
+        speculating = sum(1 for kr in ks if kr > 0)
+        lag = sum(r.draft_lag for r, kr in zip(spec, ks, strict=True) if kr > 0)
+        t = sm.step_ms(max(ks, default=0), speculating, 1, n + sum(ks) + batch.prefill_tokens, lag)
+        return tokens / t
+
+    def choose(self, batch: BatchView, latency: LatencyModel) -> tuple[int, list[RequestView]]:
+        """(k for this replica, the requests that may speculate)."""
+        n = len(batch.requests)
+        spec = [r for r in batch.requests if self.draft_ok.get(r.rid, True)]
+        late = [r for r in batch.requests if not self.draft_ok.get(r.rid, True) and r.draft_lag <= self.late_lag] \
+            if n < self.thr else []  # load dropped: skipped requests with a short lag may start (catch-up priced)
+        table = {k: self.goodput(batch, latency, spec + late, k) for k in range(self.max_k + 1)} \
+            if spec or late else {0: 0.0}
+        k = best_depth(table, self.current.get(batch.replica, 0), self.margin)
+        if k > 0 and late:
+            for r in late:
+                self.draft_ok[r.rid] = True
+            spec = spec + late
+        if k == 0:
+            self.thr = min(self.thr, n)
+        self.current[batch.replica] = k
+        return k, spec
+
+    def probe(self, batch: BatchView, spec: list[RequestView], k: int) -> RequestView | None:
+        """After `probe_every` iterations at k = 0, one request (in turn) speculates with k = 1."""
+        off = self.off_steps.get(batch.replica, 0) + 1 if k == 0 else 0
+        self.off_steps[batch.replica] = off
+        candidates = [r for r in spec if r.remaining > 1]
+        if off < self.probe_every or not candidates:
+            return None
+        self.off_steps[batch.replica] = 0
+        self.probe_turn += 1
+        least = min(r.draft_lag for r in candidates)  # the cheapest catch-up; in turn among equals
+        cheapest = [r for r in candidates if r.draft_lag == least]
+        return cheapest[self.probe_turn % len(cheapest)]
+
+    def pause(self, batch: BatchView, k: int) -> bool:
+        """After `probe_every` iterations at k > 0, one iteration without a draft call, so the plain
+        pass's time stays measured at the running batch (the other side of the probe)."""
+        if k <= 0:
+            self.on_steps[batch.replica] = 0
+            return False
+        on = self.on_steps.get(batch.replica, 0) + 1
+        self.on_steps[batch.replica] = 0 if on >= self.probe_every else on
+        return on >= self.probe_every
+
+    def plan(self, replica: int, shapes: dict[str, Shape], batch: BatchView) -> None:
+        lag = {r.rid: r.draft_lag for r in batch.requests}
+        drafting = [(rid, s) for rid, s in shapes.items() if s.depth > 0]
+        self.planned[replica] = _Planned(max((s.depth for _, s in drafting), default=0),
+                                         max((s.width for _, s in drafting), default=1),
+                                         sum(lag.get(rid, 0) for rid, _ in drafting))
+
+    def selected(self, candidates: Trees, selected: Selected) -> None:
+        """Remember each request's verified draft depth: the acceptance MLE's `proposed`."""
+        for rid, nodes in selected.items():
+            tree = candidates[rid]
+            self.proposed[rid] = max((tree.depths[v] for v in nodes), default=0)
+
+    def observe(self, record: IterationRecord) -> None:
+        for s in record.requests:
+            k = self.proposed.pop(s.rid, 0)
+            if k > 0 and s.error is None and s.verified > 0:
+                self.acceptance.observe(s.rid, k, s.accepted)
+        for replica, planned in self.planned.items():
+            m = self.models.get(replica)
+            if m is not None:
+                m.observe(record, replica, planned.depth, planned.width, planned.lag)
+
+
+class TurboSpec(Policy):
+    """TurboSpec on chains: one goodput-optimal k per replica pass, 0 included."""
+
+    name = "turbospec"
+    uses_draft = True
+
+    def __init__(self, max_k: int = 7, margin: float = 0.03, probe_every: int = 50):
+        self.control = GoodputControl(max_k=max_k, margin=margin, probe_every=probe_every)
+
+    def decide(self, view: SchedulerView) -> Decision:
+        self.control.admit(view)
+        return super().decide(view)
+
+    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+        k, spec = self.control.choose(batch, model)
+        probe = self.control.probe(batch, spec, k)
+        if self.control.pause(batch, k):
+            spec = []
+        chosen = {r.rid for r in spec}
+        shapes = {r.rid: Shape(min(k, r.remaining - 1), 1) if r.rid in chosen else Shape(0, 1)
+                  for r in batch.requests}
+        if probe is not None:
+            shapes[probe.rid] = Shape(1, 1)
+        self.control.plan(batch.replica, shapes, batch)
+        return shapes
+
+    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+        selected = {rid: list(range(len(tree.tokens))) for rid, tree in candidates.items()}
+        self.control.selected(candidates, selected)
+        return selected
+
+    def observe(self, record: IterationRecord) -> None:
+        self.control.observe(record)
+
+    def describe(self) -> dict:
+        c = self.control
+        return {"name": self.name, "max_k": c.max_k, "margin": c.margin, "probe_every": c.probe_every}
+
+
+__all__ = ["GoodputControl", "TurboSpec"]

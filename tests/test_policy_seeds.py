@@ -1,0 +1,448 @@
+"""The seed papers' policies: TETRIS (selection), TurboSpec (goodput model, MLE acceptance, controller)
+and `slo-goodput` (their combination with AdaServe's selection).
+
+References: the digests in the shared papers folder (tetris.md corrected Algorithm 1 and pitfalls;
+turbospec.md eq. 3-4, §3, §8 and pitfalls; adaserve.md pitfalls). Expected values are computed by
+hand in comments, or by brute force written here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from specserve.gateway.latency import LatencyModel
+from specserve.gateway.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
+from specserve.gateway.policy.goodput import Acceptance, OnlineLinear, StepTimeModel, best_depth, expected_tokens
+from specserve.gateway.policy.slo_goodput import SloGoodput, hopeless
+from specserve.gateway.policy.tetris import Tetris, tetris_select
+from specserve.gateway.policy.turbospec import TurboSpec
+from specserve.gateway.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+
+# A target whose profiled pass takes 6 + 0.5 ms per token (collinear points: the fit is exact).
+CURVE = [(8, 10.0), (16, 14.0), (32, 22.0)]
+
+
+def latency(budget: int = 32, baseline: float = 10.0, curve=CURVE) -> LatencyModel:
+    return LatencyModel(budget_tokens=budget, baseline_iteration_ms=baseline, curve=list(curve))
+
+
+def req(rid: str, *, tpot: float = 50.0, decoded: int = 10, elapsed: float = 100.0, remaining: int = 100,
+        lag: int = 0) -> RequestView:
+    return RequestView(rid=rid, tier="t", tpot_ms=tpot, ttft_ms=1000.0, decoded=decoded, decode_elapsed_ms=elapsed,
+                       remaining=remaining, draft_lag=lag)
+
+
+def chain(probs: list[float]) -> CandidateTree:
+    """A chain candidate with conditional draft probabilities `probs` (path_prob is their running product)."""
+    path, p = [1.0], 1.0
+    for q in probs:
+        p *= q
+        path.append(p)
+    n = len(path)
+    return CandidateTree(tokens=list(range(100, 100 + n)), parents=[-1] + list(range(n - 1)), path_prob=path)
+
+
+# ---------------------------------------------------------------- TETRIS
+
+
+def cumulative(probs: list[float]) -> list[float]:
+    out, p = [], 1.0
+    for q in probs:
+        p *= q
+        out.append(p)
+    return out
+
+
+def brute_force(rows: list[list[float]], capacity: int) -> tuple[float, int]:
+    """max sum_i sum_{j<=k_i} P_ij over 0 <= k_i <= K_i with sum k_i = min(C, sum K_i): (value, tokens)."""
+    total = min(capacity, sum(len(r) for r in rows))
+    best = -1.0
+    for ks in itertools.product(*[range(len(r) + 1) for r in rows]):
+        if sum(ks) == total:
+            best = max(best, sum(sum(r[:k]) for r, k in zip(rows, ks, strict=True)))
+    return best, total
+
+
+def test_tetris_equals_brute_force_on_random_instances():
+    rng = random.Random(19)
+    # dyadic probabilities: sums are exact in binary floating point, and ties are frequent (fp16 saturates at 1)
+    for _ in range(400):
+        rows = [cumulative([rng.choice([1.0, 0.5, 0.25, 0.75]) for _ in range(rng.randint(0, 4))])
+                for _ in range(rng.randint(1, 4))]
+        capacity = rng.randint(0, sum(len(r) for r in rows) + 2)  # beyond sum K_i: heap exhaustion
+        z = tetris_select(rows, capacity)
+        value, tokens = brute_force(rows, capacity)
+        assert sum(z) == tokens, (rows, capacity, z)
+        assert all(0 <= zi <= len(r) for zi, r in zip(z, rows, strict=True))
+        assert sum(sum(r[:zi]) for r, zi in zip(rows, z, strict=True)) == value, (rows, capacity, z)
+
+
+def test_tetris_ties_break_by_position_then_row():
+    rows = [[1.0, 1.0], [1.0, 1.0], [1.0]]
+    # all P = 1: (j asc, i asc) takes (0,1), (1,1), (2,1), then (0,2)
+    assert tetris_select(rows, 3) == [1, 1, 1]
+    assert tetris_select(rows, 4) == [2, 1, 1]
+    assert tetris_select(rows, 0) == [0, 0, 0]
+
+
+def test_tetris_capacity_exhaustion_and_empty_rows():
+    assert tetris_select([[0.9, 0.8], [], [0.5]], 10) == [2, 0, 1]  # sum K_i < C: stop, do not pad
+    assert tetris_select([[0.9, 0.1], [0.5, 0.4]], 2) == [1, 1]  # 0.9, 0.5 beat 0.4 and 0.1 (cumulative)
+    assert tetris_select([], 5) == []
+
+
+def test_tetris_policy_shapes_and_capacity_off_by_n():
+    p = make_policy("tetris:2,1")
+    assert isinstance(p, Tetris)
+    reqs = [req("a"), req("b"), req("c", remaining=2)]
+    b = BatchView(reqs)
+    assert p.shapes(b, latency()) == {"a": Shape(3, 1), "b": Shape(3, 1), "c": Shape(1, 1)}  # k + e, capped
+    # C = min(N k, B - N): B = 32 roots included -> 29 draft tokens, but N k = 6 caps it
+    assert p.capacity(b, latency(32), 3) == 6
+    assert p.capacity(b, latency(8), 3) == 5  # B = 8 -> C = 8 - 3 (not 8: the off-by-N)
+    trees = {"a": chain([0.9, 0.9, 0.9]), "b": chain([0.3, 0.9, 0.9]), "c": chain([0.95])}
+    sel = p.select(b, trees, latency(32))
+    # cumulative: a 0.9 .81 .729; b .3 .27 .243; c .95 -> top 6: .95 .9 .81 .729 .3 .27
+    assert sel == {"a": [0, 1, 2, 3], "b": [0, 1, 2], "c": [0, 1]}
+    assert p.select(b, trees, latency(5)) == {"a": [0, 1], "b": [0], "c": [0, 1]}  # C = 2
+
+
+# ---------------------------------------------------------------- TurboSpec: the goodput model
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.6, 0) == 1.0
+    assert expected_tokens(0.6, 2) == pytest.approx(1 + 0.6 + 0.36)  # (1 - .6^3) / .4 = 1.96
+    assert expected_tokens(0.7, 2) == pytest.approx(0.3 * 1 + 0.21 * 2 + 0.49 * 3)  # the digest's 1/2/3-token example
+    assert expected_tokens(1.0, 4) == 5.0  # the a -> 1 limit
+
+
+def test_goodput_hand_computed():
+    sm = StepTimeModel(latency(baseline=10.0))
+    # target line from the curve: 6 + 0.5 t; draft prior: 0.5 + 1.5 d + (1.5 / 16) d n w + 0.05 lag
+    assert sm.target_ms(6) == pytest.approx(9.0)
+    assert sm.draft_ms(2, 2, 1, 0) == pytest.approx(0.5 + 3.0 + 0.375)
+    sm.r_t, sm.r_d, sm.gateway = 1.0, 0.5, 2.0
+    # k = 0 over 2 requests: 1 + (6 + 0.5 * 2) + 2 = 10 ms, no draft call
+    assert sm.step_ms(0, 2, 1, 2) == pytest.approx(10.0)
+    # k = 2: target 6 + 0.5 * 6 = 9, draft 3.875 + R_d 0.5 -> 1 + 9 + 2 + 4.375 = 16.375 ms
+    assert sm.step_ms(2, 2, 1, 6) == pytest.approx(16.375)
+    p = TurboSpec()
+    p.control.models[0] = sm
+    b = BatchView([req("a"), req("b")])
+    spec = b.requests
+    # a = 0.6 (the prior): G(0) = 2 / 10; G(2) = 2 * 1.96 / 16.375
+    assert p.control.goodput(b, latency(), spec, 0) == pytest.approx(0.2)
+    assert p.control.goodput(b, latency(), spec, 2) == pytest.approx(3.92 / 16.375)
+    # prefill tokens in the same pass count in the target's tokens: k = 0 -> 1 + (6 + 0.5 * 12) + 2
+    assert p.control.goodput(BatchView(spec, prefill_tokens=10), latency(), spec, 0) == pytest.approx(2 / 15)
+    # a draft lag is caught up in the call: +0.05 ms per token
+    lagged = [req("a", lag=20), req("b")]
+    assert p.control.goodput(BatchView(lagged), latency(), lagged, 2) == pytest.approx(3.92 / 17.375)
+
+
+def test_best_depth_keeps_current_within_margin():
+    g = {0: 1.0, 1: 1.02, 2: 1.01}
+    assert best_depth(g, 0, 0.03) == 0  # +2% is inside the margin
+    assert best_depth(g, 0, 0.01) == 1
+    assert best_depth({0: 1.0, 1: 1.2}, 0, 0.03) == 1
+    assert best_depth({0: 1.0, 1: 1.0}, 5, 0.03) == 0  # the current is not a choice: the best, ties to smaller
+
+
+def simulate_chain(rng: random.Random, a: float, k: int) -> int:
+    m = 0
+    while m < k and rng.random() < a:
+        m += 1
+    return m
+
+
+@pytest.mark.parametrize("truth", [0.3, 0.6, 0.85])
+def test_mle_acceptance_recovers_the_truth_where_accepted_over_proposed_is_biased(truth):
+    rng = random.Random(7)
+    est = Acceptance(decay=1.0, prior_weight=0.0)
+    accepted = proposed = 0
+    for _ in range(20000):
+        k = rng.randint(1, 7)
+        m = simulate_chain(rng, truth, k)
+        est.observe("r", k, m)
+        accepted, proposed = accepted + m, proposed + k
+    assert est.rate == pytest.approx(truth, abs=0.01)
+    assert accepted / proposed < truth - 0.05  # the naive ratio is biased low
+
+
+def test_acceptance_per_request_is_shrunk_toward_the_global_rate():
+    rng = random.Random(3)
+    est = Acceptance(decay=1.0)
+    for _ in range(3000):
+        for rid, a in (("easy", 0.9), ("hard", 0.2)):
+            est.observe(rid, 4, simulate_chain(rng, a, 4))
+    assert est.rate_of("easy") == pytest.approx(0.9, abs=0.03)
+    assert est.rate_of("hard") == pytest.approx(0.2, abs=0.03)
+    assert est.rate_of("new") == est.rate  # no data: the global rate
+    est.forget({"easy"})
+    assert "hard" not in est.per_request
+
+
+def test_online_linear_fits_and_forgets():
+    f = OnlineLinear([0.0, 0.0], prior_weight=0.01, decay=0.9)
+    for t in range(1, 60):
+        f.observe([1.0, float(t % 7)], 3.0 + 2.0 * (t % 7))
+    assert f.theta == pytest.approx([3.0, 2.0], abs=0.05)
+    for t in range(60):
+        f.observe([1.0, float(t % 7)], 1.0 + 1.0 * (t % 7))  # the workload shifted
+    assert f.theta == pytest.approx([1.0, 1.0], abs=0.05)
+
+
+def iteration(step: int, *, nodes: int, target_ms: float, spec: int = 0, draft_ms: float = 0.0,
+              steps: list[RequestStep] | None = None) -> IterationRecord:
+    r = IterationRecord(step, requests=steps or [])
+    r.replicas = [ReplicaStep(0, tree_nodes=nodes, call_ms=target_ms + 1, service_ms=target_ms)]
+    if spec:
+        r.draft = DraftStep(requests=spec, call_ms=draft_ms + 0.5, service_ms=draft_ms)
+    r.target_phase_ms = target_ms + 1
+    r.total_ms = r.target_phase_ms + r.draft.call_ms + 1
+    return r
+
+
+def test_turbospec_turns_off_when_the_batch_is_large_and_on_when_small():
+    p = TurboSpec()
+    small = BatchView([req("a")])
+    k_small = p.shapes(small, latency(curve=[(1, 10.0), (64, 11.0)]))["a"].depth  # verification nearly free
+    assert k_small >= 2  # a = 0.6 (prior), draft 1.5 ms a step: l(.6, 2) / 13.7 ms beats k = 1 and 3
+    big = BatchView([req(f"r{i}") for i in range(64)])
+    p2 = TurboSpec()
+    shapes = p2.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))  # 0.5 ms per verified token
+    assert all(s.depth == 0 for s in shapes.values())  # off: no draft call at all
+    assert p2.control.thr == 64  # later arrivals at this load skip their draft prefill
+
+
+def test_turbospec_learns_the_draft_cost_online_and_switches_off():
+    p = TurboSpec(margin=0.0)
+    lat = latency(curve=[(1, 10.0), (64, 11.0)])
+    b = BatchView([req("a"), req("b")])
+    view_k = p.shapes(b, lat)["a"].depth
+    assert view_k > 0
+    for step in range(60):  # the draft really costs 40 ms per beam step: speculation never pays
+        shapes = p.shapes(b, lat)
+        k = shapes["a"].depth
+        trees = {rid: chain([0.5] * s.depth) for rid, s in shapes.items()}
+        p.select(b, trees, lat)
+        acc = [RequestStep(rid, 0, depth=k, verified=k + 1, accepted=0, emitted=1) for rid in shapes]
+        p.observe(iteration(step, nodes=2 * (k + 1), target_ms=10.0, spec=2 if k else 0,
+                            draft_ms=40.0 * k + 1, steps=acc))
+    assert p.shapes(b, lat)["a"].depth == 0
+    assert p.control.models[0].draft_ms(2, 2, 1, 0) > 40.0  # the draft fit learned the real cost
+    assert p.control.acceptance.rate_of("b") < p.control.acceptance.prior  # every step rejected at once
+
+
+def test_turbospec_probes_after_a_long_off_period():
+    p = TurboSpec(probe_every=5)
+    big = BatchView([req(f"r{i}") for i in range(64)])
+    lat = latency(curve=[(8, 10.0), (64, 38.0)])
+    probes = []
+    for _ in range(12):
+        shapes = p.shapes(big, lat)
+        probes.append(sum(1 for s in shapes.values() if s.depth > 0))
+    assert probes == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]  # one request, every 5th iteration
+
+
+def test_turbospec_draft_prefill_skip_and_late_enablement():
+    from specserve.gateway.plan import DraftView, Limits, ReplicaView, SchedulerView
+    p = TurboSpec()
+    lat = latency(curve=[(8, 10.0), (64, 38.0)])
+    p.control.thr = 2  # k = 0 was chosen at batch 2
+
+    def view(reqs):
+        return SchedulerView([], [], reqs, [ReplicaView(0, True, 1000, 0, len(reqs), lat)], DraftView(True, False),
+                             Limits(8, 64, 8, 4))
+    p.control.admit(view([req("a"), req("b"), req("c")]))
+    assert p.control.draft_ok == {"a": False, "b": False, "c": False}  # 3 running > thr 2: skipped
+    p.control.thr = float("inf")
+    cheap = latency(curve=[(1, 10.0), (64, 11.0)])
+    shapes = p.shapes(BatchView([req("a", lag=10), req("b", lag=1000)]), cheap)
+    assert shapes["a"].depth > 0 and shapes["b"].depth == 0  # a enabled late (short lag); b's lag is too long
+
+
+# ---------------------------------------------------------------- slo-goodput
+
+
+def test_hopeless_request():
+    # 50 ms TPOT, 10 decoded in 100 ms, 100 left: 5500 - 100 = 5400 ms left for 100 tokens
+    r = req("a", tpot=50.0, decoded=10, elapsed=100.0, remaining=100)
+    assert not hopeless(r, 54.0, 1.0)  # exactly 54 ms per token: still possible
+    assert hopeless(r, 54.1, 1.0)
+    assert not hopeless(r, 100.0, 2.0)  # two tokens per step: 50 ms per token
+    late = req("b", tpot=50.0, decoded=10, elapsed=5000.0, remaining=5)  # 750 - 5000 < 0
+    assert hopeless(late, 1.0, 10.0)
+
+
+def test_slo_goodput_budget_comes_from_the_goodput_model_and_the_hopeless_are_skipped():
+    p = SloGoodput()
+    assert isinstance(make_policy("slo-goodput"), SloGoodput)
+    lat = latency(curve=[(1, 10.0), (64, 11.0)])
+    urgent = req("u", tpot=10.0, decoded=20, elapsed=230.0)  # A(r) = (230 + 10) / 10 - 20 = 4
+    lost = req("x", tpot=1.0, decoded=20, elapsed=10000.0)  # hopeless: 120 - 10000 < 0
+    fine = req("f", tpot=1000.0, decoded=20, elapsed=100.0)  # far ahead: A < 1
+    b = BatchView([fine, lost, urgent])
+    shapes = p.shapes(b, lat)
+    k = p.control.current[0]
+    assert k > 0 and all(s == Shape(k + 1, 1) for s in shapes.values())  # k* + e drafted
+    assert p.budget[0] == 3 + 3 * k
+    trees = {rid: chain([0.9] * s.depth) for rid, s in shapes.items()}
+    sel = p.select(b, trees, lat)
+    assert sum(len(v) for v in sel.values()) == p.budget[0]
+    # the urgent request reaches its A_cap first; the hopeless one gets nodes only from the throughput phase
+    assert len(sel["u"]) >= len(sel["x"])
+
+
+def test_slo_goodput_hopeless_request_gets_no_slo_phase_nodes():
+    p = SloGoodput()
+    lat = latency(curve=[(1, 10.0), (64, 11.0)])
+    lost = req("x", tpot=1.0, decoded=20, elapsed=10000.0)
+    urgent = req("u", tpot=10.0, decoded=20, elapsed=230.0)
+    b = BatchView([lost, urgent])
+    p.shapes(b, lat)
+    p.budget[0] = 2 + 3  # three draft tokens to share
+    trees = {"x": chain([0.99] * 4), "u": chain([0.5] * 4)}
+    sel = p.select(b, trees, lat)
+    # the SLO phase serves u (A = 4) alone: its three best nodes; x (hopeless) would win every node on f̂
+    assert sel == {"x": [0], "u": [0, 1, 2, 3]}
+
+
+def test_slo_goodput_off_switch_at_high_load():
+    p = SloGoodput()
+    big = BatchView([req(f"r{i}") for i in range(64)])
+    shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
+    assert all(s.depth == 0 for s in shapes.values())
+    assert p.budget[0] == 64  # roots only
+
+
+# ---------------------------------------------------------------- Nightjar
+
+
+def test_bandit_converges_to_the_best_arm_on_a_synthetic_reward():
+    from specserve.gateway.policy.nightjar import Bandit
+    means = [1.0, 1.3, 1.1, 0.8]  # tokens per ms; arm 1 is best
+    b = Bandit([(0, 1), (1, 1), (2, 1), (4, 2)], explore_cap=0.05, seed=1)
+    rng = random.Random(5)
+    chosen = []
+    for _ in range(3000):
+        i = b.choose(8, [0, 1, 2, 3])
+        chosen.append(i)
+        b.update(8, i, means[i] + rng.uniform(-0.2, 0.2), 10.0)
+    late = chosen[-1000:]
+    assert late.count(1) >= 900
+    bucket = b.bucket(8)
+    assert bucket.explored <= 0.05 * bucket.rounds + 1  # the exploration cap holds
+    assert chosen[:4] == [0, 1, 2, 3]  # every arm once first
+    assert b.bucket_of(5) == 8 and b.bucket_of(8) == 8 and b.bucket_of(9) == 16 and b.bucket_of(1) == 1
+    assert b.bucket(3) is not bucket  # another batch-size bucket learns alone
+
+
+def test_bandit_switching_cost_keeps_speculation_off_while_the_draft_lags():
+    from specserve.gateway.policy.nightjar import Bandit
+    b = Bandit([(0, 1), (2, 1)], explore_cap=0.0)
+    for _ in range(30):
+        for i, g in ((0, 1.0), (1, 1.1)):
+            b.update(4, i, g, 10.0)
+    assert b.choose(4, [0, 1], switch_ms=0.0) == 1  # drafting pays 10% once the draft is in sync
+    # a 500 ms catch-up, amortised over 8 rounds: 1/1.1 + 500 / (8 * 1.1 * 10) > 1/1.0
+    assert b.choose(4, [0, 1], switch_ms=500.0) == 0
+    assert b.choose(4, [0, 1], switch_ms=0.5) == 1  # a small catch-up does not outweigh the gain
+
+
+def test_offload_reload_hysteresis_on_a_scripted_pressure_trace():
+    from specserve.gateway.plan import Residency
+    from specserve.gateway.policy.nightjar import Residence
+    r = Residence(offload_free=0.10, reload_free=0.30, persist=3, dwell_ms=1000.0)
+    KEEP, OFF, ON = Residency.KEEP, Residency.OFFLOAD, Residency.RELOAD
+    offloaded = False
+    got = []
+    # (unreserved fraction, waiting, ms elapsed after the iteration)
+    trace = [(0.50, 0, 100), (0.05, 4, 100), (0.05, 4, 100), (0.20, 4, 100),  # a dip, reset by 0.20
+             (0.05, 4, 100), (0.05, 4, 100), (0.05, 4, 100),  # three in a row: offload
+             (0.50, 0, 100), (0.50, 0, 100),  # plenty free at once, but the dwell (1 s) holds it
+             (0.50, 3, 1000), (0.25, 0, 500),  # waiting; then dwelt, nobody waits, but below reload_free
+             (0.35, 0, 100),  # nobody waits, above 0.30, dwelt 1.3 s: reload
+             (0.05, 4, 100), (0.05, 4, 100), (0.05, 4, 100), (0.05, 4, 100),  # pressure again, but dwell
+             (0.05, 4, 700), (0.05, 4, 100)]  # dwelt: offload
+    for free, waiting, ms in trace:
+        res = r.step(free, waiting, offloaded)
+        got.append(res)
+        if res is OFF:
+            offloaded = True
+        elif res is ON:
+            offloaded = False
+        r.chose(2)  # speculating: only the waiting queue makes pressure
+        r.elapse(ms)
+    assert got == [KEEP, KEEP, KEEP, KEEP, KEEP, KEEP, OFF, KEEP, KEEP, KEEP, KEEP, ON,
+                   KEEP, KEEP, KEEP, KEEP, KEEP, OFF]
+
+
+def test_offload_needs_the_queue_or_speculation_off():
+    from specserve.gateway.plan import Residency
+    from specserve.gateway.policy.nightjar import Residence
+    r = Residence(offload_free=0.10, reload_free=0.30, persist=3, dwell_ms=0.0)
+    for _ in range(5):  # KV is scarce but nobody waits and the arms draft: keep the draft
+        assert r.step(0.05, 0, False) is Residency.KEEP
+        r.chose(2)
+    got = []
+    for _ in range(6):  # the arms turned to (0, 1): after `persist` such arms and `persist` low steps
+        got.append(r.step(0.05, 0, False))
+        r.chose(0)
+    # the window of 3 arms is all (0, 1) from the 4th step on; the low count then needs 3 steps
+    assert got == [Residency.KEEP] * 5 + [Residency.OFFLOAD]
+    with pytest.raises(ValueError):
+        Residence(offload_free=0.4, reload_free=0.3)
+
+
+def test_nightjar_policy_marks_requests_cold_across_an_offload():
+    from specserve.gateway.plan import DraftView, Limits, ReplicaView, Residency, SchedulerView
+    from specserve.gateway.policy.nightjar import Nightjar, NightjarOptions
+    p = Nightjar([(2, 1)], NightjarOptions(nightjar_persist=1, nightjar_dwell_s=0.0))
+    lat = latency()
+
+    def view(reqs, reserved, waiting, offloaded):
+        from specserve.gateway.plan import WaitingView
+        w = [WaitingView(f"w{i}", 8, 8, 1, "t", 50.0, 1000.0, 0.0) for i in range(waiting)]
+        return SchedulerView(w, [], reqs, [ReplicaView(0, True, 100, reserved, len(reqs), lat)],
+                             DraftView(True, offloaded), Limits(8, 64, 8, 4))
+    d = p.decide(view([req("a"), req("b")], 50, 0, False))
+    assert d.residency is Residency.KEEP and d.shapes == {"a": Shape(2, 1), "b": Shape(2, 1)}
+    d = p.decide(view([req("a"), req("b")], 95, 3, False))  # 5% free, 3 waiting: offload (persist 1)
+    assert d.residency is Residency.OFFLOAD and d.shapes == {}
+    d = p.decide(view([req("a"), req("b"), req("c")], 95, 2, True))
+    assert d.residency is Residency.KEEP and d.shapes == {}
+    d = p.decide(view([req("a"), req("c")], 40, 0, True))  # 60% free, nobody waits: reload
+    assert d.residency is Residency.RELOAD
+    d = p.decide(view([req("a"), req("c"), req("n")], 40, 0, False))
+    assert d.shapes == {"a": Shape(0, 1), "c": Shape(0, 1), "n": Shape(2, 1)}  # cold stay off; n is new
+
+
+def test_turbospec_probe_takes_the_least_draft_lag():
+    p = TurboSpec(probe_every=1)
+    big = BatchView([req(f"r{i}", lag=100 - i) for i in range(64)])
+    shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
+    assert [rid for rid, s in shapes.items() if s.depth > 0] == ["r63"]
+
+
+def test_target_time_is_measured_per_token_count_and_interpolated():
+    sm = StepTimeModel(latency())  # line 6 + 0.5 t
+    for _ in range(3):
+        sm.observe(iteration(1, nodes=1, target_ms=14.0), 0, 0, 1, 0)
+        sm.observe(iteration(2, nodes=5, target_ms=30.0), 0, 0, 1, 0)
+    assert sm.target_ms(1) == pytest.approx(14.0)  # measured, although the line says 6.5
+    assert sm.target_ms(3) == pytest.approx(22.0)  # between 1 and 5
+    line = sm.target.predict
+    assert sm.target_ms(9) == pytest.approx(30.0 + line([1.0, 9.0]) - line([1.0, 5.0]))  # the line, through 5
+
+
+def test_pause_measures_the_plain_pass_while_speculating():
+    p = TurboSpec(probe_every=4)
+    small = BatchView([req("a")])
+    lat = latency(curve=[(1, 10.0), (64, 11.0)])
+    depths = [p.shapes(small, lat)["a"].depth for _ in range(8)]
+    assert depths[3] == 0 and depths[7] == 0 and all(d > 0 for i, d in enumerate(depths) if i not in (3, 7))
