@@ -62,6 +62,9 @@ class ServiceConfig(Settings):
     max_frame_mb: int = option(DEFAULT_MAX_FRAME_BYTES >> 20, "largest message accepted, MiB")
     frame_timeout_s: float = option(DEFAULT_FRAME_TIMEOUT_S, "a frame must be complete this long after its "
                                     "16-byte prefix, or the connection is dropped, seconds")
+    simulate: str | None = option(None, "no model: simulate the model passes with this preset's latency and "
+                                  "acceptance models (a preset name or a .toml file; docs/simulation.md). "
+                                  "--model then names only the tokenizer's directory (its config.json)")
     handshake_timeout_s: float = option(DEFAULT_HANDSHAKE_TIMEOUT_S, "a connection that has not authenticated "
                                         "with the shared secret this long after connecting is dropped, seconds")
 
