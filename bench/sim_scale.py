@@ -48,7 +48,10 @@ def main() -> None:
                     "policy": args.policy, "max_tokens": args.max_tokens,
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "profile": json.loads(profile.read_text()), "points": {}}
-    with Stack(args.policy, profile, 1, [], args.preset, targets=args.targets) as stack:
+    # the gateway must admit b requests per replica at once
+    gateway_args = ["--max-running", str(max(batches)), "--max-waiting", str(2 * max(batches) * args.targets)]
+    result["gateway_args"] = gateway_args
+    with Stack(args.policy, profile, 1, gateway_args, args.preset, targets=args.targets) as stack:
         warm_up(stack.url, tmp / "warm.jsonl")
         for b in batches:
             n = b * args.targets
