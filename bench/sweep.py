@@ -83,16 +83,19 @@ def policies_for(chain_k: int) -> list[str]:
 class Stack:
     """Target, draft and gateway as fresh processes (target and draft start side by side)."""
 
-    def __init__(self, policy: str, profile: Path, threads: int, gateway_args: list[str]):
+    def __init__(self, policy: str, profile: Path, threads: int, gateway_args: list[str], simulate: str | None = None,
+                 targets: int = 1):
         started: dict[str, ServiceProcess | Exception] = {}
+        sim = ["--simulate", simulate] if simulate else []  # simulated model services (docs/simulation.md)
 
         def start(kind: str) -> None:
             try:
-                started[kind] = ServiceProcess(kind, threads=threads)
+                started[kind] = ServiceProcess(kind.split("-")[0], *sim, threads=threads)
             except Exception as exc:  # reported below, after both have had their chance
                 started[kind] = exc
 
-        workers = [threading.Thread(target=start, args=(k,)) for k in ("target", "draft")]
+        kinds = ["target"] if targets == 1 else [f"target-{i}" for i in range(targets)]
+        workers = [threading.Thread(target=start, args=(k,)) for k in (*kinds, "draft")]
         for w in workers:
             w.start()
         for w in workers:
@@ -102,9 +105,9 @@ class Stack:
         if errors:
             self.stop()
             raise errors[0]
-        self.gateway = ServiceProcess("gateway", "--draft", started["draft"].address, "--target",
-                                      started["target"].address, "--policy", policy, "--profile", str(profile),
-                                      *gateway_args)
+        replicas = [arg for k in kinds for arg in ("--target", started[k].address)]
+        self.gateway = ServiceProcess("gateway", "--draft", started["draft"].address, *replicas,
+                                      "--policy", policy, "--profile", str(profile), *gateway_args)
         self.procs.append(self.gateway)
         self.url = self.gateway.address
 
@@ -122,8 +125,21 @@ class Stack:
         self.stop()
 
 
-def measure_profile(path: Path, threads: int, quick: bool) -> dict:
-    """`specserve profile` on a fresh target, written to `path`."""
+def measure_profile(path: Path, threads: int, quick: bool, simulate: str | None = None) -> dict:
+    """`specserve profile` on a fresh target (a simulated one with `simulate`), written to `path`."""
+    if simulate:
+        target = ServiceProcess("target", "--simulate", simulate, threads=threads)
+        try:
+            cmd = [sys.executable, "-m", "specserve.cli", "profile", "--target", target.address, "--out", str(path),
+                   *(["--quick"] if quick else [])]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        finally:
+            target.stop()
+        if done.returncode != 0:
+            raise RuntimeError(f"specserve profile failed:\n{done.stderr[-2000:]}")
+        profile = relative_paths(json.loads(path.read_text()))
+        path.write_text(json.dumps(profile, indent=1) + "\n")
+        return profile
     path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "specserve.cli", "profile", "--threads", str(threads), "--out", str(path),
            *(["--quick"] if quick else [])]
@@ -204,7 +220,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
         profile = json.loads(profile_path.read_text())
     else:
         print(f"measuring the target (specserve profile -> {profile_path}) ...", file=sys.stderr, flush=True)
-        profile = measure_profile(profile_path, args.threads, args.quick)
+        profile = measure_profile(profile_path, args.threads, args.quick, args.simulate)
     print(f"budget B = {profile['budget_tokens']} tokens, baseline {profile['baseline_iteration_ms']:.2f} ms",
           file=sys.stderr, flush=True)
 
@@ -218,7 +234,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
     if len(ks) > 1:
         for k in ks:
             bar.set_postfix_str(f"calibrating chain:{k} at {args.calibration_rate} req/s")
-            with Stack(f"chain:{k}", profile_path, args.threads, gateway_args) as stack:
+            with Stack(f"chain:{k}", profile_path, args.threads, gateway_args, args.simulate) as stack:
                 warm_up(stack.url, out_dir / "warm-up.jsonl")
                 calibration[f"chain:{k}"] = load_point(stack.url, out_dir / f"calibrate-chain-{k}.jsonl", f"chain:{k}",
                                                        args.calibration_rate, settings["duration_s"],
@@ -236,7 +252,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
         order = policies[run % len(policies):] + policies[:run % len(policies)]
         for policy in order:
             bar.set_postfix_str(f"run {run + 1}/{runs} {policy}: starting")
-            with Stack(policy, profile_path, args.threads, gateway_args) as stack:
+            with Stack(policy, profile_path, args.threads, gateway_args, args.simulate) as stack:
                 classes = classes or slo_classes(stack.url)
                 warm_up(stack.url, out_dir / "warm-up.jsonl")
                 if run == 0:
@@ -252,7 +268,8 @@ def run_sweep(args: argparse.Namespace) -> dict:
                     bar.update(1)
     bar.close()
     results = {
-        "meta": machine_info() | {"mode": mode, "name": name, "wall_s": round(time.time() - t_start, 1)},
+        "meta": machine_info() | {"mode": mode, "name": name, "wall_s": round(time.time() - t_start, 1),
+                                  "simulated": args.simulate},
         "settings": settings | {"seed": args.seed, "mix": DEFAULT_MIX,
                                 "calibration_rate": args.calibration_rate, "threads": args.threads,
                                 "gateway_args": gateway_args,
@@ -265,7 +282,8 @@ def run_sweep(args: argparse.Namespace) -> dict:
         "policies": policies,
         "points": points,
         "solo": solo,
-        "hf_peer": None if args.quick else run_hf_peer(out_dir / "hf_peer.json", settings["solo_requests"]),
+        "hf_peer": (None if args.quick or args.simulate
+                    else run_hf_peer(out_dir / "hf_peer.json", settings["solo_requests"])),
     }
     results = relative_paths(results)
     (out_dir / "sweep.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -604,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=None,
                     help="';'-separated policies instead of the default six (e.g. 'none;adaserve')")
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    ap.add_argument("--simulate", default=None, metavar="PRESET",
+                    help="simulated model services (docs/simulation.md); results are labelled simulated")
     ap.add_argument("--gateway-args", default="", help="more flags for every gateway (e.g. '--budget 16')")
     ap.add_argument("--name", default=None,
                     help="names this sweep's results, figures and docs section (default: full or quick)")

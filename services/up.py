@@ -50,6 +50,8 @@ class UpConfig(Settings):
     profile: str | None = option(None, "profile file (measured on first start if missing)",
                                  default_text="~/.cache/specserve/profile-<model>-<device>.json")
     log_level: str = option("WARNING", "log level of the three services")
+    simulate: str | None = option(None, "simulated model services: no weights, passes modelled by this preset "
+                                  "(cpu-demo, llama2-7b-a100, llama2-70b-4xa100, or a .toml file; docs/simulation.md)")
     restart: bool = option(True, "do not restart a draft or target service that exits", negate=True)
     gateway_args: list[str] = option(default_factory=list, remainder=True,
                                      help="after --: more gateway flags (e.g. -- --budget 32 --slo-class gold=20)")
@@ -61,6 +63,19 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = UpConfig.from_args(args)
+    sim: list[str] = []
+    if config.simulate is not None:
+        from specserve.gateway.profile import default_profile_path
+        from specserve.shared.simulate.preset import PresetError, load_preset
+
+        try:
+            preset = load_preset(config.simulate)
+        except PresetError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        sim = ["--simulate", str(preset.path)]
+        if not config.profile:  # the simulated target's profile, kept apart from the real one's
+            config.profile = str(default_profile_path(config.model, f"sim-{preset.name}"))
     check_port_free(config.host, config.port)  # PortInUse: one line, exit 1, before any model loads
     ensure_secret()  # the services' shared secret, for the children's environment
     stopping = threading.Event()
@@ -68,8 +83,8 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stopping.set())
     common = ["--device", config.device, "--dtype", config.dtype]
     targets = ["target"] if config.targets == 1 else [f"target-{i}" for i in range(config.targets)]
-    specs = {name: ["target", "--model", config.model, *common, "--port", str(free_port())] for name in targets}
-    specs["draft"] = ["draft", "--model", config.draft_model, *common, "--port", str(free_port())]
+    specs = {name: ["target", "--model", config.model, *common, *sim, "--port", str(free_port())] for name in targets}
+    specs["draft"] = ["draft", "--model", config.draft_model, *common, *sim, "--port", str(free_port())]
     procs: dict[str, ServiceProcess] = {}
 
     def start(name: str) -> ServiceProcess:
@@ -93,7 +108,8 @@ def main(args: argparse.Namespace) -> int:
         url = procs["gateway"].address
         _wait_healthy(url)
         print(f"specserve is up: {url}/v1 (policy {config.policy}, {config.targets} target replica"
-              f"{'s' if config.targets > 1 else ''}; Ctrl-C stops them all)", flush=True)
+              f"{'s' if config.targets > 1 else ''}{'; SIMULATED, preset ' + config.simulate if sim else ''}; "
+              "Ctrl-C stops them all)", flush=True)
         while not stopping.wait(0.5):
             for name in [*targets, "draft"]:
                 if not procs[name].alive() and config.restart:

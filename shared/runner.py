@@ -42,6 +42,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int = 16):
         self.model = model
         self.config = model.config
+        self.vocab_size = model.config.vocab_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.blocks = BlockManager(num_blocks, block_size)
@@ -112,7 +113,7 @@ class ModelRunner:
                     prior_parents[i] = pending.parents
             elif pending is not None:
                 raise PendingTree(f"request {entry.request_id!r} has an uncommitted tree")
-            validate_entry(entry, self.config.vocab_size, len(prior_parents.get(i, ())))
+            validate_entry(entry, self.vocab_size, len(prior_parents.get(i, ())))
             if entry.request_id in seen:
                 raise ValueError(f"request {entry.request_id!r} appears twice in one batch")
             seen.add(entry.request_id)
@@ -120,10 +121,7 @@ class ModelRunner:
         starts = [0 if new else self.blocks.num_slots(e.request_id) for e, new in zip(entries, is_new)]
         self.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
         try:
-            inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
-            if run_model is None:
-                run_model = _run_model
-            logits = run_model(self.model, self.kv, inputs)
+            outputs = self._compute(entries, starts, prior_parents, run_model)
         except BaseException:
             # Give back exactly what this call took: new requests disappear, others shrink back.
             for entry, start, new in zip(entries, starts, is_new):
@@ -140,6 +138,14 @@ class ModelRunner:
                     self._pending[entry.request_id].parents.extend(entry.parents)
                 else:
                     self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
+        return outputs
+
+    def _compute(self, entries: Sequence[Entry], starts: list[int], prior_parents: dict[int, list[int]],
+                 run_model: RunModel | None) -> list[torch.Tensor]:
+        """The model pass of `forward`, once the entries' slots are taken: per entry its logits rows.
+        (The simulated runner, shared/simulate/runner.py, replaces this and `_move_kv` alone.)"""
+        inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
+        logits = (run_model or _run_model)(self.model, self.kv, inputs)
         return list(torch.split(logits, inputs.logits_splits))
 
     def commit_tree(self, request_id: str, path: Sequence[int]) -> None:
@@ -161,9 +167,13 @@ class ModelRunner:
         moves = [(s, d) for s, d in zip(src, dst) if s != d]
         if moves:
             s, d = zip(*moves)
-            self.kv.move_slots(torch.tensor(s, device=self.device), torch.tensor(d, device=self.device))
+            self._move_kv(list(s), list(d))
         self.blocks.truncate(request_id, start + len(path))
         del self._pending[request_id]
+
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV rows from physical slots `src` to `dst` (commit_tree's compaction)."""
+        self.kv.move_slots(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
 
     def discard_tree(self, request_id: str) -> None:
         """Drop a pending tree entirely, root included (the sequence is as before the forward)."""

@@ -65,6 +65,9 @@ class ServiceConfig(Settings):
                                     "16-byte prefix, or the connection is dropped, seconds")
     metrics_port: int | None = option(None, "serve Prometheus /metrics (pass time, KV blocks, offload state) over "
                                       "HTTP on this port of --host, once the service is ready; off when unset")
+    simulate: str | None = option(None, "no model: simulate the model passes with this preset's latency and "
+                                  "acceptance models (a preset name or a .toml file; docs/simulation.md). "
+                                  "--model then names only the tokenizer's directory (its config.json)")
     handshake_timeout_s: float = option(DEFAULT_HANDSHAKE_TIMEOUT_S, "a connection that has not authenticated "
                                         "with the shared secret this long after connecting is dropped, seconds")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.draft.beam import BeamRequest, beam_search
+from specserve.draft.beam import BeamRequest, BeamTree, beam_search
 from specserve.draft.config import DraftConfig
 from specserve.draft.static_step import StaticBeamStep
 from specserve.shared.batch import Chunk
@@ -104,7 +104,7 @@ class DraftEngine:
                                                  depths[e.rid], e.width))
                     except Exception as exc:
                         failed[e.rid] = _failure(e.rid, "the beam setup", exc)
-                found, beam_forwards = beam_search(self.runner, beams, self.static_step)
+                found, beam_forwards = self._beam_search(beams)
             except BaseException:
                 self._restore(before)  # the call failed as a whole: no request may keep half of it
                 for rid in failed:  # these may be half way through their own work: drop them
@@ -143,6 +143,10 @@ class DraftEngine:
             "parents": torch.tensor(out_parents, dtype=torch.int32),
             "path_prob": torch.tensor(out_logp, dtype=torch.float32).exp(),
         }
+
+    def _beam_search(self, beams: list[BeamRequest]) -> tuple[dict[str, BeamTree], int]:
+        """The beam speculation of one call (the simulated draft replaces it: services/draft/simulated.py)."""
+        return beam_search(self.runner, beams, self.static_step)
 
     def _validate(self, entries: list[SpeculateEntry], new_tokens: list[list[int]]) -> list[ErrorInfo | None]:
         errors: list[ErrorInfo | None] = []

@@ -12,7 +12,12 @@ from specserve.shared.service_base import ServiceHost, exit_on_load_error, relea
 def build_host(config: DraftConfig) -> ServiceHost:
     from specserve.draft.engine import DraftEngine
 
-    engine = exit_on_load_error(lambda: DraftEngine(config))
+    if config.simulate is not None:  # the model pass replaced by the preset's models (no weights)
+        from specserve.draft.simulated import simulated_engine
+
+        engine = exit_on_load_error(lambda: simulated_engine(config))
+    else:
+        engine = exit_on_load_error(lambda: DraftEngine(config))
     handlers = {
         Speculate: engine.speculate,
         Release: release_handler(engine.release, engine.free_blocks),

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specserve.shared.acceptance import accept_tree
+from specserve.shared.acceptance import Acceptance, accept_tree
 from specserve.shared.batch import Chunk, Tree
 from specserve.shared.loader import load_model, parse_device, parse_dtype
 from specserve.shared.messages import (
@@ -41,6 +41,8 @@ from specserve.shared.service_base import ms_since, split_counts
 from specserve.shared.token_tree import InvalidTree, validate_tree
 from specserve.target.config import TargetConfig
 
+Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator)
+
 
 @dataclass(slots=True)
 class _Request:
@@ -57,12 +59,17 @@ class _Request:
 
 
 class TargetEngine:
-    def __init__(self, config: TargetConfig):
+    def __init__(self, config: TargetConfig, runner: ModelRunner | None = None, accept: Accept = accept_tree):
+        """runner, accept: the model pass and the acceptance rule (the model in config.model and
+        shared.acceptance.accept_tree by default; `--simulate` gives its own, services/target/simulated.py)."""
         self.config = config
         self.device = parse_device(config.device)
-        model = load_model(config.model, parse_dtype(config.dtype), self.device)
-        self.runner = ModelRunner(model, config.kv_blocks, config.block_size)
-        self.vocab_size = model.config.vocab_size
+        if runner is None:
+            model = load_model(config.model, parse_dtype(config.dtype), self.device)
+            runner = ModelRunner(model, config.kv_blocks, config.block_size)
+        self.runner = runner
+        self.accept = accept
+        self.vocab_size = runner.vocab_size
         self.requests: dict[str, _Request] = {}
         self.calls = self.entry_errors = 0
 
@@ -231,10 +238,10 @@ class TargetEngine:
             if message.resume_token is not None:  # a preempted request: its next token is already known
                 token = message.resume_token
             else:
-                token = accept_tree([entry.tokens[-1]], [-1], logits, req.params, req.generator).tokens[0]
+                token = self.accept([entry.tokens[-1]], [-1], logits, req.params, req.generator).tokens[0]
             req.committed, req.last_token = req.prefilled + 1, token
             return [token], 0
-        acceptance = accept_tree(entry.tokens, entry.parents, logits, req.params, req.generator)
+        acceptance = self.accept(entry.tokens, entry.parents, logits, req.params, req.generator)
         self.runner.commit_tree(rid, acceptance.path)
         req.committed += len(acceptance.tokens)
         req.last_token = acceptance.tokens[-1]

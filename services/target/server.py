@@ -12,7 +12,12 @@ from specserve.target.config import TargetConfig
 def build_host(config: TargetConfig) -> ServiceHost:
     from specserve.target.engine import TargetEngine
 
-    engine = exit_on_load_error(lambda: TargetEngine(config))
+    if config.simulate is not None:  # the model pass replaced by the preset's models (no weights)
+        from specserve.target.simulated import simulated_engine
+
+        engine = exit_on_load_error(lambda: simulated_engine(config))
+    else:
+        engine = exit_on_load_error(lambda: TargetEngine(config))
     handlers = {Forward: engine.forward, Release: release_handler(engine.release, engine.free_blocks)}
     return ServiceHost("target", config.model, str(engine.device), config.dtype, handlers, engine.stats)
 
