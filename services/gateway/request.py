@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specserve.gateway.slo import SloClass
 from specserve.shared.messages import SamplingSpec
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 
 @dataclass(slots=True)
@@ -53,6 +57,7 @@ class GenRequest:
     draft_seen: bool = False  # the draft may hold state for it (it must be released there)
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None
+    trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
 
     @property
     def committed(self) -> int:
