@@ -255,7 +255,7 @@ class RpcServer:
         if trace is not None and tracing.ENABLED:
             with tracing.server_call(type(body).__name__, trace, body) as span:
                 reply, out = await self._run(call_id, body, tensors)
-                if span is not None:
+                if span is not None and span.is_recording():
                     span.set_attributes(tracing.struct_attributes("specserve.reply", reply))
                     if isinstance(reply, Error):
                         tracing.failed(span, f"{reply.code}: {reply.message}")

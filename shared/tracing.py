@@ -144,9 +144,10 @@ def server_call(method: str, headers: Mapping[str, str] | None,
     if not ENABLED or not headers:
         yield None
         return
-    attributes: dict[str, Any] = {"rpc.system": "specserve", "rpc.service": SERVICE, "rpc.method": method}
-    if request is not None:
-        attributes.update(struct_attributes("specserve.request", request))
-    with tracer().start_as_current_span(f"{SERVICE}/{method}", context=extract(headers), kind=SpanKind.SERVER,
-                                        attributes=attributes) as current:
+    with tracer().start_as_current_span(f"{SERVICE}/{method}", context=extract(headers),
+                                        kind=SpanKind.SERVER) as current:
+        if current.is_recording():  # not when the caller's trace was sampled out
+            current.set_attributes({"rpc.system": "specserve", "rpc.service": SERVICE, "rpc.method": method})
+            if request is not None:
+                current.set_attributes(struct_attributes("specserve.request", request))
         yield current

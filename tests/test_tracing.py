@@ -142,6 +142,25 @@ def test_context_crosses_a_real_connection(in_memory):
     assert server.parent is not None and server.parent.span_id == client.context.span_id
 
 
+def test_a_sampled_out_trace_stays_out_in_the_service(in_memory):
+    """A caller whose trace was not sampled (flags 00) sends that decision along: the service's span
+    does not record either, and nothing is exported."""
+
+    async def run() -> None:
+        server, address = await _serve_health()
+        client = await RpcClient.connect(address, secret=b"s" * 32)
+        unsampled = tracing.extract({"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-00"})
+        with tracing.tracer().start_as_current_span("target/Health", context=unsampled, kind=SpanKind.CLIENT) as s:
+            assert not s.is_recording()
+            assert tracing.carrier() == {"traceparent": f"00-{TRACE_ID}-{s.get_span_context().span_id:016x}-00"}
+            await client.call(Health(), HealthReply)
+        await client.close()
+        await server.close()
+
+    asyncio.run(run())
+    assert in_memory.get_finished_spans() == ()
+
+
 # ---- three processes ---------------------------------------------------------------------------------
 @dataclass
 class SpanData:

@@ -67,7 +67,8 @@ class Executor:
         if span is not None and tracing.ENABLED:
             with tracing.span(span, tracing.SpanKind.CLIENT) as current:
                 result = await self._call(service, call, timeout_s)
-                current.set_attributes(call_attributes(service, result))
+                if current.is_recording():
+                    current.set_attributes(call_attributes(service, result))
                 if result.failure is not None:
                     tracing.failed(current, str(result.failure))
                 return result

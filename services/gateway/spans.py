@@ -58,7 +58,7 @@ def middlewares(model: str) -> list[Middleware]:
                 if status >= 500:
                     tracing.failed(span, f"HTTP {status}")
                 gen = request.get(GENERATION)
-                if gen is not None:
+                if gen is not None and span.is_recording():  # a span the sampler dropped keeps nothing
                     span.set_attributes(request_attributes(gen))
 
     return [traced]
@@ -117,6 +117,8 @@ def iteration(step: int, t0: float) -> Iterator[trace.Span]:
 def record_iteration(span: trace.Span, record: IterationRecord,
                      traces: Mapping[str, trace.SpanContext]) -> None:
     """The record's composition and time split on the span, and a link to each request span served."""
+    if not span.is_recording():  # the sampler dropped it: nothing would be kept
+        return
     span.set_attributes(iteration_attributes(record))
     for step in record.requests:
         ctx = traces.get(step.rid)
