@@ -12,7 +12,11 @@ The earlier version runs from a checkout given by --baseline (e.g. `git worktree
 de77309`); its packages are put first on PYTHONPATH through a symlink tree, so both versions share
 this venv.
 
-    .venv/bin/python bench/schedule_cost.py --baseline /tmp/base --runs 3
+--tracing adds a third version: this checkout with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT set for
+all three processes, every span sampled and exported over OTLP/HTTP to a sink in this process that
+answers 200 and counts what it got). The other two run with no OTEL endpoint, i.e. tracing off.
+
+    .venv/bin/python bench/schedule_cost.py --baseline /tmp/base --runs 3 [--tracing]
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import aiohttp
@@ -51,21 +57,55 @@ def package_tree(checkout: Path) -> Path:
     return top
 
 
+OTEL_ENDPOINTS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+class OtlpSink:
+    """Accepts OTLP/HTTP exports (any POST) with 200 and counts them; a thread of this process."""
+
+    def __init__(self) -> None:
+        counts = self.counts = {"posts": 0, "bytes": 0}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                n = int(self.headers.get("Content-Length", 0))
+                self.rfile.read(n)
+                counts["posts"] += 1
+                counts["bytes"] += n
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
 class Stack:
-    def __init__(self, pythonpath: str | None, policy: str, profile: str, gateway_args: list[str]):
-        old = os.environ.get("PYTHONPATH")
+    def __init__(self, pythonpath: str | None, policy: str, profile: str, gateway_args: list[str],
+                 otlp_endpoint: str | None = None):
+        old = {name: os.environ.get(name) for name in ("PYTHONPATH", *OTEL_ENDPOINTS)}
         if pythonpath:
             os.environ["PYTHONPATH"] = pythonpath
+        for name in OTEL_ENDPOINTS:  # tracing off unless this stack is the traced one
+            os.environ.pop(name, None)
+        if otlp_endpoint:
+            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
         try:
             self.target = ServiceProcess("target", threads=1)
             self.draft = ServiceProcess("draft", threads=1)
             self.gateway = ServiceProcess("gateway", "--draft", self.draft.address, "--target", self.target.address,
                                           "--policy", policy, "--profile", profile, *gateway_args)
         finally:
-            if old is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = old
+            for name, value in old.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         self.url = self.gateway.address
 
     def stop(self) -> None:
@@ -111,20 +151,27 @@ def main() -> int:
     ap.add_argument("--profile", default=str(ROOT / "bench/results/sweep-full/profile.json"))
     ap.add_argument("--gateway-args", default="--budget 16")
     ap.add_argument("--out", default=str(ROOT / "bench/results/schedule_cost.json"))
+    ap.add_argument("--tracing", action="store_true", help="also run this checkout with tracing on")
     args = ap.parse_args()
     base = str(package_tree(Path(args.baseline).resolve()))
     base_rev = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip()
     head_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip()
-    versions = {f"before ({base_rev})": base, f"after ({head_rev}+)": None}
+    sink = OtlpSink() if args.tracing else None
+    after = f"after ({head_rev}+)" + (", tracing off" if sink else "")
+    versions: dict[str, str | None] = {f"before ({base_rev})": base, after: None}
+    traced = f"after ({head_rev}+), tracing on"
+    if sink is not None:
+        versions[traced] = None
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict] = []
     for run in range(args.runs):
         order = list(versions) if run % 2 == 0 else list(reversed(versions))
         for version in order:
             for policy in args.policies.split(","):
-                stack = Stack(versions[version], policy, args.profile, args.gateway_args.split())
+                stack = Stack(versions[version], policy, args.profile, args.gateway_args.split(),
+                              sink.url if sink is not None and version == traced else None)
                 try:
                     for batch in batches:
                         t0 = time.perf_counter()
@@ -147,7 +194,9 @@ def main() -> int:
                                 "share": statistics.median(share),
                                 "iteration_ms": statistics.median(r["iteration_ms"] for r in got)})
     run_args = relative_paths(vars(args) | {"baseline": f"a checkout of {base_rev}"})  # no machine paths
-    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": run_args}, indent=1))
+    exported = sink.counts if sink is not None else None  # what the traced stacks sent, all runs together
+    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": run_args,
+                                          "otlp_exported": exported}, indent=1))
     print("| policy | batch | version | schedule ms / iteration, median (min-max) | share of iteration | "
           "iteration ms |")
     print("|---|---:|---|---:|---:|---:|")

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import msgspec
 import torch
 
+from specserve.shared import tracing
 from specserve.shared.auth import AuthError, ClientHandshake, ServerHandshake, load_secret
 from specserve.shared.messages import AuthChallenge, AuthHello, AuthOk, AuthProof, Error, Health, Message
 from specserve.shared.ports import port_in_use_as_error
@@ -56,6 +57,7 @@ from specserve.shared.transport import (
     Tensors,
     encode_frame,
     read_frame,
+    read_traced_frame,
     write_buffers,
     write_frame,
 )
@@ -216,7 +218,7 @@ class RpcServer:
             while True:
                 trusted = gate.authenticated
                 try:
-                    call_id, body, tensors = await read_frame(
+                    call_id, body, tensors, trace = await read_traced_frame(
                         reader, self.max_frame_bytes if trusted else min(self.max_frame_bytes,
                                                                          UNAUTHENTICATED_MAX_FRAME_BYTES),
                         ipc if trusted else None, self.frame_timeout_s)
@@ -235,7 +237,7 @@ class RpcServer:
                         deadline.reschedule(None)
                         self._unauthenticated.pop(task, None)
                 else:
-                    reply, out = await self._call(call_id, body, tensors)
+                    reply, out = await self._call(call_id, body, tensors, trace)
                 if ipc is not None:
                     ipc.new_frame()
                 try:
@@ -248,8 +250,20 @@ class RpcServer:
                 if gate.refused:
                     return
 
-    async def _call(self, call_id: int, body: Message,
-                    tensors: dict[str, torch.Tensor]) -> tuple[Message, Tensors | None]:
+    async def _call(self, call_id: int, body: Message, tensors: dict[str, torch.Tensor],
+                    trace: dict[str, str] | None = None) -> tuple[Message, Tensors | None]:
+        if trace is not None and tracing.ENABLED:
+            with tracing.server_call(type(body).__name__, trace, body) as span:
+                reply, out = await self._run(call_id, body, tensors)
+                if span is not None and span.is_recording():
+                    span.set_attributes(tracing.struct_attributes("specserve.reply", reply))
+                    if isinstance(reply, Error):
+                        tracing.failed(span, f"{reply.code}: {reply.message}")
+                return reply, out
+        return await self._run(call_id, body, tensors)
+
+    async def _run(self, call_id: int, body: Message,
+                   tensors: dict[str, torch.Tensor]) -> tuple[Message, Tensors | None]:
         try:
             return await self.handler(body, tensors)
         except Exception as exc:  # a bug in one call must not take the service down
@@ -305,7 +319,9 @@ class RpcClient:
             call_id = self._next_id
             if self.ipc is not None:
                 self.ipc.new_frame()
-            await write_frame(self.writer, call_id, body, tensors, self.ipc)
+            # the caller's span (a task copies the context it was created in), when tracing is on
+            trace = tracing.carrier() if tracing.ENABLED else None
+            await write_frame(self.writer, call_id, body, tensors, self.ipc, trace)
             return call_id, await read_frame(self.reader, self.max_frame_bytes, self.ipc)
 
     async def call(self, body: Message, reply_type: type[ReplyT],

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import torch
 
+from specserve.shared import tracing
 from specserve.shared.auth import load_secret
 from specserve.shared.lifeline import follow_parent
 from specserve.shared.messages import Error, Health, HealthReply, Message, Release, ReleaseReply, Stats
@@ -122,7 +123,9 @@ def setup_process(config: ServiceConfig) -> bytes:
 
 
 def serve(host: ServiceHost, config: ServiceConfig, secret: bytes) -> int:
-    """Serve until SIGINT/SIGTERM. Prints one 'ready <service> <address>' line when listening."""
+    """Serve until SIGINT/SIGTERM. Prints one 'ready <service> <address>' line when listening.
+    Traces its calls if the OTEL_* environment asks for it (shared/tracing.py)."""
+    tracing.setup(host.name)
 
     async def main() -> None:
         server = RpcServer(host.handle, config.max_frame_mb << 20, secret=secret,
@@ -145,6 +148,7 @@ def serve(host: ServiceHost, config: ServiceConfig, secret: bytes) -> int:
     except ImportError:  # uvloop is a dependency, but serving still works without it
         asyncio.run(main())
     host.executor.shutdown(wait=True)
+    tracing.shutdown()  # export the spans still buffered
     log.info("%s stopped", host.name)
     return 0
 

@@ -1,7 +1,8 @@
 """Length-prefixed frames: a msgpack header (msgspec) plus raw tensor bytes. No pickle, no JSON.
 
     prefix   16 bytes: magic b"SSF1", header length (u32), payload length (u64), big-endian
-    header   msgpack of Header: call id, the message (a tagged Struct), tensor descriptors
+    header   msgpack of Header: call id, the message (a tagged Struct), tensor descriptors, and
+             optionally the W3C trace context of the call (shared/tracing.py)
     payload  the tensors' bytes back to back, in descriptor order
 
 A tensor is sent from its own buffer (writelines of memoryviews, no concatenation). On receipt
@@ -51,10 +52,14 @@ class TensorMeta(msgspec.Struct, array_like=True):
     ipc_offset: int = 0  # byte offset of the tensor inside the IPC allocation
 
 
-class Header(msgspec.Struct):
+class Header(msgspec.Struct, omit_defaults=True):
+    """Fields at their default are not sent: a frame without tensors or trace context is what a peer
+    before the trace field sent and read (it ignores a field it does not know, and defaults one it misses)."""
+
     call_id: int  # echoed in the reply; -1 when the request's id could not be read
     body: Message
     tensors: list[TensorMeta] = []
+    trace: dict[str, str] | None = None  # W3C carrier (traceparent, tracestate) of the caller's span; optional
 
 
 class FrameError(Exception):
@@ -87,8 +92,9 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None,
-                 ipc: CudaIpc | None = None) -> list[bytes | memoryview]:
-    """The frame as a list of buffers for writelines. ipc: a cuda_ipc.CudaIpc, or None."""
+                 ipc: CudaIpc | None = None, trace: dict[str, str] | None = None) -> list[bytes | memoryview]:
+    """The frame as a list of buffers for writelines. ipc: a cuda_ipc.CudaIpc, or None; trace: the
+    caller's trace context (shared/tracing.py), or None."""
     metas: list[TensorMeta] = []
     buffers: list[bytes | memoryview] = []
     for name, tensor in (tensors or {}).items():
@@ -104,7 +110,7 @@ def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None,
         metas.append(TensorMeta(name, _NAMES[tensor.dtype], list(tensor.shape), len(raw)))
         if len(raw):
             buffers.append(raw)
-    header = _encoder.encode(Header(call_id, body, metas))
+    header = _encoder.encode(Header(call_id, body, metas, trace))
     payload_len = sum(m.nbytes for m in metas)
     return [PREFIX.pack(MAGIC, len(header), payload_len), header, *buffers]
 
@@ -154,8 +160,18 @@ async def read_frame(
     reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, ipc: CudaIpc | None = None,
     timeout_s: float | None = None,
 ) -> tuple[int, Message, dict[str, torch.Tensor]]:
-    """Read one frame. Raises IncompleteReadError at a clean EOF, FrameError when the stream is
-    unusable, and MessageError (after consuming the whole frame) when only its content is bad.
+    """Read one frame (see read_traced_frame)."""
+    call_id, body, tensors, _ = await read_traced_frame(reader, max_bytes, ipc, timeout_s)
+    return call_id, body, tensors
+
+
+async def read_traced_frame(
+    reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, ipc: CudaIpc | None = None,
+    timeout_s: float | None = None,
+) -> tuple[int, Message, dict[str, torch.Tensor], dict[str, str] | None]:
+    """Read one frame, with its trace context (None if it carried none). Raises IncompleteReadError
+    at a clean EOF, FrameError when the stream is unusable, and MessageError (after consuming the
+    whole frame) when only its content is bad.
 
     timeout_s: once the prefix has arrived, the header and payload must follow within this many
     seconds, else FrameError("frame_timeout") (None: no limit). Waiting for a prefix is not limited."""
@@ -186,12 +202,12 @@ async def read_frame(
     except MessageError as exc:
         exc.call_id = header.call_id
         raise
-    return header.call_id, header.body, tensors
+    return header.call_id, header.body, tensors, header.trace
 
 
 async def write_frame(writer: asyncio.StreamWriter, call_id: int, body: Message, tensors: Tensors | None = None,
-                      ipc: CudaIpc | None = None) -> None:
-    write_buffers(writer, encode_frame(call_id, body, tensors, ipc))
+                      ipc: CudaIpc | None = None, trace: dict[str, str] | None = None) -> None:
+    write_buffers(writer, encode_frame(call_id, body, tensors, ipc, trace))
     await writer.drain()
 
 

@@ -29,6 +29,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from specserve.gateway import spans
 from specserve.gateway.executor import Executor, Failure, TargetPass
 from specserve.gateway.metrics import GatewayMetrics
 from specserve.gateway.plan import (
@@ -46,6 +47,7 @@ from specserve.gateway.preempt import Holder, victims
 from specserve.gateway.record import IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.scheduler import Scheduler
+from specserve.shared import tracing
 from specserve.shared.rpc import TRANSPORT_ERRORS
 from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
 
@@ -130,6 +132,8 @@ class Engine:
             raise ServiceUnavailable(f"the server is busy: {len(self.waiting)} requests are waiting",
                                      self.retry_after_s())
         req.kv_blocks = self.reserve_blocks_for(len(req.prompt), req.max_tokens)
+        if tracing.ENABLED:
+            req.trace = spans.current()  # the request span (the handler's), for the iterations' links
         self.requests[req.rid] = req
         self.waiting.append(req)
         self.metrics.on_queued()
@@ -219,6 +223,14 @@ class Engine:
         if not self.running and not self.waiting:
             return  # only releases were owed
         self.step += 1
+        if tracing.ENABLED:
+            traces = {r.rid: r.trace for r in (*self.running, *self.waiting) if r.trace is not None}
+            with spans.iteration(self.step, t0) as span:
+                spans.record_iteration(span, await self._step(t0), traces)
+        else:
+            await self._step(t0)
+
+    async def _step(self, t0: float) -> IterationRecord:
         plan = self.scheduler.plan(self._snapshot(t0), self.step)
         self._apply_admission(plan)
         record = IterationRecord(self.step, admitted=len(plan.admitted), deferred=len(plan.deferred),
@@ -227,12 +239,14 @@ class Engine:
             await self._transition(plan, record)
         decoding = [r for r in self.running if r.decoding and r.rid in plan.shapes]
         trees = await self._speculate(plan, decoding, record)
-        passes = self._passes(plan, decoding, trees, record)
+        with tracing.span("policy.select"):
+            passes = self._passes(plan, decoding, trees, record)
         if passes:
             await self._target_pass(plan, passes, record)
         record.total_ms = (time.perf_counter() - t0) * 1e3
         record.waiting, record.running = len(self.waiting), len(self.running)
         self._consume(record)
+        return record
 
     # ---- 1b. KV reservations with a look-ahead ------------------------------------------------------
     def _grow_reservations(self) -> None:

@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from specserve.gateway.plan import Residency
 from specserve.gateway.pool import DraftService, ServicePool, TargetReplica
+from specserve.shared import tracing
 from specserve.shared.messages import ForwardReply, SpeculateReply, TransitionReply
 from specserve.shared.rpc import TRANSPORT_ERRORS, RemoteError, RpcProtocolError
 from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
@@ -60,7 +61,21 @@ class Executor:
         self.call_timeout_s = call_timeout_s  # deadline of every service call, seconds
 
     async def _guard(self, service: TargetReplica | DraftService, call: Callable[[], Awaitable[T]],
-                     timeout_s: float | None = None) -> CallResult[T]:
+                     timeout_s: float | None = None, span: str | None = None) -> CallResult[T]:
+        """span: trace this call as a CLIENT span of that name (when tracing is on); its context goes
+        in the frame header, and the service's own span is its child."""
+        if span is not None and tracing.ENABLED:
+            with tracing.span(span, tracing.SpanKind.CLIENT) as current:
+                result = await self._call(service, call, timeout_s)
+                if current.is_recording():
+                    current.set_attributes(call_attributes(service, result))
+                if result.failure is not None:
+                    tracing.failed(current, str(result.failure))
+                return result
+        return await self._call(service, call, timeout_s)
+
+    async def _call(self, service: TargetReplica | DraftService, call: Callable[[], Awaitable[T]],
+                    timeout_s: float | None) -> CallResult[T]:
         t0 = time.perf_counter()
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         try:
@@ -119,7 +134,8 @@ class Executor:
         assert draft is not None and draft.client is not None
         client = draft.client
         call = client.offload if residency is Residency.OFFLOAD else client.reload
-        result = await self._guard(draft, call)
+        result = await self._guard(draft, call, span="draft/Offload" if residency is Residency.OFFLOAD
+                                   else "draft/Reload")
         if result.value is not None:
             draft.offloaded = result.value.offloaded
         return result
@@ -128,7 +144,7 @@ class Executor:
         draft = self.pool.draft
         assert draft is not None and draft.client is not None
         client = draft.client
-        result = await self._guard(draft, lambda: client.speculate(items))
+        result = await self._guard(draft, lambda: client.speculate(items), span="draft/Speculate")
         if result.value is not None and result.value[1].offloaded:
             draft.offloaded = True  # offloaded by someone else, or restarted offloaded
         return result
@@ -149,9 +165,21 @@ class Executor:
         # eager sync) are tasks, which start at the next turn of the event loop. Wrapping the first in a
         # task too would let every ready SSE handler run before the Forward is even sent, instead of
         # while the target computes.
-        others = [asyncio.ensure_future(self._guard(p.replica, forward(p))) for p in passes[1:]]
+        others = [asyncio.ensure_future(self._guard(p.replica, forward(p), span="target/Forward"))
+                  for p in passes[1:]]
         sync_call = asyncio.ensure_future(self.speculate(sync)) if sync else None
-        results = [await self._guard(passes[0].replica, forward(passes[0]))] if passes else []
+        results = [await self._guard(passes[0].replica, forward(passes[0]), span="target/Forward")] if passes else []
         results += [await task for task in others]
         synced = await sync_call if sync_call is not None else None
         return results, synced, (time.perf_counter() - t0) * 1e3
+
+
+def call_attributes(service: TargetReplica | DraftService, result: CallResult) -> dict[str, str | int | float]:
+    """A traced call's attributes: the peer, the replica, the time as the gateway saw it."""
+    out: dict[str, str | int | float] = {"rpc.system": "specserve", "server.address": service.address,
+                                         "specserve.call_ms": round(result.ms, 3)}
+    if isinstance(service, TargetReplica):
+        out["specserve.replica"] = service.index
+    if result.failure is not None:
+        out["specserve.failure"] = result.failure.kind
+    return out

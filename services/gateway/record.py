@@ -1,5 +1,5 @@
 """IterationRecord: one record per engine iteration, the single source for metrics, the latency
-models, `Policy.observe` and (later) tracing.
+models, `Policy.observe` and the iteration's trace span (spans.py).
 
 It holds the iteration's composition (per request: its replica, prompt chunk, planned shape, tree
 nodes verified, draft tokens accepted, tokens emitted; per replica: prompt tokens, tree nodes) and

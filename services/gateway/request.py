@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specserve.gateway.slo import SloClass
 from specserve.shared.messages import SamplingSpec
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 
 @dataclass(slots=True)
@@ -57,6 +61,7 @@ class GenRequest:
     preemptions: int = 0
     served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
+    trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
 
     @property
     def committed(self) -> int:

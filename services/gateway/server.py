@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from specserve.gateway import spans
 from specserve.gateway.admission.slo import SloAdmission
 from specserve.gateway.api import Generation, ModelInfo, allows_best_effort, build_request, resolve_slo
 from specserve.gateway.config import GatewayConfig
@@ -45,6 +46,7 @@ from specserve.gateway.routing import make_router
 from specserve.gateway.scheduler import Scheduler
 from specserve.gateway.slo import SloClass, default_classes, parse_class
 from specserve.gateway.tokenize import Tokenizing
+from specserve.shared import tracing
 from specserve.shared.auth import AuthError, load_secret
 from specserve.shared.lifeline import follow_parent
 from specserve.shared.ports import check_port_free, port_in_use_as_error
@@ -69,7 +71,8 @@ class Gateway:
         self.tokenizing = Tokenizing(tokenizer, info.max_model_len)  # off the event loop
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 * 2**20, middlewares=[self._errors])
+        app = web.Application(client_max_size=8 * 2**20,
+                              middlewares=[*spans.middlewares(self.info.name), self._errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -159,6 +162,7 @@ class Gateway:
         gen_req.best_effort_ok = allows_best_effort(req.service_tier, req.slo)
         self.engine.submit(gen_req)
         gen = Generation(self.engine, gen_req, self.tokenizer, sampling.stop)
+        request[spans.GENERATION] = gen  # the request span's attributes at the end (when tracing is on)
         await gen.admitted()  # refused before admission: 503 before any response byte
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -248,6 +252,7 @@ def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInf
 
 
 async def run(config: GatewayConfig, policy: Policy) -> int:
+    tracing.setup("gateway")  # on if OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set (shared/tracing.py)
     tokenizer, info = model_info(config)
     resolver = Resolver(config.hosts_file)
     discovery = TargetDiscovery(config.target, resolver, config.discovery_interval_s)
@@ -294,6 +299,7 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     await stop_discovery(rediscover)
     await runner.cleanup()
     await engine.close()
+    tracing.shutdown()  # export the spans still buffered
     return 0
 
 
