@@ -446,3 +446,9 @@ def test_pause_measures_the_plain_pass_while_speculating():
     lat = latency(curve=[(1, 10.0), (64, 11.0)])
     depths = [p.shapes(small, lat)["a"].depth for _ in range(8)]
     assert depths[3] == 0 and depths[7] == 0 and all(d > 0 for i, d in enumerate(depths) if i not in (3, 7))
+
+
+def test_turbospec_threshold_not_set_by_a_request_that_cannot_draft():
+    p = TurboSpec()
+    p.shapes(BatchView([req("a", remaining=1)]), latency(curve=[(1, 10.0), (64, 11.0)]))  # one token left: k = 0
+    assert p.control.thr == float("inf")  # not a verdict on drafting at batch 1

@@ -108,7 +108,7 @@ class GoodputControl:
             for r in late:
                 self.draft_ok[r.rid] = True
             spec = spec + late
-        if k == 0:
+        if k == 0 and any(r.remaining > 1 for r in spec):  # drafting could run and does not pay at n
             self.thr = min(self.thr, n)
         self.current[batch.replica] = k
         return k, spec
