@@ -53,6 +53,23 @@ def run_stack(policy: str, profile: Path, simulate: str | None, plan: list[tuple
     return out
 
 
+def markdown(results: dict) -> str:
+    """The side-by-side table: real median (min-max over runs) vs simulated, per policy and point."""
+    lines = [f"Simulated: preset `{results['preset']}` ({results['date']}); real: the bundled pair, "
+             f"{len(next(iter(results['policies'].values()))['runs']['real'])} runs (median, min-max).", "",
+             "| policy | point | tokens/step real | sim | TPOT p50 ms real | sim | attainment real | sim |",
+             "|---|---|---|---|---|---|---|---|"]
+    for policy, data in results["policies"].items():
+        for point, row in data["points"].items():
+            cells = []
+            for m, fmt in (("tokens_per_step", "{:.2f}"), ("tpot_p50_ms", "{:.1f}"), ("attainment", "{:.2f}")):
+                v = row[m]
+                cells += [f"{fmt.format(v['real_median'])} ({fmt.format(v['real_min'])}-{fmt.format(v['real_max'])})",
+                          fmt.format(v["simulated"])]
+            lines.append(f"| {policy} | {point} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu-demo")
@@ -63,7 +80,11 @@ def main() -> None:
     ap.add_argument("--sim-runs", type=int, default=1)
     ap.add_argument("--profile", default=None, help="the real target's profile (default: measure one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sim_fidelity.json"))
+    ap.add_argument("--report", metavar="JSON", help="only print the markdown table of a results file")
     args = ap.parse_args()
+    if args.report:
+        print(markdown(json.loads(Path(args.report).read_text())))
+        return
     tmp = Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
     profile = Path(args.profile) if args.profile else tmp / "profile.json"
     if not args.profile:
@@ -90,7 +111,7 @@ def main() -> None:
             table[name] = row
         results["policies"][policy] = {"points": table, "runs": runs}
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(json.dumps({p: v["points"] for p, v in results["policies"].items()}, indent=1))
+    print(markdown(results))
 
 
 if __name__ == "__main__":

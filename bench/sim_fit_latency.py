@@ -7,7 +7,7 @@ bundled target and draft, in process, one torch thread (as `specserve up` runs e
 Each pass is n requests x k tree nodes at context c (every request prefilled to c tokens first,
 untimed; the tree is discarded after the call so the context stays c), plus single prefill chunks.
 Median of --repeats timed calls after one warm-up. The model
-    pass_ms = table(T) + per_request_ms * n + per_context_token_us / 1000 * n * c
+    pass_ms = table(T) + per_request_ms * n + per_context_token_us / 1000 * n * c + per_pair_ns / 1e6 * n * k * c
 is linear in its parameters (the table's values at fixed knots are the coefficients of hat
 functions), so it is fitted by least squares (relative error; negative linear terms are dropped);
 the report gives each point's measured and fitted time.
@@ -31,7 +31,8 @@ from specserve.shared.simulate.latency import LatencyModel
 KNOTS = (1, 2, 8, 16, 32, 64, 128, 256, 512)
 
 
-def measure(model_dir: Path, grid: list[tuple[int, int, int]], chunks: list[int], repeats: int) -> list[dict]:
+def measure(model_dir: Path, grid: list[tuple[int, int, int]], chunks: list[tuple[int, int]],
+            repeats: int) -> list[dict]:
     runner = ModelRunner.from_dir(model_dir, num_blocks=4096)
     rng = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
@@ -52,17 +53,20 @@ def measure(model_dir: Path, grid: list[tuple[int, int, int]], chunks: list[int]
                 times.append(ms)
         for r in rids:
             runner.release(r)
-        points.append({"requests": n, "tokens": n * k, "context": n * c, "ms": statistics.median(times)})
-    for t in chunks:
+        points.append({"requests": n, "tokens": n * k, "context": n * c, "pairs": n * k * c,
+                       "ms": statistics.median(times)})
+    for t, c in chunks:  # a prefill chunk of t tokens after c tokens of the same prompt
         times = []
         for rep in range(repeats + 1):
+            if c:
+                runner.forward([Chunk("chunk", torch.randint(1, vocab, (c,), generator=rng).tolist())])
             t0 = time.perf_counter()
             runner.forward([Chunk("chunk", torch.randint(1, vocab, (t,), generator=rng).tolist(), logits_at=[t - 1])])
             ms = (time.perf_counter() - t0) * 1e3
             runner.release("chunk")
             if rep:
                 times.append(ms)
-        points.append({"requests": 1, "tokens": t, "context": 0, "ms": statistics.median(times)})
+        points.append({"requests": 1, "tokens": t, "context": c, "pairs": t * c, "ms": statistics.median(times)})
     return points
 
 
@@ -81,19 +85,20 @@ def hat(t: float, knots: tuple[int, ...]) -> list[float]:
 
 def fit(points: list[dict]) -> LatencyModel:
     knots = tuple(k for k in KNOTS if k <= max(p["tokens"] for p in points))
-    a = np.array([hat(p["tokens"], knots) + [p["requests"], p["context"] / 1e3] for p in points])
+    a = np.array([hat(p["tokens"], knots) + [p["requests"], p["context"] / 1e3, p["pairs"] / 1e6] for p in points])
     y = np.array([p["ms"] for p in points])
     # relative error: weight each point by 1 / its time
     w = 1 / y
     coef = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
-    coef[-2:] = np.maximum(coef[-2:], 0)  # a negative per-request or per-context time is noise: drop it
-    if coef[-2] == 0 or coef[-1] == 0:
+    coef[-3:] = np.maximum(coef[-3:], 0)  # a negative per-request, -context or -pair time is noise: drop it
+    if min(coef[-3:]) == 0:
         keep = [i for i in range(a.shape[1]) if i < len(knots) or coef[i] > 0]
         sub = np.linalg.lstsq((a * w[:, None])[:, keep], y * w, rcond=None)[0]
         coef = np.zeros(a.shape[1])
         coef[keep] = sub
     table = [round(float(v), 3) for v in coef[: len(knots)]]
-    return LatencyModel(knots, tuple(table), round(float(coef[-2]), 4), round(float(coef[-1]), 4))
+    return LatencyModel(knots, tuple(table), round(float(coef[-3]), 4), round(float(coef[-2]), 4),
+                        round(float(coef[-1]), 4))
 
 
 def main() -> None:
@@ -109,7 +114,8 @@ def main() -> None:
         "draft": [(n, k, c) for n in (1, 4, 16, 32, 64) for k in (1, 2, 4) for c in (32, 256)],
     }
     for name in ("target", "draft"):
-        points = measure(models / name, grids[name], [16, 64, 256], args.repeats)
+        points = measure(models / name, grids[name], [(16, 0), (64, 0), (256, 0), (256, 256), (256, 768), (128, 1024)],
+                         args.repeats)
         model = fit(points)
         for p in points:
             n = p["requests"]
@@ -117,7 +123,7 @@ def main() -> None:
             p["error"] = round(p["model_ms"] / p["ms"] - 1, 3)
         errors = sorted(abs(p["error"]) for p in points)
         result[name] = {"tokens": list(model.tokens), "ms": list(model.ms), "per_request_ms": model.per_request_ms,
-                        "per_context_token_us": model.per_context_token_us,
+                        "per_context_token_us": model.per_context_token_us, "per_pair_ns": model.per_pair_ns,
                         "median_abs_error": errors[len(errors) // 2], "max_abs_error": errors[-1], "points": points}
         print(name, {k: v for k, v in result[name].items() if k != "points"}, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,9 @@ def test_latency_model_is_piecewise_linear_in_tokens_and_linear_in_context():
     assert m.table_ms(128) == pytest.approx(40 + 28 / 56 * 64)  # the last slope continues
     # 3 entries, 12 new tokens, 300 context tokens
     assert m.pass_ms([(4, 100), (4, 100), (4, 100)]) == pytest.approx(m.table_ms(12) + 1.5 + 0.6)
+    # a 256-token prefill chunk after 1000 prompt tokens pays 256 x 1000 attended pairs
+    p = LatencyModel((1, 8, 64), (10.0, 12.0, 40.0), per_pair_ns=10.0)
+    assert p.pass_ms([(256, 1000)]) == pytest.approx(p.table_ms(256) + 256 * 1000 * 10 / 1e6)
     with pytest.raises(ValueError):
         LatencyModel((8, 4), (1.0, 2.0))
 

@@ -59,9 +59,10 @@ class _Request:
 
 
 class TargetEngine:
-    def __init__(self, config: TargetConfig, runner: ModelRunner | None = None, accept: Accept = accept_tree):
+    def __init__(self, config: TargetConfig, runner: ModelRunner | None = None, accept: Accept | None = None):
         """runner, accept: the model pass and the acceptance rule (the model in config.model and
-        shared.acceptance.accept_tree by default; `--simulate` gives its own, services/target/simulated.py)."""
+        shared.acceptance.accept_tree, looked up per call, by default; `--simulate` gives its own,
+        services/target/simulated.py)."""
         self.config = config
         self.device = parse_device(config.device)
         if runner is None:
@@ -238,10 +239,11 @@ class TargetEngine:
             if message.resume_token is not None:  # a preempted request: its next token is already known
                 token = message.resume_token
             else:
-                token = self.accept([entry.tokens[-1]], [-1], logits, req.params, req.generator).tokens[0]
+                token = (self.accept or accept_tree)([entry.tokens[-1]], [-1], logits, req.params,
+                                                     req.generator).tokens[0]
             req.committed, req.last_token = req.prefilled + 1, token
             return [token], 0
-        acceptance = self.accept(entry.tokens, entry.parents, logits, req.params, req.generator)
+        acceptance = (self.accept or accept_tree)(entry.tokens, entry.parents, logits, req.params, req.generator)
         self.runner.commit_tree(rid, acceptance.path)
         req.committed += len(acceptance.tokens)
         req.last_token = acceptance.tokens[-1]

@@ -60,7 +60,8 @@ def _latency(raw: Any, where: str) -> LatencyModel:
         raise PresetError(f"{where}: missing table")
     try:
         return LatencyModel(tuple(int(t) for t in raw["tokens"]), tuple(float(m) for m in raw["ms"]),
-                            float(raw.get("per_request_ms", 0.0)), float(raw.get("per_context_token_us", 0.0)))
+                            float(raw.get("per_request_ms", 0.0)), float(raw.get("per_context_token_us", 0.0)),
+                            float(raw.get("per_pair_ns", 0.0)))
     except KeyError as exc:
         raise PresetError(f"{where}: missing key {exc}") from None
     except (TypeError, ValueError) as exc:
