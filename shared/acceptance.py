@@ -9,7 +9,7 @@ in distribution, and token for token under greedy or a fixed seed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,12 @@ def accept_tree(
         def draw(node: int) -> int:
             return sample(probs[node], generator)
 
+    return walk(children, draw)
+
+
+def walk(children: Sequence[dict[int, int]], draw: Callable[[int], int]) -> Acceptance:
+    """From the root, emit the target's token at each node (`draw`) and move to the child holding it;
+    stop after the first token no child holds."""
     path, emitted, node = [0], [], 0
     while True:
         token = draw(node)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.acceptance import Acceptance
+from specserve.shared.acceptance import Acceptance, walk
 from specserve.shared.sampling import SamplingParams
 from specserve.shared.token_tree import children_by_token
 
@@ -108,14 +108,5 @@ def accept_choices(tokens: Sequence[int], parents: Sequence[int], choices: torch
     """The simulated target's acceptance (the signature of shared.acceptance.accept_tree):
     choices [n_nodes] holds the true next token after every node; from the root, follow the
     child that matches it; at the first miss, emit it. Sampling parameters do not change the truth."""
-    children = children_by_token(tokens, parents)
     truth: list[int] = choices.tolist()
-    path, emitted, node = [0], [], 0
-    while True:
-        token = truth[node]
-        emitted.append(token)
-        child = children[node].get(token)
-        if child is None:
-            return Acceptance(path, emitted)
-        path.append(child)
-        node = child
+    return walk(children_by_token(tokens, parents), truth.__getitem__)
