@@ -1,6 +1,6 @@
 """Fidelity of a simulation preset against the real stack, side by side (docs/simulation.md).
 
-    flock /tmp/specserve-timing.lock python bench/sim_fidelity.py [--preset cpu-demo] [--real-runs 2]
+    .venv/bin/python bench/sim_fidelity.py [--preset cpu-demo] [--real-runs 2]
 
 For each policy (none, chain:K, adaserve) and each load point, the real stack (bundled pair) and
 the simulated stack (`--simulate PRESET`) are started fresh (bench/sweep.py's Stack) with the SAME

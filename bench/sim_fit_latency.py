@@ -2,7 +2,7 @@
 bundled target and draft, in process, one torch thread (as `specserve up` runs each service on
 2 cores).
 
-    flock /tmp/specserve-timing.lock python bench/sim_fit_latency.py [--out bench/results/sim_fit_latency.json]
+    .venv/bin/python bench/sim_fit_latency.py [--out bench/results/sim_fit_latency.json]
 
 Each pass is n requests x k tree nodes at context c (every request prefilled to c tokens first,
 untimed; the tree is discarded after the call so the context stays c), plus single prefill chunks.

@@ -1,7 +1,7 @@
 """One gateway in front of N simulated target replicas at GPU-scale timings: the gateway's own
 scheduling time per iteration and its share of the iteration, at batch b per replica.
 
-    flock /tmp/specserve-timing.lock python bench/sim_scale.py [--preset llama2-7b-a100] [--targets 8]
+    .venv/bin/python bench/sim_scale.py [--preset llama2-7b-a100] [--targets 8]
         [--batches 1,32,128] [--policy adaserve]
 
 The services are simulated (docs/simulation.md): the target passes and draft steps take the
