@@ -44,6 +44,18 @@ def test_roofline_fit_reproduces_a_two_plane_table():
         assert fit.time_ms(t) == pytest.approx(ms, rel=0.02)
 
 
+def test_roofline_refits_from_live_samples_split_at_its_own_knee():
+    truth = Roofline((Plane(0.01, 0.0, 10.0), Plane(0.1, 0.0, 0.0)))
+    live = Roofline((Plane(1.0, 0.0, 0.0),), knee=111, refit_every=64)  # a wrong start
+    sizes = [1, 8, 16, 32, 64, 111, 128, 256, 512, 24, 48, 96, 200, 300, 400, 450]
+    for i in range(64):  # the last sample is a small pass: the split must not follow it
+        t = sizes[i % len(sizes)] if i < 63 else 8
+        live.observe(t, 0, truth.time_ms(t))
+    assert live.knee == 111
+    for t in (1, 64, 111, 256, 512):
+        assert live.time_ms(t) == pytest.approx(truth.time_ms(t), rel=0.02)
+
+
 def test_time2bs_is_the_inverse_of_the_roofline():
     r = Roofline((Plane(0.02, 1.0, 8.0), Plane(0.25, 1.0, 0.0)))
     for target in (9.0, 12.0, 20.0, 50.0, 200.0):

@@ -39,6 +39,7 @@ Sample = tuple[int, int, float]  # (tokens in the pass, spec steps, iteration ms
 @dataclass(slots=True)
 class Roofline:
     planes: tuple[Plane, ...]
+    knee: int = 1  # tokens: the planes split here when (re)fitted (the profile's budget B)
     window: int = 512  # live samples kept for the online refit
     refit_every: int = 64  # refit after this many new samples
     samples: deque[Sample] = field(default_factory=deque)
@@ -72,9 +73,9 @@ class Roofline:
         planes = [_plane(low, margin)]
         if len(high) >= 2 and len({s[0] for s in high}) >= 2:
             planes.append(_plane(high, margin))
-        return cls(tuple(planes))
+        return cls(tuple(planes), knee)
 
-    def observe(self, tokens: int, spec_steps: int, ms: float, knee: int) -> None:
+    def observe(self, tokens: int, spec_steps: int, ms: float) -> None:
         """A live sample (a whole iteration as the gateway timed it); refits every `refit_every`."""
         self.samples.append((tokens, spec_steps, ms))
         if len(self.samples) > self.window:
@@ -82,7 +83,7 @@ class Roofline:
         self._since_fit += 1
         if self._since_fit >= self.refit_every and len({s[0] for s in self.samples}) >= 3:
             self._since_fit = 0
-            self.planes = Roofline.fit(list(self.samples), knee).planes
+            self.planes = Roofline.fit(list(self.samples), self.knee).planes
 
 
 def _plane(samples: Sequence[Sample], margin: float) -> Plane:

@@ -94,10 +94,9 @@ class SloAdmission:
             st.gain += a * (max(s.emitted, 1) - st.gain)
         self.spec_steps += a * (depth - self.spec_steps)
         for rep in record.replicas:
-            if rep.failure is None and rep.replica in self.rooflines and (rep.prefill_tokens or rep.tree_nodes):
-                knee = max(1, rep.prefill_tokens + rep.tree_nodes)
-                self.rooflines[rep.replica].observe(rep.prefill_tokens + rep.tree_nodes, depth, record.total_ms,
-                                                    knee=max(knee, 8))
+            tokens = rep.prefill_tokens + rep.tree_nodes
+            if rep.failure is None and rep.replica in self.rooflines and tokens:
+                self.rooflines[rep.replica].observe(tokens, depth, record.total_ms)
 
     # ---- the proposal --------------------------------------------------------------------------
     def propose(self, view: SchedulerView, best_effort_ok: set[str], first_replica: int | None) -> Proposal:
@@ -283,7 +282,7 @@ def initial_roofline(latency: LatencyModel) -> Roofline:
     curve = latency.curve or [(8, latency.baseline_iteration_ms)]
     base = Roofline.fit([(t, 0, ms) for t, ms in curve], knee=max(1, latency.budget_tokens))
     overhead = max(0.0, latency.baseline_iteration_ms - base.time_ms(8))
-    return Roofline(tuple(Plane(p.k1, p.k2, p.b + overhead) for p in base.planes))
+    return Roofline(tuple(Plane(p.k1, p.k2, p.b + overhead) for p in base.planes), base.knee)
 
 
 __all__ = ["AdmissionCounts", "SloAdmission", "initial_roofline", "retry_after"]
