@@ -208,7 +208,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
     name = args.name or mode
     gateway_args = args.gateway_args.split()
     settings = dict(MODES[mode])
-    for key in ("rates", "duration_s", "runs", "chain_ks", "min_requests"):
+    for key in ("rates", "duration_s", "runs", "chain_ks", "min_requests", "solo_requests"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     out_dir = Path(args.out_dir or ROOT / "bench" / "results" / f"sweep-{name}")
@@ -616,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=None, help="seconds of arrivals per load point")
     ap.add_argument("--min-requests", type=int, default=None, help="fewest requests per load point")
     ap.add_argument("--runs", type=int, default=None, help="runs per point (medians are reported)")
+    ap.add_argument("--solo-requests", type=int, default=None, help="requests of the concurrency-1 point (first run)")
     ap.add_argument("--chain-ks", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="K values tried for chain:K (one value: no calibration)")
     ap.add_argument("--calibration-rate", type=float, default=1.0, help="the chain:K calibration's request rate")

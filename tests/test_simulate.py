@@ -37,6 +37,15 @@ def test_every_preset_loads_and_reproduces_its_table(name):
             assert model.pass_ms([(tokens, 0)]) == pytest.approx(ms + model.per_request_ms, rel=1e-12)
 
 
+def test_time_scale_multiplies_every_modelled_time():
+    base, slow = load_preset("llama2-7b-a100"), load_preset("llama2-7b-a100,time_scale=4")
+    entries = [(1, 300), (16, 900), (128, 0)]
+    for a, b in ((base.target, slow.target), (base.draft, slow.draft)):
+        assert b.tokens == a.tokens
+        assert b.pass_ms(entries) == pytest.approx(4 * a.pass_ms(entries), rel=1e-12)
+    assert slow.acceptance == base.acceptance
+
+
 def test_latency_model_is_piecewise_linear_in_tokens_and_linear_in_context():
     m = LatencyModel((1, 8, 64), (10.0, 12.0, 40.0), per_request_ms=0.5, per_context_token_us=2.0)
     assert m.table_ms(0) == 10.0 and m.table_ms(4) == pytest.approx(10 + 2 * 3 / 7)
@@ -163,7 +172,10 @@ def test_simulated_target_and_draft_agree_on_the_true_text():
 
 
 @pytest.mark.parametrize("spec,words", [("", "needs a preset"), ("no-such-preset", "unknown preset"),
-                                        ("missing.toml", "no such preset file")])
+                                        ("missing.toml", "no such preset file"),
+                                        ("cpu-demo,speed=2", "unknown override"),
+                                        ("cpu-demo,time_scale=fast", "must be a number"),
+                                        ("cpu-demo,time_scale=0", "must be > 0")])
 def test_a_bad_spec_is_one_clear_error(spec, words):
     with pytest.raises(PresetError, match=words):
         load_preset(spec)

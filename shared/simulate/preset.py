@@ -1,14 +1,18 @@
 """Presets: the latency and acceptance models of one simulated setting, from a TOML file.
 
 `--simulate SPEC` takes a preset name (a file presets/<name>.toml next to this module) or the path
-of a .toml file. Relative paths inside a preset are looked up next to it, then in the repository.
+of a .toml file, optionally followed by overrides: `NAME,time_scale=4` multiplies every modelled
+pass time (target and draft) by 4. A slowed clock keeps the model's shape and makes the gateway's
+own per-iteration CPU time 4x smaller beside it: the setting of a GPU server whose gateway has
+cores of its own, on a machine where it shares two (docs/simulation.md, "Time scale").
+Relative paths inside a preset are looked up next to it, then in the repository.
 Every preset says where its numbers come from (`sources`) and which are assumptions.
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +72,31 @@ def _latency(raw: Any, where: str) -> LatencyModel:
         raise PresetError(f"{where}: {exc}") from None
 
 
+def split_spec(spec: str) -> tuple[str, float]:
+    """'NAME[,time_scale=F]' -> (NAME, F); F defaults to 1."""
+    name, *overrides = spec.split(",")
+    scale = 1.0
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if key.strip() != "time_scale" or not sep:
+            raise PresetError(f"--simulate {spec}: unknown override {item!r} (known: time_scale=F)")
+        try:
+            scale = float(value)
+        except ValueError:
+            raise PresetError(f"--simulate {spec}: time_scale must be a number, got {value!r}") from None
+        if not 0 < scale < 1e6:
+            raise PresetError(f"--simulate {spec}: time_scale must be > 0, got {value}")
+    return name, scale
+
+
+def scaled(model: LatencyModel, scale: float) -> LatencyModel:
+    """Every time of the model multiplied by `scale`."""
+    return replace(model, ms=tuple(m * scale for m in model.ms), per_request_ms=model.per_request_ms * scale,
+                   per_context_token_us=model.per_context_token_us * scale, per_pair_ns=model.per_pair_ns * scale)
+
+
 def load_preset(spec: str) -> Preset:
+    spec, scale = split_spec(spec)
     path = resolve(spec)
     try:
         raw = tomllib.loads(path.read_text())
@@ -86,8 +114,8 @@ def load_preset(spec: str) -> Preset:
         raise PresetError(f"{where} [acceptance]: missing key {exc}") from None
     except (TypeError, ValueError) as exc:
         raise PresetError(f"{where} [acceptance]: {exc}") from None
-    target = _latency(raw.get("target"), f"{where} [target]")
-    draft = _latency(raw.get("draft"), f"{where} [draft]")
+    target = scaled(_latency(raw.get("target"), f"{where} [target]"), scale)
+    draft = scaled(_latency(raw.get("draft"), f"{where} [draft]"), scale)
     text = raw.get("text", {})
     corpus = tuple(_find(path, f, where) for f in text.get("corpus", DEFAULT_CORPUS))
     tokenizer = _find(path, text.get("tokenizer", "models/target/tokenizer.json"), where)
