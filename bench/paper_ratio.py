@@ -1,0 +1,123 @@
+"""AdaServe's headline ratio from a sweep: a policy's attainment and goodput over the best baseline's,
+at the rate where that baseline falls to 50 % attainment (AdaServe Figs. 4-5: up to 1.73x / 1.74x).
+
+    .venv/bin/python bench/paper_ratio.py bench/results/sweep-sim-7b-x4/sweep.json
+    .venv/bin/python bench/paper_ratio.py SWEEP_JSON --policies adaserve,slo-goodput --json out.json
+
+Method, on the medians over runs of each (policy, rate) point:
+- each baseline's 50 % rate: linear interpolation between the two sweep rates around the first fall
+  of its attainment to 50 % or below (the lowest rate if it is below 50 % there already, flagged);
+- the best baseline is the one whose 50 % rate is highest (it holds 50 % longest);
+- at that rate, every policy's attainment and goodput are interpolated the same way, and divided by
+  the baseline's (whose attainment there is 50 % by construction);
+- "up to": the largest ratio over the measured rates themselves, as the paper's "up to" reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep import SPECINFER_TREE, display, table  # noqa: E402
+
+BASELINE_PREFIXES = ("none", "chain:", "tree:")  # plain batching, fixed chains, the SpecInfer tree
+
+
+def interpolate(rates: list[float], values: list[float], at: float) -> float:
+    """Piecewise-linear value at `at` (held flat outside the rates)."""
+    if at <= rates[0]:
+        return values[0]
+    for (r0, v0), (r1, v1) in zip(zip(rates, values), zip(rates[1:], values[1:])):
+        if at <= r1:
+            return v0 + (v1 - v0) * (at - r0) / (r1 - r0)
+    return values[-1]
+
+
+def half_rate(rates: list[float], attainment: list[float]) -> tuple[float, str]:
+    """The rate where attainment first falls to 0.5, and a flag: '' (crossed), 'below' (under 0.5 at
+    the lowest rate) or 'above' (never fell to 0.5: the highest rate)."""
+    if attainment[0] <= 0.5:
+        return rates[0], "below"
+    for (r0, a0), (r1, a1) in zip(zip(rates, attainment), zip(rates[1:], attainment[1:])):
+        if a1 <= 0.5 < a0:
+            return r0 + (r1 - r0) * (a0 - 0.5) / (a0 - a1), ""
+    return rates[-1], "above"
+
+
+def ratios(results: dict, policies: list[str] | None = None) -> dict:
+    t = table(results)
+    rates = sorted(results["settings"]["rates"])
+
+    def series(policy: str, key: str) -> list[float]:
+        return [(t[policy][r][key] or {"median": 0.0})["median"] for r in rates]
+
+    baselines = [p for p in results["policies"] if p.startswith(BASELINE_PREFIXES)]
+    if not baselines:
+        raise SystemExit("error: the sweep has no baseline policy (none, chain:K or tree:...)")
+    halves = {b: half_rate(rates, series(b, "attainment")) for b in baselines}
+    best = max(baselines, key=lambda b: halves[b][0])
+    at, flag = halves[best]
+    base_att = interpolate(rates, series(best, "attainment"), at)
+    base_good = interpolate(rates, series(best, "goodput_tok_s"), at)
+    out = {"simulated": results["meta"].get("simulated"), "rates": rates, "best_baseline": best,
+           "half_rates": {display(b): {"rate": round(r, 3), "flag": f} for b, (r, f) in halves.items()},
+           "rate": round(at, 3), "flag": flag, "baseline_attainment": base_att, "baseline_goodput": base_good,
+           "policies": {}}
+    for p in policies or [p for p in results["policies"] if p not in baselines]:
+        if p not in t:
+            raise SystemExit(f"error: policy {p!r} is not in the sweep ({', '.join(results['policies'])})")
+        att, good = series(p, "attainment"), series(p, "goodput_tok_s")
+        b_att, b_good = series(best, "attainment"), series(best, "goodput_tok_s")
+        a_here, g_here = interpolate(rates, att, at), interpolate(rates, good, at)
+        out["policies"][p] = {
+            "attainment": a_here, "goodput": g_here,
+            "attainment_ratio": a_here / base_att if base_att else None,
+            "goodput_ratio": g_here / base_good if base_good else None,
+            "up_to_attainment": max((a / b for a, b in zip(att, b_att) if b > 0), default=None),
+            "up_to_goodput": max((g / b for g, b in zip(good, b_good) if b > 0), default=None)}
+    return out
+
+
+def markdown(r: dict) -> str:
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    note = {"": "", "below": " (below 50 % already at the lowest rate)",
+            "above": " (never fell to 50 %: the highest rate)"}[r["flag"]]
+    lines = [f"Best baseline: `{display(r['best_baseline'])}`, 50 % attainment at {r['rate']:g} req/s{note} "
+             f"(goodput there {r['baseline_goodput']:.0f} tok/s). 50 % rates of the baselines: "
+             + ", ".join(f"{b} {h['rate']:g}{' (' + h['flag'] + ')' if h['flag'] else ''}"
+                         for b, h in r["half_rates"].items()) + ".", "",
+             "| policy | attainment there | ratio | goodput there (tok/s) | ratio "
+             "| up to (attainment / goodput, measured rates) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for p, v in r["policies"].items():
+        lines.append(f"| {display(p)} | {100 * v['attainment']:.0f} % | {x(v['attainment_ratio'])} | "
+                     f"{v['goodput']:.0f} | {x(v['goodput_ratio'])} | {x(v['up_to_attainment'])} / "
+                     f"{x(v['up_to_goodput'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweep", help="a sweep.json written by bench/sweep.py")
+    ap.add_argument("--policies", default=None, help="semicolon-separated (default: every non-baseline policy); "
+                    f"the SpecInfer tree is {SPECINFER_TREE}")
+    ap.add_argument("--json", default=None, help="also write the ratios here")
+    args = ap.parse_args(argv)
+    path = Path(args.sweep)
+    if not path.is_file():
+        print(f"error: no such sweep file: {path}", file=sys.stderr)
+        return 2
+    r = ratios(json.loads(path.read_text()), args.policies.split(";") if args.policies else None)
+    print(markdown(r))
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
