@@ -246,7 +246,8 @@ def test_dashboard_and_alerts_name_only_exported_metrics(stack):
     titles = {p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]}
     for wanted in ("TTFT p50 / p99 per tier", "TPOT p50 / p99 per tier", "SLO attainment per tier", "Goodput per tier",
                    "Acceptance rate", "Mean accepted length", "Iteration time split", "Batch size and tokens per pass",
-                   "KV usage", "Queue length", "Requests per replica", "Target pass time p50 / p99 per replica"):
+                   "KV usage", "Queue length", "Requests per replica", "Target pass time p50 / p99 per replica",
+                   "Admission outcomes per tier", "Preemptions (best effort, by recompute)"):
         assert wanted in titles, wanted
 
 

@@ -74,7 +74,8 @@ EXPORTED = {
     "specserve:request_errors_total": ("counter", (*M, "code"), "Requests that ended in an error, by code."),
     "specserve:admission_total": ("counter", (*M, "tier", "outcome"),
                                   "SLO-aware admission outcomes by tier: declined (a replica's planner said no), "
-                                  "best_effort (admitted without an SLO) and refused (503)."),
+                                  "best_effort (admitted without an SLO) and refused (503); "
+                                  "zero under --admission fifo."),
     "specserve:replica_up": ("gauge", (*M, "replica"), "Whether the replica is up (1) or not (0)."),
     "specserve:replica_running": ("gauge", (*M, "replica"), "Requests running on the replica."),
     "specserve:replica_kv_usage_perc": ("gauge", (*M, "replica"),
@@ -242,6 +243,17 @@ def test_fresh_metrics_have_the_zero_series_dashboards_query():
                  "specserve:request_errors_total", "specserve:replica_up", "specserve:replica_running",
                  "specserve:replica_kv_usage_perc", "specserve:admission_total"):
         assert name not in present, name
+
+
+def test_primed_admission_series_are_zero_per_tier_and_outcome():
+    m = GatewayMetrics(MODEL)
+    m.prime_admission(["critical", "chat"])
+    s = parse(m.render())
+    for tier in ("critical", "chat"):
+        for outcome in ("declined", "best_effort", "refused"):
+            assert value(s, "specserve:admission_total", tier=tier, outcome=outcome) == 0, (tier, outcome)
+    m.on_admission("refused", {"chat": 2})
+    assert value(parse(m.render()), "specserve:admission_total", tier="chat", outcome="refused") == 2
 
 
 # ------------------------------------------------------------------------------------------------ values

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from specserve.gateway import spans
 from specserve.gateway.executor import Executor, Failure, TargetPass
-from specserve.gateway.metrics import GatewayMetrics
+from specserve.gateway.metrics import ADMISSION_OUTCOMES, GatewayMetrics
 from specserve.gateway.plan import (
     DraftView,
     IterationPlan,
@@ -317,7 +317,7 @@ class Engine:
         now = time.perf_counter()
         admission = self.scheduler.admission
         if admission is not None:
-            for outcome in ("declined", "best_effort", "refused"):
+            for outcome in ADMISSION_OUTCOMES:
                 self.metrics.on_admission(outcome, getattr(admission.last, outcome))
         for rid in plan.preempt:  # best effort giving its KV to SLO requests admitted below
             self._preempt(self.requests[rid])

@@ -64,6 +64,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's, created at start so dashboards see zeros
+ADMISSION_OUTCOMES = ("declined", "best_effort", "refused")  # specserve:admission_total's outcome label
 
 
 class _IterationCounters:
@@ -216,7 +217,9 @@ class GatewayMetrics:
                               (*m, "code"))
         self.admission = counter("specserve:admission_total",
                                  "SLO-aware admission outcomes by tier: declined (a replica's planner said no), "
-                                 "best_effort (admitted without an SLO) and refused (503).", (*m, "tier", "outcome"))
+                                 "best_effort (admitted without an SLO) and refused (503); "
+                                 "zero under --admission fifo.",
+                                 (*m, "tier", "outcome"))
         # ---- specserve: per replica, for a gateway in front of several
         self.replica_up = gauge("specserve:replica_up", "Whether the replica is up (1) or not (0).",
                                 (*m, "replica"))
@@ -270,6 +273,12 @@ class GatewayMetrics:
 
     def on_error(self, code: str) -> None:
         self.errors.labels(model_name=self.model_name, code=code).inc()
+
+    def prime_admission(self, tiers: Iterable[str]) -> None:
+        """Zero series of every (tier, outcome), so that dashboards see the tiers before the first event."""
+        for tier in tiers:
+            for outcome in ADMISSION_OUTCOMES:
+                self.admission.labels(model_name=self.model_name, tier=tier, outcome=outcome)
 
     def on_admission(self, outcome: str, counts: dict[str, int]) -> None:
         for tier, n in counts.items():

@@ -276,7 +276,9 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
                           admission=admission)
     limits = EngineLimits(config.max_running, config.max_prefill_tokens, max_waiting=config.max_waiting,
                           kv_lookahead_tokens=config.kv_lookahead_tokens)
-    engine = Engine(policy, scheduler, pool, GatewayMetrics(info.name), limits, config.call_timeout_s)
+    metrics = GatewayMetrics(info.name)
+    metrics.prime_admission(classes)
+    engine = Engine(policy, scheduler, pool, metrics, limits, config.call_timeout_s)
     await engine.start()
     rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None
     gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)
