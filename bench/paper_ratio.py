@@ -2,7 +2,8 @@
 at the rate where that baseline falls to 50 % attainment (AdaServe Figs. 4-5: up to 1.73x / 1.74x).
 
     .venv/bin/python bench/paper_ratio.py bench/results/sweep-sim-7b-x4/sweep.json
-    .venv/bin/python bench/paper_ratio.py SWEEP_JSON --policies adaserve,slo-goodput --json out.json
+    .venv/bin/python bench/paper_ratio.py SWEEP_JSON --policies 'adaserve;slo-goodput' --json out.json
+    .venv/bin/python bench/paper_ratio.py LOW/sweep.json HIGH/sweep.json   # two sweeps' rates as one
 
 Method, on the medians over runs of each (policy, rate) point:
 - each baseline's 50 % rate: linear interpolation between the two sweep rates around the first fall
@@ -81,6 +82,17 @@ def ratios(results: dict, policies: list[str] | None = None) -> dict:
     return out
 
 
+def merged(sweeps: list[dict]) -> dict:
+    """Several sweeps of the same policies (e.g. a second one at higher rates) as one."""
+    first = sweeps[0]
+    for other in sweeps[1:]:
+        if other["policies"] != first["policies"] or other["meta"].get("simulated") != first["meta"].get("simulated"):
+            raise SystemExit("error: the sweeps differ in policies or simulated preset; they cannot be merged")
+    rates = sorted({r for s in sweeps for r in s["settings"]["rates"]})
+    return first | {"settings": first["settings"] | {"rates": rates},
+                    "points": [p for s in sweeps for p in s["points"]]}
+
+
 def markdown(r: dict) -> str:
     def x(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}x"
@@ -103,16 +115,17 @@ def markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", help="a sweep.json written by bench/sweep.py")
+    ap.add_argument("sweeps", nargs="+", help="sweep.json files written by bench/sweep.py (same policies)")
     ap.add_argument("--policies", default=None, help="semicolon-separated (default: every non-baseline policy); "
                     f"the SpecInfer tree is {SPECINFER_TREE}")
     ap.add_argument("--json", default=None, help="also write the ratios here")
     args = ap.parse_args(argv)
-    path = Path(args.sweep)
-    if not path.is_file():
-        print(f"error: no such sweep file: {path}", file=sys.stderr)
+    missing = [p for p in args.sweeps if not Path(p).is_file()]
+    if missing:
+        print(f"error: no such sweep file: {missing[0]}", file=sys.stderr)
         return 2
-    r = ratios(json.loads(path.read_text()), args.policies.split(";") if args.policies else None)
+    sweep = merged([json.loads(Path(p).read_text()) for p in args.sweeps])
+    r = ratios(sweep, args.policies.split(";") if args.policies else None)
     print(markdown(r))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1) + "\n")

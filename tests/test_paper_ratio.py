@@ -49,3 +49,12 @@ def test_a_baseline_below_half_everywhere_is_flagged(paper_ratio):
     assert r["rate"] == 1.0 and r["flag"] == "below"
     assert r["policies"]["adaserve"]["attainment_ratio"] == pytest.approx(2.0)
     assert "below 50 % already" in paper_ratio.markdown(r)
+
+
+def test_two_sweeps_merge_into_one_rate_axis(paper_ratio):
+    low = _sweep({"none": [(0.9, 9.0), (0.8, 16.0)], "adaserve": [(1.0, 10.0), (0.9, 18.0)]}, rates=(1.0, 2.0))
+    high = _sweep({"none": [(0.3, 12.0)], "adaserve": [(0.6, 24.0)]}, rates=(4.0,))
+    r = paper_ratio.ratios(paper_ratio.merged([low, high]))
+    assert r["rates"] == [1.0, 2.0, 4.0] and r["rate"] == pytest.approx(2.0 + 2.0 * 0.3 / 0.5)
+    with pytest.raises(SystemExit, match="cannot be merged"):
+        paper_ratio.merged([low, _sweep({"none": [(0.3, 12.0)]}, rates=(4.0,))])
