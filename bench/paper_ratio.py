@@ -48,14 +48,15 @@ def half_rate(rates: list[float], attainment: list[float]) -> tuple[float, str]:
     return rates[-1], "above"
 
 
-def ratios(results: dict, policies: list[str] | None = None) -> dict:
+def ratios(results: dict, policies: list[str] | None = None,
+           baseline_prefixes: tuple[str, ...] = BASELINE_PREFIXES) -> dict:
     t = table(results)
     rates = sorted(results["settings"]["rates"])
 
     def series(policy: str, key: str) -> list[float]:
         return [(t[policy][r][key] or {"median": 0.0})["median"] for r in rates]
 
-    baselines = [p for p in results["policies"] if p.startswith(BASELINE_PREFIXES)]
+    baselines = [p for p in results["policies"] if p.startswith(baseline_prefixes)]
     if not baselines:
         raise SystemExit("error: the sweep has no baseline policy (none, chain:K or tree:...)")
     halves = {b: half_rate(rates, series(b, "attainment")) for b in baselines}
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("sweeps", nargs="+", help="sweep.json files written by bench/sweep.py (same policies)")
     ap.add_argument("--policies", default=None, help="semicolon-separated (default: every non-baseline policy); "
                     f"the SpecInfer tree is {SPECINFER_TREE}")
+    ap.add_argument("--baselines", default=",".join(BASELINE_PREFIXES),
+                    help="policy-name prefixes that are baselines (AdaServe's own: 'none,tree:')")
     ap.add_argument("--json", default=None, help="also write the ratios here")
     args = ap.parse_args(argv)
     missing = [p for p in args.sweeps if not Path(p).is_file()]
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no such sweep file: {missing[0]}", file=sys.stderr)
         return 2
     sweep = merged([json.loads(Path(p).read_text()) for p in args.sweeps])
-    r = ratios(sweep, args.policies.split(";") if args.policies else None)
+    r = ratios(sweep, args.policies.split(";") if args.policies else None, tuple(args.baselines.split(",")))
     print(markdown(r))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
