@@ -73,6 +73,15 @@ def test_markdown_tables(sweep, tmp_path):
     assert "B = 16 tokens per pass" in text and "critical 15.0 ms" in text
     assert "commit abc1234" in text
     assert "![attainment](figures/sweep-full-attainment.png)" in text
+    assert "SIMULATED" not in text
+
+
+def test_a_simulated_sweep_is_labelled_so(sweep, tmp_path):
+    results = _results("sim")
+    results["meta"]["simulated"] = "llama2-7b-a100,time_scale=4"
+    text = sweep.markdown(results, tmp_path / "figures", tmp_path / "benchmarks.md")
+    assert text.startswith("**SIMULATED** (`--simulate llama2-7b-a100,time_scale=4`)")
+    assert "--simulate 'llama2-7b-a100,time_scale=4'" in text
 
 
 def test_write_docs_replaces_only_its_section(sweep, tmp_path):
