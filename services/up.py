@@ -20,7 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from specserve.gateway.policy import policy_help
+from specserve.gateway.policy import DEFAULT_POLICY, policy_help
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.auth import ensure_secret
 from specserve.shared.ports import check_port_free
@@ -39,7 +39,7 @@ class UpConfig(Settings):
 
     host: str = option("127.0.0.1", "the gateway's HTTP host")
     port: int = option(8000, "the gateway's HTTP port (0: any free)")
-    policy: str = option("adaserve", f"the speculation policy: {policy_help()}")
+    policy: str = option(DEFAULT_POLICY, f"the speculation policy: {policy_help()}")
     targets: int = option(1, "target replicas to start (the gateway spreads requests over them)")
     model: str = option(default_factory=lambda: str(MODELS / "target"), help="target model directory")
     draft_model: str = option(default_factory=lambda: str(MODELS / "draft"), help="draft model directory")

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from specserve.gateway.policy import option_classes, policy_help
+from specserve.gateway.policy import DEFAULT_POLICY, option_classes, policy_help
 from specserve.gateway.routing import ROUTERS
 from specserve.shared.service_base import MODELS
 from specserve.shared.settings import Settings, option
@@ -40,7 +40,7 @@ class GatewayConfig(Settings):
     host: str = option("127.0.0.1", "HTTP host")
     port: int = option(8000, "HTTP port (0: any free; the ready line names it)")
     device: str = option("cpu", "the services' device (names the profile file)")
-    policy: str = option("adaserve", f"the speculation policy: {policy_help()}")
+    policy: str = option(DEFAULT_POLICY, f"the speculation policy: {policy_help()}")
     profile: str | None = option(None, "profile file from `specserve profile` (budget B, baseline latency; "
                                  "measured on first start if missing)",
                                  default_text="~/.cache/specserve/profile-<model>-<device>.json")

@@ -23,6 +23,7 @@ from specserve.gateway.policy.turbospec import TurboSpec
 from specserve.shared.settings import Settings, option
 
 SPECINFER_TREE = [1, 1, 3, 1, 1, 1, 1, 1]
+DEFAULT_POLICY = "adaserve"  # `--policy` of the gateway and of `specserve up` (docs/benchmarks.md: why this one)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -148,5 +149,5 @@ def make_policy(name: str, options: dict[type, Any] | None = None, **overrides: 
         raise ValueError(f"bad policy {name!r}: {exc}; choose one of: {', '.join(NAMES)}") from None
 
 
-__all__ = ["BatchView", "CandidateTree", "Decision", "NAMES", "Policy", "PolicySpec", "REGISTRY", "RequestView",
-           "Shape", "TreeOptions", "make_policy", "option_classes", "policy_help", "register"]
+__all__ = ["BatchView", "CandidateTree", "DEFAULT_POLICY", "Decision", "NAMES", "Policy", "PolicySpec", "REGISTRY",
+           "RequestView", "Shape", "TreeOptions", "make_policy", "option_classes", "policy_help", "register"]
