@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -288,6 +289,11 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     with port_in_use_as_error(config.port):
         await site.start()
     port = runner.addresses[0][1]
+    # What startup loaded (torch, transformers, the tokenizer: some 350,000 objects) lives as long as the
+    # process: take it out of the cyclic collector's generations, or every full collection walks it all
+    # again, a pause of tens of ms that lands in whichever iteration allocates (docs/simulation.md, Scale).
+    gc.collect()
+    gc.freeze()
     print(f"ready gateway http://{config.host}:{port}", flush=True)
     log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, latency.budget_tokens,
              latency.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
