@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import random
@@ -406,6 +407,22 @@ def test_detokenizer_matches_decode_on_random_ids(tokenizer):
         for skip in (True, False):
             pieces = stream(tokenizer, prompt, output, skip, rng)
             assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=skip)
+
+
+def test_detokenizer_calls_the_rust_decode_only_where_it_is_what_decode_does(tokenizer):
+    """The bundled tokenizer's decode is the Rust tokenizer's (the tests above check the text through
+    that path); a tokenizer class that overrides decode keeps its own."""
+    assert IncrementalDetokenizer(tokenizer, [])._backend_decode is not None
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    detok = IncrementalDetokenizer(shouting, [])
+    assert detok._backend_decode is None
+    assert detok.add(tokenizer.encode("hello world")) + detok.flush() == "HELLO WORLD"
 
 
 def test_detokenizer_emits_each_character_when_complete(tokenizer):

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.gateway")
 _json = msgspec.json.Encoder()
+# Allocations between two young-generation collections (CPython's default: 700). An iteration at 1,000
+# streams allocates tens of thousands of short-lived containers (messages, views, SSE chunks); at 700
+# many are caught alive mid-iteration, promoted, and the older generations then fill and get walked.
+GC_YOUNG_THRESHOLD = 50_000
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -294,6 +298,7 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     # again, a pause of tens of ms that lands in whichever iteration allocates (docs/simulation.md, Scale).
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     print(f"ready gateway http://{config.host}:{port}", flush=True)
     log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, latency.budget_tokens,
              latency.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
