@@ -66,7 +66,7 @@ def cpu_of(stack: Stack) -> dict[str, float | None]:
 
 def one_point(stack: Stack, tmp: Path, b: int, args: argparse.Namespace) -> dict:
     n = b * args.targets
-    cpu0, t0 = cpu_of(stack), time.perf_counter()
+    cpu0, t0, started = cpu_of(stack), time.perf_counter(), time.time()
     summary = bench_point(stack.url, tmp / f"b{b}.jsonl", f"b{b}", num_requests=n, max_concurrency=n,
                           max_tokens=args.max_tokens, mix="critical=1.0:short", timeout_s=1200)
     wall, cpu1 = time.perf_counter() - t0, cpu_of(stack)
@@ -77,7 +77,7 @@ def one_point(stack: Stack, tmp: Path, b: int, args: argparse.Namespace) -> dict
     return {"requests": n, "errors": summary["errors"], "iterations": iters, "iteration_ms": it["mean_ms"],
             "per_iteration_ms": per_iter, "share": it["share"], "tokens_per_step": summary["tokens_per_step"],
             "tpot_p50_ms": summary["tpot_p50_ms"], "throughput_tok_s": summary["throughput_tok_s"],
-            "wall_s": wall, "cpu_s": cpu,
+            "started_unix_s": started, "wall_s": wall, "cpu_s": cpu,
             "cpu_ms_per_iteration": {k: v / iters * 1e3 for k, v in cpu.items() if v is not None} if iters else {},
             "cores_busy": sum(v for v in cpu.values() if v is not None) / wall}
 
