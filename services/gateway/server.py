@@ -200,19 +200,38 @@ class Gateway:
 
         if chat:  # the role chunk first (anchors.md §3)
             await resp.write(chunk(None, None, role=True))
+        piece_chunk = framed(lambda text: chunk(text, None))
         async for piece in gen.pieces():
-            await resp.write(chunk(piece, None))
+            await resp.write(piece_chunk(piece))
+        end = []  # the last events go out in one write (one socket send instead of three)
         if gen.finish_reason == "error":
             err = {"error": {"message": gen.error, "type": "server_error", "param": None, "code": 500}}
-            await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+            end.append(b"data: " + _json.encode(err) + b"\n\n")
         else:
-            await resp.write(chunk(None, gen.finish_reason))
+            end.append(chunk(None, gen.finish_reason))
         if usage:
             last: dict[str, object] = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.req.report()}
-            await resp.write(b"data: " + _json.encode(last) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+            end.append(b"data: " + _json.encode(last) + b"\n\n")
+        end.append(b"data: [DONE]\n\n")
+        await resp.write(b"".join(end))
         await resp.write_eof()
         return resp
+
+
+_MARK = "\x00specserve-piece\x00"
+
+
+def framed(encode: Callable[[str], bytes]) -> Callable[[str], bytes]:
+    """`encode` (one text piece -> its SSE event) as the bytes around the piece, encoded once, with the
+    piece's JSON string between them: the same bytes (a JSON string encodes the same wherever it
+    stands) without building and encoding the whole event for every token. `encode` itself where
+    the marker does not appear exactly once in its output."""
+    template = encode(_MARK)
+    mark = _json.encode(_MARK)
+    if template.count(mark) != 1:
+        return encode
+    head, _, tail = template.partition(mark)
+    return lambda text: head + _json.encode(text) + tail
 
 
 # ---- process -------------------------------------------------------------------------------------
