@@ -4,6 +4,7 @@ parser gives the exported names, types, labels and help, and exact values after 
 from __future__ import annotations
 
 import math
+import random
 
 import prometheus_client
 import pytest
@@ -368,6 +369,35 @@ def test_itl_chunk_of_count_tokens_gives_count_observations_of_the_gap_over_coun
     assert value(s, "vllm:inter_token_latency_seconds_count") == 6
     assert value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(1.0)
     assert itl[0.4] == 5 and itl[0.5] == 6 and itl[math.inf] == 6
+
+
+def test_itl_histogram_renders_as_prometheus_clients_histogram_would():
+    """The ITL histogram is plain counts on the hot path (metrics._TokenHistogram); its lines in the
+    exposition are those of a prometheus_client Histogram given the same samples one token at a time:
+    values on every bound (le is inclusive), above the last, zero, chunks of several tokens."""
+    m = GatewayMetrics(MODEL)
+    registry = prometheus_client.CollectorRegistry()
+    ref = prometheus_client.Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                      "seconds.", M, registry=registry, buckets=TOKEN_LATENCY_BUCKETS)
+    series = ref.labels(model_name=MODEL)
+    rng = random.Random(0)
+    chunks = [(1, b) for b in TOKEN_LATENCY_BUCKETS] + [(2, 2 * b) for b in TOKEN_LATENCY_BUCKETS]
+    chunks += [(1, 0.0), (1, 81.0), (4, 1000.0), (3, 0.3)]
+    chunks += [(rng.randint(1, 6), rng.uniform(0.0, 3.0)) for _ in range(300)]
+    for count, gap in chunks:
+        m.on_tokens(count, gap)
+        for _ in range(count):
+            series.observe(gap / count)
+
+    def lines(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if "vllm:inter_token_latency_seconds" in ln and "_created" not in ln
+                and "_sum" not in ln]
+
+    want = exposition.generate_latest(registry).decode()
+    assert lines(m.render()) == lines(want)
+    got, ref_samples = parse(m.render()), parse(want)
+    assert value(got, "vllm:inter_token_latency_seconds_sum") == pytest.approx(
+        ref_samples[("vllm:inter_token_latency_seconds_sum", frozenset({"model_name": MODEL}.items()))], rel=1e-12)
 
 
 def test_histogram_buckets_are_cumulative_and_le_inclusive():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from specserve.gateway.detokenize import IncrementalDetokenizer, StopMatcher
@@ -21,6 +23,7 @@ from specserve.gateway.protocol import (
     prompt_of,
     sampling_of,
 )
+from specserve.gateway.server import framed
 
 TARGET = Path(__file__).resolve().parents[1] / "models" / "target"
 
@@ -406,6 +409,42 @@ def test_detokenizer_matches_decode_on_random_ids(tokenizer):
         for skip in (True, False):
             pieces = stream(tokenizer, prompt, output, skip, rng)
             assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=skip)
+
+
+def test_detokenizer_calls_the_rust_decode_only_where_it_is_what_decode_does(tokenizer):
+    """The bundled tokenizer's decode is the Rust tokenizer's (the tests above check the text through
+    that path); a tokenizer class that overrides decode keeps its own."""
+    assert IncrementalDetokenizer(tokenizer, [])._backend_decode is not None
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    detok = IncrementalDetokenizer(shouting, [])
+    assert detok._backend_decode is None
+    assert detok.add(tokenizer.encode("hello world")) + detok.flush() == "HELLO WORLD"
+
+
+def test_sse_piece_framing_gives_the_bytes_of_the_whole_event():
+    """server.framed: the event around a text piece encoded once; every piece gives the bytes the whole
+    event's encoding gives, and a marker that is not unique in the event falls back to encoding it whole."""
+    enc = msgspec.json.Encoder()
+    marker = "\x00specserve-piece\x00"
+    pieces = [*TEXTS, "", " ", '"quoted"', "back\\slash", marker, "\u2028\u2029", "\x7f\x1f"]
+    for model in ("demo", f'odd "model" {marker}', marker):
+        base = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model}
+        for chat in (False, True):
+            def whole(text: str, chat: bool = chat, base: dict = base) -> bytes:
+                choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None} if chat \
+                    else {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+                return b"data: " + enc.encode({**base, "choices": [choice]}) + b"\n\n"
+
+            fast = framed(whole)
+            assert (fast is whole) == (model == marker)  # the marker twice in the event: no template
+            for piece in pieces:
+                assert fast(piece) == whole(piece)
 
 
 def test_detokenizer_emits_each_character_when_complete(tokenizer):

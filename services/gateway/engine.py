@@ -351,7 +351,8 @@ class Engine:
 
     async def _speculate(self, plan: IterationPlan, decoding: list[GenRequest],
                          record: IterationRecord) -> dict[str, CandidateTree]:
-        trees = {r.rid: CandidateTree.root_only(r.output[-1]) for r in decoding}
+        """The draft's trees of the requests it answered; a request without one verifies its root alone."""
+        trees: dict[str, CandidateTree] = {}
         draft = self.pool.draft
         items = [self._speculate_item(r, plan) for r in decoding if plan.shapes[r.rid].depth > 0]
         if not items or draft is None or not draft.up:
@@ -384,7 +385,7 @@ class Engine:
                 self._resync_draft(r)
                 continue
             del r.draft_unsent[: sent[cand.rid]]
-            if trees is not None and cand.rid in trees:
+            if trees is not None:
                 trees[cand.rid] = CandidateTree(cand.tokens, cand.parents, cand.path_prob)
 
     def _draft_failed(self, failure: Failure | None, requests: list[GenRequest], record: IterationRecord) -> None:
@@ -414,9 +415,13 @@ class Engine:
     def _passes(self, plan: IterationPlan, decoding: list[GenRequest], trees: dict[str, CandidateTree],
                 record: IterationRecord) -> list[TargetPass]:
         selected: dict[str, list[int]] = {}
-        for batch in plan.batches:
-            group = {r.rid: trees[r.rid] for r in batch.requests if r.rid in trees}
-            if group:
+        if trees:  # a replica whose requests all have their root alone has nothing to select
+            decoding_of = {r.rid: r for r in decoding}
+            for batch in plan.batches:
+                if not any(r.rid in trees for r in batch.requests):
+                    continue
+                group = {r.rid: trees.get(r.rid) or CandidateTree.root_only(decoding_of[r.rid].output[-1])
+                         for r in batch.requests if r.rid in decoding_of}
                 model = self.pool.targets[batch.replica].latency
                 selected.update(self.policy.select(batch, group, model))
         by_replica: dict[int, TargetPass] = {}
@@ -440,7 +445,8 @@ class Engine:
             record.requests.append(RequestStep(r.rid, r.replica, prompt_tokens=n))
         for r in decoding:
             assert r.replica is not None
-            toks, parents = trees[r.rid].subtree(selected.get(r.rid, [0]))
+            tree = trees.get(r.rid)
+            toks, parents = tree.subtree(selected.get(r.rid, [0])) if tree is not None else ([r.output[-1]], [-1])
             pass_of(r.replica).verify.append(VerifyItem(r.rid, plan.step, r.committed, toks, parents))
             shape = plan.shapes[r.rid]
             record.requests.append(RequestStep(r.rid, r.replica, depth=shape.depth, width=shape.width,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -57,6 +58,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.gateway")
 _json = msgspec.json.Encoder()
+# Allocations between two young-generation collections (CPython's default: 700). An iteration at 1,000
+# streams allocates tens of thousands of short-lived containers (messages, views, SSE chunks); at 700
+# many are caught alive mid-iteration, promoted, and the older generations then fill and get walked.
+GC_YOUNG_THRESHOLD = 50_000
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -195,19 +200,38 @@ class Gateway:
 
         if chat:  # the role chunk first (anchors.md §3)
             await resp.write(chunk(None, None, role=True))
+        piece_chunk = framed(lambda text: chunk(text, None))
         async for piece in gen.pieces():
-            await resp.write(chunk(piece, None))
+            await resp.write(piece_chunk(piece))
+        end = []  # the last events go out in one write (one socket send instead of three)
         if gen.finish_reason == "error":
             err = {"error": {"message": gen.error, "type": "server_error", "param": None, "code": 500}}
-            await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+            end.append(b"data: " + _json.encode(err) + b"\n\n")
         else:
-            await resp.write(chunk(None, gen.finish_reason))
+            end.append(chunk(None, gen.finish_reason))
         if usage:
             last: dict[str, object] = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.req.report()}
-            await resp.write(b"data: " + _json.encode(last) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+            end.append(b"data: " + _json.encode(last) + b"\n\n")
+        end.append(b"data: [DONE]\n\n")
+        await resp.write(b"".join(end))
         await resp.write_eof()
         return resp
+
+
+_MARK = "\x00specserve-piece\x00"
+
+
+def framed(encode: Callable[[str], bytes]) -> Callable[[str], bytes]:
+    """`encode` (one text piece -> its SSE event) as the bytes around the piece, encoded once, with the
+    piece's JSON string between them: the same bytes (a JSON string encodes the same wherever it
+    stands) without building and encoding the whole event for every token. `encode` itself where
+    the marker does not appear exactly once in its output."""
+    template = encode(_MARK)
+    mark = _json.encode(_MARK)
+    if template.count(mark) != 1:
+        return encode
+    head, _, tail = template.partition(mark)
+    return lambda text: head + _json.encode(text) + tail
 
 
 # ---- process -------------------------------------------------------------------------------------
@@ -290,6 +314,12 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     with port_in_use_as_error(config.port):
         await site.start()
     port = runner.addresses[0][1]
+    # What startup loaded (torch, transformers, the tokenizer: some 350,000 objects) lives as long as the
+    # process: take it out of the cyclic collector's generations, or every full collection walks it all
+    # again, a pause of tens of ms that lands in whichever iteration allocates (docs/simulation.md, Scale).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     print(f"ready gateway http://{config.host}:{port}", flush=True)
     log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, latency.budget_tokens,
              latency.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})

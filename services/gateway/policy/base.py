@@ -10,6 +10,8 @@ Each gateway iteration the scheduler (scheduler.py) asks the policy:
    and asks `shapes` once per target replica, so most policies only write `shapes` and `select`.
 2. `select(batch, candidates, model)`, once per replica after the draft call: which nodes of each
    request's candidate tree the target verifies (node 0, the root, always; closed under parents).
+   A replica where the draft returned no tree (nobody speculated) is not asked: its requests verify
+   their roots alone.
 
 After the iteration, `observe(record)` gets the one `IterationRecord` (composition, per-request
 shapes and acceptance, the time split) that metrics and the latency models read too. The
