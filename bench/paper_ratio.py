@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sweep = merged([json.loads(Path(p).read_text()) for p in args.sweeps])
     r = ratios(sweep, args.policies.split(";") if args.policies else None, tuple(args.baselines.split(",")))
-    print(markdown(r))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
+    print(markdown(r))
     return 0
 
 
