@@ -27,10 +27,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # torch's rms_norm, in Hugging Face's order: in float32 it computes weight * (x * rsqrt(mean(x^2)
+        # + eps)) as HF does (bit-identical on CPU), in one call; other dtypes normalize in float32,
+        # cast, then scale, as HF does.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class FusedLinear(nn.Linear):
@@ -84,9 +87,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # q and k are adjacent heads of one row: RoPE rotates both at once.
+        qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.layer, kv_cache, meta, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
