@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = args.variant or [("current", os.environ.get("PYTHONPATH", ""))]
     passed = ["--calls", str(args.calls), "--warmup", str(args.warmup), "--context", str(args.context),
               "--threads", ",".join(map(str, args.threads)), "--dtype", args.dtype, "--models", str(args.models)]
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     rounds: list[dict[str, dict]] = []
     for i in range(args.rounds):
         row = {}
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append(row)
 
     lines = [f"1-token decode at {args.context} tokens of KV, {args.dtype}, ms: median over {args.rounds} rounds "
-             f"of each round's median of {args.calls} calls (min-max over rounds)", "",
+             f"of each round's median of {args.calls} calls (min-max over rounds); load average (1/5/15 min) "
+             f"before {load_before}, after " + " ".join(f"{x:.2f}" for x in os.getloadavg()), "",
              "| variant | threads | target ms | draft ms | target / draft |", "|---|---:|---:|---:|---:|"]
     medians: dict[tuple[str, int], dict[str, float]] = {}
     for name, _ in variants:
