@@ -6,6 +6,11 @@ are scattered into a padded [B, max_q] layout, keys and values are gathered from
 block by block into [B, max_blocks * block_size], and one masked SDPA call covers the group. The mask says
 exactly what each query may see: all of its request's committed context, plus the new tokens
 that precede it (chunk) or are its ancestors (tree), and nothing of other requests.
+
+The lean cases need less (batch.py decides): a group without padding skips the scatter and gather
+of its queries; a lone decode token or a lone first chunk has no mask at all (its keys are cut to
+its own length, the chunk is `is_causal`); single-token decodes of several requests get a mask
+that only cuts each one's keys at its length.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ class AttentionGroup:
     query_dest: torch.Tensor  # [Tg] int64: index of each query in the flattened [Bg * max_q] layout
     batch_size: int
     max_q: int
-    # [Bg, 1, max_q, max_kv] bool masks, keyed by sliding window (None = full attention).
+    # [Bg, 1, max_q, max_kv] bool masks, keyed by sliding window (None = full attention); broadcastable
+    # shapes allowed. Empty: no mask (a lone entry that sees all of its keys, cut to `kv_len`).
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    kv_len: int | None = None  # keys (tokens) each entry attends over; None = every gathered slot
+    causal: bool = False  # no mask, and the queries are the last kv_len keys' causal chunk from key 0
 
 
 @dataclass(slots=True)
@@ -65,12 +73,20 @@ def _group_attention(
     q: torch.Tensor, layer: int, kv_cache: KVCache, group: AttentionGroup, window: int | None
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    padded = q.new_zeros(group.batch_size * group.max_q, num_heads, head_dim)
-    padded.index_copy_(0, group.query_dest, q)
+    rows = group.batch_size * group.max_q
+    dense = rows == num_tokens  # no padding: the queries are already in the [Bg, max_q] layout
+    if dense:
+        padded = q
+    else:
+        padded = q.new_zeros(rows, num_heads, head_dim)
+        padded.index_copy_(0, group.query_dest, q)
     padded = padded.view(group.batch_size, group.max_q, num_heads, head_dim).transpose(1, 2)
     keys, values = kv_cache.gather(layer, group.block_table)
+    if group.kv_len is not None:
+        keys, values = keys[:, :, : group.kv_len], values[:, :, : group.kv_len]
     out = F.scaled_dot_product_attention(
-        padded, keys, values, attn_mask=group.masks[window], enable_gqa=num_heads != keys.shape[1]
+        padded, keys, values, attn_mask=group.masks[window] if group.masks else None, is_causal=group.causal,
+        enable_gqa=num_heads != keys.shape[1],
     )
-    out = out.transpose(1, 2).reshape(group.batch_size * group.max_q, num_heads, head_dim)
-    return out.index_select(0, group.query_dest)
+    out = out.transpose(1, 2).reshape(rows, num_heads, head_dim)
+    return out if dense else out.index_select(0, group.query_dest)

@@ -153,8 +153,12 @@ def build_inputs(
     earlier passes (they occupy the last of those slots).
 
     Everything but the token lists and the tree masks is computed with batched tensor ops: the
-    per-entry Python work is what limits large batches of single decode tokens.
+    per-entry Python work is what limits large batches of single decode tokens. The lean cases
+    (`_plain_inputs`) are built from Python ints instead, with no mask or a key-length one.
     """
+    plain = _plain_inputs(entries, starts, blocks, windows, device)
+    if plain is not None:
+        return plain
     lengths = [len(e.tokens) for e in entries]
     n = torch.tensor(lengths, dtype=torch.int64)
     start = torch.tensor(starts, dtype=torch.int64)
@@ -194,6 +198,60 @@ def build_inputs(
         logits_indices=_tensor(logits_indices, device),
         logits_splits=logits_splits,
         attention=AttentionMetadata(slot_mapping=slot_mapping.to(device), groups=groups),
+    )
+
+
+def _plain_inputs(
+    entries: Sequence[Entry], starts: Sequence[int], blocks: BlockManager, windows: set[int | None],
+    device: torch.device,
+) -> ModelInputs | None:
+    """The inputs of a pass that needs no tree mask, or None when it does not qualify.
+
+    Qualify: single-token decodes (one-token chunks or one-node trees) of any number of requests,
+    each attending over its whole context (a mask only cuts each one's keys at its own length, and at
+    a sliding window), or a lone request's first chunk (`is_causal`, no mask, if no window cuts it).
+    A lone decode inside every window has no mask at all: its keys are cut to its length.
+    """
+    if any(isinstance(e, DraftNodes) or (isinstance(e, Tree) and len(e.tokens) > 1) for e in entries):
+        return None
+    lengths = [len(e.tokens) for e in entries]
+    kv_lens = [s + n for s, n in zip(starts, lengths)]  # keys each entry sees: its context and itself
+    lone, decodes = len(entries) == 1, max(lengths) == 1
+    in_window = all(w is None or max(kv_lens) <= w for w in windows)  # no window cuts any query's keys
+    if not decodes and not (lone and starts[0] == 0 and in_window):
+        return None
+    bs = blocks.block_size
+    tables = [blocks.block_table(e.request_id) for e in entries]
+    max_blocks = max(len(t) for t in tables)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    logits_splits: list[int] = []
+    for entry, start, n, table in zip(entries, starts, lengths, tables):
+        logits_at = entry_logits_at(entry)
+        logits_indices.extend(len(input_ids) + i for i in logits_at)
+        logits_splits.append(len(logits_at))
+        input_ids.extend(entry.tokens)
+        positions.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+    block_table = _tensor([t + [0] * (max_blocks - len(t)) for t in tables], device)
+    batch, max_q = len(entries), lengths[0] if lone else 1
+    query_dest = torch.arange(batch * max_q, device=device)  # no padding: every entry has max_q queries
+    if lone and in_window:
+        group = AttentionGroup(None, block_table, query_dest, 1, max_q, {}, kv_len=kv_lens[0], causal=max_q > 1)
+    else:
+        key = torch.arange(max_blocks * bs, device=device)
+        kv_len = _tensor(kv_lens, device)[:, None]
+        visible = key < kv_len  # [B, max_kv]: the entry's context and its own token
+        masks = {w: (visible if w is None else visible & (key >= kv_len - w))[:, None, None] for w in windows}
+        group = AttentionGroup(None, block_table, query_dest, batch, 1, masks)
+    return ModelInputs(
+        input_ids=_tensor(input_ids, device),
+        positions=_tensor(positions, device),
+        logits_indices=_tensor(logits_indices, device),
+        logits_splits=logits_splits,
+        attention=AttentionMetadata(slot_mapping=_tensor(slots, device), groups=[group]),
     )
 
 
@@ -268,5 +326,5 @@ def _distance(
     return query_pos[:, :, None] - key_pos[:, None, :]
 
 
-def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
+def _tensor(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)

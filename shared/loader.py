@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specserve.shared.model import CausalLM
+from specserve.shared.model import CausalLM, checkpoint_views
 from specserve.shared.model_config import ModelConfig, ModelLoadError
 from specserve.shared.rope import inverse_frequencies
 
@@ -63,7 +63,8 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # Checkpoint name -> our parameter, or its rows in a fused one (q/k/v, gate/up).
+    params = checkpoint_views(model, remove_duplicate=False)
     if config.tie_word_embeddings:
         params.pop("lm_head.weight")
     missing = [name for name in params if name not in files]

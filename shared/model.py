@@ -1,10 +1,14 @@
 """A Llama-family decoder (Llama, Qwen2, Mistral) that runs on a paged KV cache.
 
-Module and parameter names follow Hugging Face's checkpoints (model.layers.N.self_attn.q_proj, ...)
-so a safetensors state dict loads without renaming.
+Module and parameter names follow Hugging Face's checkpoints (model.layers.N.self_attn.o_proj, ...),
+except that q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`) are each one fused projection: one
+matmul instead of three or two per layer. `checkpoint_views` maps every checkpoint tensor name
+(q_proj, k_proj, ... and their biases) onto the rows of our parameters it fills.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +27,43 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # torch's rms_norm, in Hugging Face's order: in float32 it computes weight * (x * rsqrt(mean(x^2)
+        # + eps)) as HF does (bit-identical on CPU), in one call; other dtypes normalize in float32,
+        # cast, then scale, as HF does.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class FusedLinear(nn.Linear):
+    """Several projections of one input as one matmul: `parts` are the checkpoint's module names
+    (q_proj, k_proj, v_proj) and their output sizes, stacked along the output rows in that order."""
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], bias: bool):
+        super().__init__(in_features, sum(size for _, size in parts), bias=bias)
+        self.parts = tuple(parts)
+
+
+def checkpoint_views(model: nn.Module, remove_duplicate: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor name of a Hugging Face checkpoint -> the parameter (or the rows of a fused
+    parameter) it is loaded into. Tied weights appear under their first name, or under each of
+    their names with remove_duplicate=False (as `named_parameters`)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    views: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
+        owner, _, kind = name.rpartition(".")
+        module = modules[owner]
+        if not isinstance(module, FusedLinear):
+            views[name] = param
+        elif kind == "weight":  # the parts in the checkpoint's order: each one's weight, then its bias
+            prefix, start = owner.rpartition(".")[0], 0
+            for part, size in module.parts:
+                views[f"{prefix}.{part}.weight"] = module.weight.narrow(0, start, size)
+                if module.bias is not None:
+                    views[f"{prefix}.{part}.bias"] = module.bias.narrow(0, start, size)
+                start += size
+    return views
 
 
 class Attention(nn.Module):
@@ -36,9 +73,9 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.window = config.sliding_windows[layer] if config.sliding_windows else None
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        parts = (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size))
+        self.qkv_proj = FusedLinear(h, parts, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_proj_bias)
 
     def forward(
@@ -50,10 +87,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # q and k are adjacent heads of one row: RoPE rotates both at once.
+        qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.layer, kv_cache, meta, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         return projected
@@ -63,12 +101,13 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b)
-        self.up_proj = nn.Linear(h, i, bias=b)
+        self.intermediate_size = i
+        self.gate_up_proj = FusedLinear(h, (("gate_proj", i), ("up_proj", i)), bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split((self.intermediate_size, self.intermediate_size), dim=-1)
+        down: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return down
 
 

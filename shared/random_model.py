@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from specserve.shared.model import CausalLM
+from specserve.shared.model import CausalLM, checkpoint_views
 from specserve.shared.model_config import ModelConfig
 
 # About 20M parameters: the size class of the demo target (issue 3), used by bench/.
@@ -54,7 +54,7 @@ def write_random_model(
     gen = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
     tensors = {}
-    for name, p in model.named_parameters():
+    for name, p in checkpoint_views(model).items():
         if name.endswith("norm.weight"):
             value = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         else:

@@ -86,15 +86,21 @@ class RotaryEmbedding(torch.nn.Module):
         self.attention_scaling = scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, head_dim] in `dtype` (computed in float32)."""
+        """positions [T] int64 -> cos, signed sin [T, 1, head_dim] in `dtype` (computed in float32).
+
+        The sin's first half is negated (rotate-half's sign), so `apply_rotary` needs no negation:
+        -a * b and a * -b are the same float, so the result is bit-identical to rotate_half's.
+        """
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    """x [T, heads, head_dim]; cos and signed sin [T, 1, head_dim] from `RotaryEmbedding.cos_sin`."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -261,6 +261,40 @@ def test_decode_token_by_token(hf_model: HFModel):
     assert_match(torch.cat(got), ref[8:], "decode")
 
 
+def test_decodes_of_several_requests_in_one_pass(hf_model: HFModel):
+    """The lean passes (batch.py's `_plain_inputs`): single-token decodes of requests with different
+    contexts in one pass (one-token chunks and one-node trees), each with a key-length mask; then a
+    lone decode and a lone first chunk with no mask at all. Contexts start inside Mistral's window of
+    6 and grow past it."""
+    runner = hf_model.runner()
+    prompts = {"a": tokens(30, 2), "b": tokens(31, 5), "c": tokens(32, 11)}
+    for rid, prompt in prompts.items():
+        (first,) = runner.forward([Chunk(rid, prompt, logits_at=[len(prompt) - 1])])
+        assert_match(first, hf_model.logits(prompt)[-1:], f"{rid} first chunk")
+    seqs = {rid: list(p) for rid, p in prompts.items()}
+    for step in range(6):
+        toks = tokens(40 + step, 3)
+        outs = runner.forward(
+            [Chunk("a", [toks[0]], logits_at=[0]), Tree("b", [toks[1]], [-1]), Chunk("c", [toks[2]], logits_at=[0])]
+        )
+        runner.commit_tree("b", [0])
+        for (rid, seq), tok, out in zip(seqs.items(), toks, outs):
+            seq.append(tok)
+            assert_match(out, hf_model.logits(seq)[-1:], f"{rid} decode {step}")
+    for step, tok in enumerate(tokens(50, 8)):  # "a" alone: context 8, past the window of 6
+        (out,) = runner.forward([Tree("a", [tok], [-1])])
+        runner.commit_tree("a", [0])
+        seqs["a"].append(tok)
+        assert_match(out, hf_model.logits(seqs["a"])[-1:], f"a alone {step}")
+    (short,) = runner.forward([Chunk("d", [7, 8, 9], logits_at=[0, 1, 2])])
+    assert_match(short, hf_model.logits([7, 8, 9]), "a lone first chunk within every window")
+    (alone,) = runner.forward([Chunk("d", [10], logits_at=[0])])
+    assert_match(alone, hf_model.logits([7, 8, 9, 10])[-1:], "a lone decode within every window")
+    for rid in ("a", "b", "c", "d"):
+        runner.release(rid)
+    assert runner.num_free_blocks == NUM_BLOCKS
+
+
 def test_tree_nodes_and_commit(hf_model: HFModel):
     runner = hf_model.runner()
     prompt = tokens(4, 11)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specserve.shared.batch import Chunk, Tree, attention_groups
+from specserve.shared.batch import Chunk, Tree, attention_groups, build_inputs
 from specserve.shared.random_model import TINY_CONFIG, write_random_model
 from specserve.shared.runner import ModelRunner, PendingTree
 
@@ -121,3 +121,41 @@ def test_bad_entries_are_refused_without_touching_state(model_dir, bad_entry, er
     # The runner keeps serving: the same request continues as if nothing happened.
     (logits,) = runner.forward([Chunk("a", [6], logits_at=[0])])
     assert logits.shape == (1, TINY_CONFIG["vocab_size"])
+
+
+def test_lean_passes_have_no_mask_or_a_key_length_one(model_dir):
+    """Masks only where a pass needs them: a lone decode or a lone first chunk has none (its keys
+    cut to its length; the chunk is causal), decodes of several requests a [B, 1, 1, keys] one that
+    ends each one's keys at its length, and a tree or a later chunk the full padded mask."""
+    runner = ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    runner.forward([Chunk("a", list(range(6))), Chunk("b", list(range(9)))])
+
+    def group(entries, starts):
+        runner.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
+        try:
+            inputs = build_inputs(entries, starts, runner.blocks, runner.windows, runner.device)
+        finally:
+            for e, s in zip(entries, starts):
+                if s:
+                    runner.blocks.truncate(e.request_id, s)
+                else:
+                    runner.blocks.free(e.request_id)
+        (g,) = inputs.attention.groups
+        return g, inputs
+
+    lone, inputs = group([Tree("a", [3], [-1])], [6])
+    assert (lone.masks, lone.kv_len, lone.causal) == ({}, 7, False)
+    assert inputs.positions.tolist() == [6] and inputs.attention.slot_mapping.tolist() == [
+        runner.blocks.block_table("a")[1] * BLOCK_SIZE + 2]
+    first, _ = group([Chunk("c", [1, 2, 3])], [0])
+    assert (first.masks, first.kv_len, first.causal) == ({}, 3, True)
+    both, inputs = group([Chunk("a", [1], logits_at=[0]), Tree("b", [2], [-1])], [6, 9])
+    (mask,) = both.masks.values()
+    assert mask.shape == (2, 1, 1, 12) and not both.causal and both.kv_len is None
+    assert mask[:, 0, 0].sum(-1).tolist() == [7, 10] and mask[0, 0, 0, :7].all() and mask[1, 0, 0, :10].all()
+    assert inputs.positions.tolist() == [6, 9] and inputs.logits_indices.tolist() == [0, 1]
+    tree, _ = group([Tree("a", [1, 2, 3], [-1, 0, 0])], [6])
+    later, _ = group([Chunk("a", [1, 2])], [6])
+    for g in (tree, later):
+        (mask,) = g.masks.values()
+        assert mask.shape[2] == g.max_q > 1 and g.kv_len is None and not g.causal
