@@ -159,18 +159,21 @@ class RpcServer:
         self.frame_timeout_s = frame_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self._server: asyncio.AbstractServer | None = None
+        self._socket_path: str | None = None  # the Unix socket this server made; removed by close()
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._unauthenticated: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # oldest first
 
     async def start(self, address: str) -> str:
         """Listen; return the bound address (with the real port when port 0 was asked for).
-        A TCP port that is taken raises ports.PortInUse."""
+        A TCP port that is taken raises ports.PortInUse. A Unix socket path replaces a stale file
+        there, and close() removes it."""
         host, port = parse_address(address)
         if host == "unix":
             path = cast(str, port)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             self._server = await asyncio.start_unix_server(self._serve, path=path, limit=2**20)
+            self._socket_path = path
             return address
         with port_in_use_as_error(cast(int, port)):
             self._server = await asyncio.start_server(self._serve, host, port, limit=2**20)
@@ -185,6 +188,10 @@ class RpcServer:
             if self._connections:
                 await asyncio.wait(list(self._connections), timeout=5)
             await self._server.wait_closed()
+        if self._socket_path is not None:  # no socket file is left behind (Python 3.13 would do it itself)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._socket_path)
+            self._socket_path = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = cast("asyncio.Task[None]", asyncio.current_task())  # never None inside a connection's task

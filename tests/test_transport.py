@@ -624,3 +624,20 @@ def test_a_peer_that_resets_right_after_accepting_is_a_transport_error_under_uvl
                 await client.close()
 
     uvloop.run(asyncio.wait_for(main(), 5))
+
+
+def test_a_unix_server_replaces_a_stale_socket_file_and_removes_its_own_on_close(tmp_path):
+    path = tmp_path / "rpc.sock"
+    path.write_bytes(b"")  # a file left by a service that was killed
+
+    async def main():
+        server = RpcServer(echo)
+        await server.start(f"unix:{path}")
+        client = await RpcClient.connect(f"unix:{path}")
+        assert await client.call(Health(), HealthReply) == (HEALTHY, {})
+        await client.close()
+        await server.close()
+
+    run(main())
+    assert not path.exists()
+
