@@ -641,3 +641,30 @@ def test_a_unix_server_replaces_a_stale_socket_file_and_removes_its_own_on_close
     run(main())
     assert not path.exists()
 
+
+def test_a_call_writes_its_frame_before_it_first_yields():
+    """The Forward leaves in the caller's own turn of the event loop, not after every other ready task
+    (SSE writers, the next turn's callbacks); only the reply is awaited."""
+    import socket
+
+    async def main():
+        ours, peer = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        client = RpcClient(reader, writer, "socketpair")
+        try:
+            call = client.call(Health(), HealthReply)
+            pending = call.send(None)  # run the call up to its first suspension, and no further
+            peer.setblocking(False)
+            sent = peer.recv(65536)  # BlockingIOError if nothing was written yet
+            assert sent == frame_bytes(1, Health())
+            peer.sendall(frame_bytes(1, HEALTHY))
+            while not pending.done():  # the reply task reads the reply; then the call can finish
+                await asyncio.sleep(0.01)
+            with pytest.raises(StopIteration) as done:
+                call.send(None)
+            assert done.value.value == (HEALTHY, {})
+        finally:
+            await client.close()
+            peer.close()
+
+    run(main())
