@@ -11,12 +11,13 @@ four time shares (docs/architecture.md, "The iteration record"): transport (the 
 beyond the services' own `total_ms`) and schedule (everything outside the calls). Medians and
 min-max over rounds go to bench/results/call_cost.json and a markdown table on stdout.
 
-The earlier version runs from a checkout given by --baseline (e.g. `git archive ce10816 | tar -x -C
-/tmp/base`); its packages are put first on PYTHONPATH through a symlink tree, so both versions
-share this venv. Its services take `--unix-socket` too, so its Unix row isolates the socket kind
-from the code changes.
+The earlier version runs from a checkout given by --baseline (e.g. `git archive ce10816 services
+shared | tar -x -C /tmp/base`, with a `models` link to this checkout's); its packages are put first
+on PYTHONPATH through a symlink tree, so both versions share this venv. Its services take
+`--unix-socket` too, so its Unix row isolates the socket kind from the code changes. `--checkout`
+runs the later version from a frozen copy the same way.
 
-    .venv/bin/python bench/call_cost.py --baseline /tmp/base --rounds 3
+    .venv/bin/python bench/call_cost.py --baseline /tmp/base [--checkout /tmp/head] --rounds 3
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ async def one_at_a_time(url: str, requests: int, tokens: int) -> dict[str, float
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="a checkout of the earlier version")
+    ap.add_argument("--checkout", help="a checkout of the later version (default: this one), e.g. a frozen copy "
+                    "of a commit, so that editing this one during the run changes nothing")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--policies", default="none,chain:4")
     ap.add_argument("--requests", type=int, default=4, help="requests per point, one at a time")
@@ -118,12 +121,15 @@ def main() -> int:
     ap.add_argument("--gateway-args", default="")
     ap.add_argument("--out", default=str(ROOT / "bench/results/call_cost.json"))
     args = ap.parse_args()
-    base = str(package_tree(Path(args.baseline).resolve()))
-    base_rev = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or Path(args.baseline).name
-    head_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-    versions: dict[str, str | None] = {f"before ({base_rev})": base, f"after ({head_rev}+)": None}
+    def revision(checkout: str) -> str:  # a git checkout's short commit, else the directory's name
+        return subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or Path(checkout).name
+
+    base_rev = revision(args.baseline)
+    head_rev = revision(args.checkout or str(ROOT))
+    versions: dict[str, str | None] = {
+        f"before ({base_rev})": str(package_tree(Path(args.baseline).resolve())),
+        f"after ({head_rev})": str(package_tree(Path(args.checkout).resolve())) if args.checkout else None}
     points = [(v, kind) for v in versions for kind in ("tcp", "unix")]
     policies = args.policies.split(",")
     rows: list[dict] = []
@@ -156,7 +162,8 @@ def main() -> int:
             summary.append({"policy": policy, "version": version, "socket": kind,
                             **{k: stat(k) for k in ("transport_schedule_ms", "transport_ms", "schedule_ms",
                                                     "iteration_ms", "draft_ms", "target_ms")}})
-    run_args = relative_paths(vars(args) | {"baseline": f"a checkout of {base_rev}"})  # no machine paths
+    run_args = relative_paths(vars(args) | {"baseline": f"a checkout of {base_rev}",  # no machine paths
+                                            "checkout": f"a checkout of {head_rev}"})
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": run_args}, indent=1))
     print("| policy | version | services on | transport + schedule, ms / iteration | transport | schedule | "
           "vs before, TCP | iteration ms |")
