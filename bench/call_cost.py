@@ -4,10 +4,11 @@ against an earlier one, side by side in one run (issue 17, "cheaper calls").
 For each round, each version and each socket kind (the order alternates by round, so drift hits
 all alike), a fresh target and draft of that version (one torch thread each, bundled pair, float32)
 listen on loopback TCP or on Unix sockets in a private directory (`ServiceProcess(unix=True)`, what
-`specserve up` does); then per policy a gateway of that version serves `--requests` streamed
-requests of `--tokens` tokens one after another (ignore_eos, one short prompt), after one warm-up
-request. The gateway's counters before and after give, per engine iteration, the mean of its
-four time shares (docs/architecture.md, "The iteration record"): transport (the calls' time
+`specserve up` does), and the later version once more on Unix sockets with `--inline-tokens 0`
+(every model call on the model thread, as before); then per policy a gateway of that version
+serves `--requests` streamed requests of `--tokens` tokens one after another (ignore_eos, one
+short prompt), after one warm-up request. The gateway's counters before and after give, per engine
+iteration, the mean of its four time shares (docs/architecture.md, "The iteration record"): transport (the calls' time
 beyond the services' own `total_ms`) and schedule (everything outside the calls). Medians and
 min-max over rounds go to bench/results/call_cost.json and a markdown table on stdout.
 
@@ -46,13 +47,13 @@ PARTS = ("draft", "target", "transport", "schedule")
 
 
 class Services:
-    """A target and a draft of one version (PYTHONPATH), on TCP or Unix sockets."""
+    """A target and a draft of one version (PYTHONPATH), on TCP or Unix sockets, with extra flags."""
 
-    def __init__(self, pythonpath: str | None, unix: bool):
+    def __init__(self, pythonpath: str | None, unix: bool, flags: tuple[str, ...] = ()):
         self.pythonpath = pythonpath
         with _pythonpath(pythonpath):
-            self.target = ServiceProcess("target", threads=1, unix=unix)
-            self.draft = ServiceProcess("draft", threads=1, unix=unix)
+            self.target = ServiceProcess("target", *flags, threads=1, unix=unix)
+            self.draft = ServiceProcess("draft", *flags, threads=1, unix=unix)
 
     def gateway(self, policy: str, profile: str, gateway_args: list[str]) -> ServiceProcess:
         with _pythonpath(self.pythonpath):
@@ -130,12 +131,16 @@ def main() -> int:
     versions: dict[str, str | None] = {
         f"before ({base_rev})": str(package_tree(Path(args.baseline).resolve())),
         f"after ({head_rev})": str(package_tree(Path(args.checkout).resolve())) if args.checkout else None}
-    points = [(v, kind) for v in versions for kind in ("tcp", "unix")]
+    after = list(versions)[1]
+    # (version, socket kind, the services' extra flags): every version on both kinds, and the later one
+    # on Unix sockets with every model call on the model thread (no inline calls), which isolates that change
+    points: list[tuple[str, str, tuple[str, ...]]] = [(v, kind, ()) for v in versions for kind in ("tcp", "unix")]
+    points.append((after, "unix", ("--inline-tokens", "0")))
     policies = args.policies.split(",")
     rows: list[dict] = []
     for rnd in range(args.rounds):
-        for version, kind in (points if rnd % 2 == 0 else list(reversed(points))):
-            services = Services(versions[version], unix=kind == "unix")
+        for version, kind, flags in (points if rnd % 2 == 0 else list(reversed(points))):
+            services = Services(versions[version], unix=kind == "unix", flags=flags)
             try:
                 for policy in policies:
                     gateway = services.gateway(policy, args.profile, args.gateway_args.split())
@@ -144,35 +149,38 @@ def main() -> int:
                         r = asyncio.run(one_at_a_time(gateway.address, args.requests, args.tokens))
                     finally:
                         gateway.stop()
-                    rows.append({"round": rnd, "version": version, "socket": kind, "policy": policy, **r})
-                    print(f"round {rnd} {version} {kind} {policy}: transport {r['transport_ms']:.3f} + schedule "
-                          f"{r['schedule_ms']:.3f} ms/iteration of {r['iteration_ms']:.2f}, "
-                          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                    rows.append({"round": rnd, "version": version, "socket": kind, "flags": " ".join(flags),
+                                 "policy": policy, **r})
+                    print(f"round {rnd} {version} {kind} {' '.join(flags)} {policy}: transport "
+                          f"{r['transport_ms']:.3f} + schedule {r['schedule_ms']:.3f} ms/iteration of "
+                          f"{r['iteration_ms']:.2f}, {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             finally:
                 services.stop()
     summary = []
     for policy in policies:
-        for version, kind in points:
-            got = [r for r in rows if (r["policy"], r["version"], r["socket"]) == (policy, version, kind)]
+        for version, kind, flags in points:
+            got = [r for r in rows if (r["policy"], r["version"], r["socket"], r["flags"]) ==
+                   (policy, version, kind, " ".join(flags))]
 
             def stat(key: str, got: list[dict] = got) -> dict[str, float]:
                 values = [r[key] for r in got]
                 return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
-            summary.append({"policy": policy, "version": version, "socket": kind,
+            summary.append({"policy": policy, "version": version, "socket": kind, "flags": " ".join(flags),
                             **{k: stat(k) for k in ("transport_schedule_ms", "transport_ms", "schedule_ms",
                                                     "iteration_ms", "draft_ms", "target_ms")}})
     run_args = relative_paths(vars(args) | {"baseline": f"a checkout of {base_rev}",  # no machine paths
                                             "checkout": f"a checkout of {head_rev}"})
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "args": run_args}, indent=1))
-    print("| policy | version | services on | transport + schedule, ms / iteration | transport | schedule | "
-          "vs before, TCP | iteration ms |")
+    print("| policy | version | services on | transport + schedule, ms / iteration, median (min-max) | transport | "
+          "schedule | vs before, TCP | iteration ms |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for s in summary:
         ref = next(x for x in summary if x["policy"] == s["policy"] and x["socket"] == "tcp"
                    and x["version"] == next(iter(versions)))
         ts = s["transport_schedule_ms"]
-        print(f"| {s['policy']} | {s['version']} | {s['socket']} | {ts['median']:.3f} ({ts['min']:.3f}-{ts['max']:.3f})"
+        where = s["socket"] + (f", {s['flags']}" if s["flags"] else "")
+        print(f"| {s['policy']} | {s['version']} | {where} | {ts['median']:.3f} ({ts['min']:.3f}-{ts['max']:.3f})"
               f" | {s['transport_ms']['median']:.3f} | {s['schedule_ms']['median']:.3f} | "
               f"{ts['median'] / ref['transport_schedule_ms']['median']:.2f}x | {s['iteration_ms']['median']:.1f} |")
     return 0
