@@ -98,6 +98,7 @@ def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port(
         assert not survivors, f"still running after up was killed: {survivors}"
         sockets = [Path(up.draft.removeprefix("unix:")), Path(up.target.removeprefix("unix:"))]
         assert not [p for p in sockets if p.exists()]  # each service removed its own socket as it stopped
+        sockets[0].parent.rmdir()  # a killed `up` could not remove its (now empty) directory
     finally:
         for pid in pids.values():  # only the processes this test started
             if _alive(pid):
