@@ -1,10 +1,11 @@
 """`specserve up`: target, draft and gateway as three processes, health-checked, stopped together.
 
 The draft and target listen on Unix sockets in a private temporary directory (mode 0700), removed
-when `up` exits: on one host a call costs less through them than through loopback TCP
-(docs/benchmarks.md). `--tcp-services` gives them fixed free TCP ports instead. Either way the
-address is fixed, so that a service that crashes is restarted on the same address and the gateway
-reconnects to it. The gateway's HTTP API is TCP (`--host`, `--port`).
+when `up` exits (the services remove their own sockets, so a SIGKILLed `up` leaves it empty): on
+one host a call costs less through them than through loopback TCP (docs/benchmarks.md).
+`--tcp-services` gives them fixed free TCP ports instead. Either way the address is fixed, so that
+a service that crashes is restarted on the same address and the gateway reconnects to it. The
+gateway's HTTP API is TCP (`--host`, `--port`).
 
 Ctrl-C (SIGINT to the process group) or SIGTERM stops all three: the gateway first, then the draft
 and the target. The three die with `up` even when it is killed outright (SIGKILL): see
