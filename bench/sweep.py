@@ -90,7 +90,8 @@ class Stack:
 
         def start(kind: str) -> None:
             try:
-                started[kind] = ServiceProcess(kind.split("-")[0], *sim, threads=threads)
+                # on Unix sockets, as `specserve up` runs them on one host
+                started[kind] = ServiceProcess(kind.split("-")[0], *sim, threads=threads, unix=True)
             except Exception as exc:  # reported below, after both have had their chance
                 started[kind] = exc
 

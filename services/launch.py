@@ -3,6 +3,11 @@
 A service prints one line, "ready <name> <address>", once its socket is open (port 0 picks a free
 port, and the line carries the real one). Tests, benchmarks and `specserve up` use this.
 
+Services on the same host as their gateway can listen on Unix sockets instead of TCP ports (cheaper
+per call, and no port to find): `SocketDir` is a private directory for them (mode 0700, removed
+with its sockets by `cleanup()`), and `ServiceProcess(..., unix=True)` puts a draft or target on a
+socket in a directory of its own, removed by `stop()`.
+
 A child started here shares this process's secret (shared/auth.py; one is made up and put into
 os.environ if none is set, so that this process's own clients find it too) and dies with this
 process, even on SIGKILL (shared/lifeline.py). Both travel in the environment, never on the
@@ -13,9 +18,11 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 from specserve.shared.auth import ensure_secret
@@ -32,9 +39,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+# Linux's limit on a Unix socket path is 108 bytes (sun_path), the terminating NUL included.
+MAX_SOCKET_PATH = 107
+
+
+class SocketDir:
+    """A private directory (mode 0700, under TMPDIR) for the Unix sockets of services on this host."""
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="specserve-")
+
+    def socket(self, name: str) -> str:
+        """The path of `name`'s socket; a path over Linux's limit is a RuntimeError naming the cure."""
+        path = os.path.join(self.path, f"{name}.sock")
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise RuntimeError(f"the Unix socket path {path!r} is longer than {MAX_SOCKET_PATH} bytes: set TMPDIR "
+                               "to a shorter directory, or use TCP ports (--tcp-services)")
+        return path
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 class ServiceProcess:
     def __init__(self, kind: str, *args: str, threads: int = 1, log_level: str = "WARNING",
-                 inherit_stderr: bool = False):
+                 inherit_stderr: bool = False, unix: bool = False):
+        """unix: a draft or target listens on a Unix socket in a private directory of its own (removed
+        by stop()) instead of a TCP port; its address is then `unix:/path`."""
+        self.socket_dir = SocketDir() if unix else None
+        if self.socket_dir is not None:
+            args = (*args, "--unix-socket", self.socket_dir.socket(kind))
         cmd = [sys.executable, "-m", "specserve.cli", kind, "--port", "0", "--threads", str(threads), *args]
         self.secret = ensure_secret()  # the services' shared secret, inherited through os.environ
         env = child_environment(dict(os.environ, SPECSERVE_LOG_LEVEL=log_level))
@@ -61,7 +95,7 @@ class ServiceProcess:
         return self.proc.poll() is None
 
     def stop(self) -> int:
-        """SIGTERM, then SIGKILL after 20 s; returns the exit status."""
+        """SIGTERM, then SIGKILL after 20 s; returns the exit status. Removes its socket directory."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -69,4 +103,6 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.socket_dir is not None:
+            self.socket_dir.cleanup()
         return self.proc.returncode

@@ -1,9 +1,15 @@
 """`specserve up`: target, draft and gateway as three processes, health-checked, stopped together.
 
-The draft and target get fixed free ports, so that a service that crashes is restarted on the same
-address and the gateway reconnects to it. Ctrl-C (SIGINT to the process group) or SIGTERM stops
-all three: the gateway first, then the draft and the target. The three die with `up` even when it
-is killed outright (SIGKILL): see shared/lifeline.py.
+The draft and target listen on Unix sockets in a private temporary directory (mode 0700), removed
+when `up` exits (the services remove their own sockets, so a SIGKILLed `up` leaves it empty): on
+one host a call costs less through them than through loopback TCP (docs/benchmarks.md).
+`--tcp-services` gives them fixed free TCP ports instead. Either way the address is fixed, so that
+a service that crashes is restarted on the same address and the gateway reconnects to it. The
+gateway's HTTP API is TCP (`--host`, `--port`).
+
+Ctrl-C (SIGINT to the process group) or SIGTERM stops all three: the gateway first, then the draft
+and the target. The three die with `up` even when it is killed outright (SIGKILL): see
+shared/lifeline.py.
 
 The services accept only connections that prove the shared secret (shared/auth.py): `up` makes a
 random one when neither SPECSERVE_SECRET_FILE nor SPECSERVE_SECRET is set, and its children get it
@@ -21,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from specserve.gateway.policy import DEFAULT_POLICY, policy_help
-from specserve.launch import ServiceProcess, free_port
+from specserve.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.auth import ensure_secret
 from specserve.shared.ports import check_port_free
 from specserve.shared.service_base import MODELS, default_threads
@@ -53,6 +59,8 @@ class UpConfig(Settings):
     simulate: str | None = option(None, "simulated model services: no weights, passes modelled by this preset "
                                   "(cpu-demo, llama2-7b-a100, llama2-70b-4xa100, or a .toml file; docs/simulation.md)")
     restart: bool = option(True, "do not restart a draft or target service that exits", negate=True)
+    tcp_services: bool = option(False, "the gateway reaches the draft and target over loopback TCP ports instead "
+                                "of Unix sockets in a private temporary directory")
     gateway_args: list[str] = option(default_factory=list, remainder=True,
                                      help="after --: more gateway flags (e.g. -- --budget 32 --slo-class gold=20)")
 
@@ -84,8 +92,11 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stopping.set())
     common = ["--device", config.device, "--dtype", config.dtype]
     targets = ["target"] if config.targets == 1 else [f"target-{i}" for i in range(config.targets)]
-    specs = {name: ["target", "--model", config.model, *common, *sim, "--port", str(free_port())] for name in targets}
-    specs["draft"] = ["draft", "--model", config.draft_model, *common, *sim, "--port", str(free_port())]
+    sockets = None if config.tcp_services else SocketDir()
+
+    def listen(name: str) -> list[str]:  # the same address on every (re)start
+        return ["--port", str(free_port())] if sockets is None else ["--unix-socket", sockets.socket(name)]
+
     procs: dict[str, ServiceProcess] = {}
 
     def start(name: str) -> ServiceProcess:
@@ -97,6 +108,8 @@ def main(args: argparse.Namespace) -> int:
         return proc
 
     try:
+        specs = {name: ["target", "--model", config.model, *common, *sim, *listen(name)] for name in targets}
+        specs["draft"] = ["draft", "--model", config.draft_model, *common, *sim, *listen("draft")]
         for name in [*targets, "draft"]:
             procs[name] = start(name)
         extra = [a for a in config.gateway_args if a != "--"]
@@ -129,6 +142,8 @@ def main(args: argparse.Namespace) -> int:
         for name in ["gateway", "draft", *targets]:
             if name in procs:
                 procs[name].stop()
+        if sockets is not None:
+            sockets.cleanup()
         print("specserve stopped", file=sys.stderr, flush=True)
 
 

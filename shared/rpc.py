@@ -159,18 +159,21 @@ class RpcServer:
         self.frame_timeout_s = frame_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self._server: asyncio.AbstractServer | None = None
+        self._socket_path: str | None = None  # the Unix socket this server made; removed by close()
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._unauthenticated: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # oldest first
 
     async def start(self, address: str) -> str:
         """Listen; return the bound address (with the real port when port 0 was asked for).
-        A TCP port that is taken raises ports.PortInUse."""
+        A TCP port that is taken raises ports.PortInUse. A Unix socket path replaces a stale file
+        there, and close() removes it."""
         host, port = parse_address(address)
         if host == "unix":
             path = cast(str, port)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             self._server = await asyncio.start_unix_server(self._serve, path=path, limit=2**20)
+            self._socket_path = path
             return address
         with port_in_use_as_error(cast(int, port)):
             self._server = await asyncio.start_server(self._serve, host, port, limit=2**20)
@@ -185,6 +188,10 @@ class RpcServer:
             if self._connections:
                 await asyncio.wait(list(self._connections), timeout=5)
             await self._server.wait_closed()
+        if self._socket_path is not None:  # no socket file is left behind (Python 3.13 would do it itself)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._socket_path)
+            self._socket_path = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = cast("asyncio.Task[None]", asyncio.current_task())  # never None inside a connection's task
@@ -312,17 +319,23 @@ class RpcClient:
             raise AuthError(f"the service at {self.address} refused the handshake ({exc}); is the secret "
                             "the same at both ends?") from None
 
-    async def _round_trip(self, body: Message,
-                          tensors: Tensors | None) -> tuple[int, tuple[int, Message, dict[str, torch.Tensor]]]:
-        async with self._lock:
-            self._next_id += 1
-            call_id = self._next_id
-            if self.ipc is not None:
-                self.ipc.new_frame()
-            # the caller's span (a task copies the context it was created in), when tracing is on
-            trace = tracing.carrier() if tracing.ENABLED else None
-            await write_frame(self.writer, call_id, body, tensors, self.ipc, trace)
-            return call_id, await read_frame(self.reader, self.max_frame_bytes, self.ipc)
+    def _send(self, body: Message, tensors: Tensors | None) -> int:
+        """Write the call's frame now (the lock is held); returns its call id."""
+        self._next_id += 1
+        call_id = self._next_id
+        if self.ipc is not None:
+            self.ipc.new_frame()
+        trace = tracing.carrier() if tracing.ENABLED else None  # the caller's span, when tracing is on
+        write_buffers(self.writer, encode_frame(call_id, body, tensors, self.ipc, trace))
+        return call_id
+
+    async def _reply(self) -> tuple[int, Message, dict[str, torch.Tensor]]:
+        """Drain the call's frame and read its reply; then the next call may go (the lock is released)."""
+        try:
+            await self.writer.drain()
+            return await read_frame(self.reader, self.max_frame_bytes, self.ipc)
+        finally:
+            self._lock.release()
 
     async def call(self, body: Message, reply_type: type[ReplyT],
                    tensors: Tensors | None = None) -> tuple[ReplyT, dict[str, torch.Tensor]]:
@@ -332,13 +345,23 @@ class RpcClient:
         message type, and one of TRANSPORT_ERRORS if the connection failed (see the module docstring).
         A caller that is cancelled (a timeout) does not cancel the round trip: it still reads its
         own reply, so the connection stays in step for the next call.
+
+        The frame is written in the caller's own turn of the event loop (when no other call holds
+        the connection, taking the lock does not yield), so a Forward leaves before any other ready
+        task runs; only the reply is read by a task of its own, shielded from the caller's cancellation.
         """
         if not (isinstance(reply_type, type) and issubclass(reply_type, msgspec.Struct)):
             raise TypeError(f"call(body, reply_type, tensors): reply_type must be a message class, "
                             f"not {reply_type!r}")
-        task = asyncio.ensure_future(self._round_trip(body, tensors))
+        await self._lock.acquire()  # held until this call's reply has been read (_reply releases it)
+        try:
+            call_id = self._send(body, tensors)
+        except BaseException:
+            self._lock.release()
+            raise
+        task = asyncio.ensure_future(self._reply())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # orphaned errors are retrieved
-        call_id, (reply_id, reply, out) = await asyncio.shield(task)
+        reply_id, reply, out = await asyncio.shield(task)
         if reply_id not in (call_id, -1):
             raise ReplyOutOfStep(call_id, reply_id)
         if isinstance(reply, Error):

@@ -14,10 +14,10 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -71,6 +71,11 @@ class ServiceConfig(Settings):
                                   "--model then names only the tokenizer's directory (its config.json)")
     handshake_timeout_s: float = option(DEFAULT_HANDSHAKE_TIMEOUT_S, "a connection that has not authenticated "
                                         "with the shared secret this long after connecting is dropped, seconds")
+    inline_tokens: int = option(64, "on CPU, a model call of at most this many tokens (Forward: prompt tokens + "
+                                "tree nodes; Speculate: new tokens + depth x width per entry) runs on the event "
+                                "loop's thread when the model thread is idle, saving two thread hops; larger calls "
+                                "run on the model thread, so Health waits at most one such small call. 0: every "
+                                "call runs on the model thread")
 
     @property
     def address(self) -> str:
@@ -78,18 +83,36 @@ class ServiceConfig(Settings):
 
 
 class ServiceHost:
-    """Runs one engine behind an RpcServer: model work on one worker thread, one call at a time;
-    health and stats are answered without waiting for the model."""
+    """Runs one engine behind an RpcServer: model calls one at a time, in arrival order; health and
+    stats are answered without waiting for the model.
+
+    A model call runs on the one model thread, except a small one (`call_tokens(body)` at most
+    `inline_tokens`) that arrives while that thread is idle: it runs at once on the event loop's
+    thread. That saves the hop to the model thread and the hop back (two thread wake-ups, about a
+    third of a call's overhead at one request, docs/benchmarks.md), and Health then waits at most
+    one small pass. Calls never overlap: the inline path is taken only when every call handed to the
+    model thread has finished. Only on CPU: on CUDA the engine's device and streams are the model
+    thread's."""
 
     def __init__(self, name: str, model: str, device: str, dtype: str, handlers: dict[type, Callable],
-                 stats: Callable[[], Message], status: Callable[[], str] = lambda: "ok"):
+                 stats: Callable[[], Message], status: Callable[[], str] = lambda: "ok",
+                 call_tokens: Callable[[Message], int | None] = lambda _body: None):
+        """call_tokens: a call's size in tokens, from its message alone; None: never inline."""
         self.name, self.model, self.device, self.dtype = name, model, device, dtype
-        self.stats, self.status = stats, status
+        self.stats, self.status, self.call_tokens = stats, status, call_tokens
         self.metrics = ServiceMetrics(name, stats)  # served only with --metrics-port
         self.handlers = {kind: self.metrics.timed(h, kind.__name__) for kind, h in handlers.items()}
         self.started = time.monotonic()
         # One worker thread: model calls run one at a time, in arrival order.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
+        self.inline_tokens = 0  # serve() sets --inline-tokens (on CPU)
+        self._last: Future[Any] | None = None  # the call most recently handed to the model thread
+
+    def _inline(self, body: Message) -> bool:
+        if not self.inline_tokens or (self._last is not None and not self._last.done()):
+            return False  # the model thread has a call (one thread, FIFO: the last one done means all are)
+        tokens = self.call_tokens(body)
+        return tokens is not None and tokens <= self.inline_tokens
 
     async def handle(self, body: Message, tensors: dict[str, torch.Tensor]) -> tuple[Message, Tensors | None]:
         if isinstance(body, Health):
@@ -101,7 +124,10 @@ class ServiceHost:
         if handler is None:
             return Error("unsupported", f"the {self.name} service does not handle {type(body).__name__}"), None
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, handler, body, tensors)
+            if self._inline(body):
+                return cast("tuple[Message, Tensors | None]", handler(body, tensors))
+            self._last = self.executor.submit(handler, body, tensors)
+            return cast("tuple[Message, Tensors | None]", await asyncio.wrap_future(self._last))
         except BadCall as exc:
             return Error("bad_message", str(exc)), None
 
@@ -126,6 +152,7 @@ def serve(host: ServiceHost, config: ServiceConfig, secret: bytes) -> int:
     """Serve until SIGINT/SIGTERM. Prints one 'ready <service> <address>' line when listening.
     Traces its calls if the OTEL_* environment asks for it (shared/tracing.py)."""
     tracing.setup(host.name)
+    host.inline_tokens = config.inline_tokens if host.device == "cpu" else 0
 
     async def main() -> None:
         server = RpcServer(host.handle, config.max_frame_mb << 20, secret=secret,

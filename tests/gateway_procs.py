@@ -67,8 +67,9 @@ def gateway(up: Up, policy: str, *args: str) -> ServiceProcess:
 
 
 def service_pid(kind: str, address: str) -> int:
-    """The pid of the `specserve <kind>` process listening at address (found through /proc)."""
-    port = address.rsplit(":", 1)[1]
+    """The pid of the `specserve <kind>` process listening at address, `host:port` or `unix:/path`
+    (found through /proc: the port or the socket path is on its command line)."""
+    port = address.removeprefix("unix:") if address.startswith("unix:") else address.rsplit(":", 1)[1]
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -79,4 +80,4 @@ def service_pid(kind: str, address: str) -> int:
             continue
         if b"specserve.cli" in argv and kind.encode() in argv and port.encode() in argv:
             return int(entry)
-    raise LookupError(f"no {kind} process on port {port}")
+    raise LookupError(f"no {kind} process at {address}")

@@ -291,6 +291,13 @@ def test_service_configs_keep_their_defaults_and_variables():
     assert (up.restart, up.port, up.draft_model, up.threads) == (False, 0, "/d", 3)
     assert up.gateway_args == ["--", "--budget", "32"]
     assert UpConfig.from_args(parser.parse_args(["up"]), environ={}).gateway_args == []
+    # up's services on Unix sockets unless TCP is asked for; small model calls inline unless 0
+    assert UpConfig.from_args(parser.parse_args(["up"]), environ={}).tcp_services is False
+    assert UpConfig.from_args(parser.parse_args(["up"]), environ={"SPECSERVE_TCP_SERVICES": "1"}).tcp_services
+    assert UpConfig.from_args(parser.parse_args(["up", "--tcp-services"]), environ={}).tcp_services
+    assert (draft.inline_tokens, target.inline_tokens) == (64, 64)
+    assert TargetConfig.from_args(parser.parse_args(["target"]),
+                                  environ={"SPECSERVE_TARGET_INLINE_TOKENS": "0"}).inline_tokens == 0
 
 
 # --- through the console script ---------------------------------------------------------------

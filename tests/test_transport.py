@@ -624,3 +624,47 @@ def test_a_peer_that_resets_right_after_accepting_is_a_transport_error_under_uvl
                 await client.close()
 
     uvloop.run(asyncio.wait_for(main(), 5))
+
+
+def test_a_unix_server_replaces_a_stale_socket_file_and_removes_its_own_on_close(tmp_path):
+    path = tmp_path / "rpc.sock"
+    path.write_bytes(b"")  # a file left by a service that was killed
+
+    async def main():
+        server = RpcServer(echo)
+        await server.start(f"unix:{path}")
+        client = await RpcClient.connect(f"unix:{path}")
+        assert await client.call(Health(), HealthReply) == (HEALTHY, {})
+        await client.close()
+        await server.close()
+
+    run(main())
+    assert not path.exists()
+
+
+def test_a_call_writes_its_frame_before_it_first_yields():
+    """The Forward leaves in the caller's own turn of the event loop, not after every other ready task
+    (SSE writers, the next turn's callbacks); only the reply is awaited."""
+    import socket
+
+    async def main():
+        ours, peer = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        client = RpcClient(reader, writer, "socketpair")
+        try:
+            call = client.call(Health(), HealthReply)
+            pending = call.send(None)  # run the call up to its first suspension, and no further
+            peer.setblocking(False)
+            sent = peer.recv(65536)  # BlockingIOError if nothing was written yet
+            assert sent == frame_bytes(1, Health())
+            peer.sendall(frame_bytes(1, HEALTHY))
+            while not pending.done():  # the reply task reads the reply; then the call can finish
+                await asyncio.sleep(0.01)
+            with pytest.raises(StopIteration) as done:
+                call.send(None)
+            assert done.value.value == (HEALTHY, {})
+        finally:
+            await client.close()
+            peer.close()
+
+    run(main())

@@ -3,6 +3,10 @@
 `up` killed with SIGKILL (no chance to stop anything) must take the gateway, draft and target with
 it within seconds, so that a new `up` on the same port starts. A port that is already taken stops
 `up`, the gateway and both services at once with "port N is already in use", exit status 1.
+
+The draft and target listen on Unix sockets in a private directory that `up` removes when it stops
+(the services remove their own sockets, so even a killed `up` leaves no socket file);
+`--tcp-services` puts them on loopback TCP ports instead, and both serve the API.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ import asyncio
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
+import openai
 import pytest
 
 from specserve.launch import free_port
@@ -26,6 +33,7 @@ from specserve.shared.rpc import RpcServer
 from tests.gateway_procs import Up, service_pid
 
 SECRET_VARS = ("SPECSERVE_SECRET", "SPECSERVE_SECRET_FILE")
+PROFILE = Path(__file__).resolve().parent.parent / "bench/results/sweep-full/profile.json"  # no profiling at start
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -88,6 +96,9 @@ def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port(
             time.sleep(0.2)
         survivors = {name: pid for name, pid in pids.items() if _alive(pid)}
         assert not survivors, f"still running after up was killed: {survivors}"
+        sockets = [Path(up.draft.removeprefix("unix:")), Path(up.target.removeprefix("unix:"))]
+        assert not [p for p in sockets if p.exists()]  # each service removed its own socket as it stopped
+        sockets[0].parent.rmdir()  # a killed `up` could not remove its (now empty) directory
     finally:
         for pid in pids.values():  # only the processes this test started
             if _alive(pid):
@@ -100,6 +111,39 @@ def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port(
         assert again.url.endswith(f":{port}") and _healthy(again.url)
     finally:
         assert again.interrupt() == 0
+
+
+def _complete(url: str) -> str:
+    """One greedy completion through the official client."""
+    reply = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
+        model="target", prompt="def main():", max_tokens=8, temperature=0)
+    return reply.choices[0].text
+
+
+def test_up_puts_its_services_on_unix_sockets_in_a_private_directory_and_removes_it():
+    up = Up("--policy", "chain:2", "--profile", str(PROFILE))
+    try:
+        assert up.draft.startswith("unix:") and up.target.startswith("unix:")
+        sockets = [Path(up.draft.removeprefix("unix:")), Path(up.target.removeprefix("unix:"))]
+        directory = sockets[0].parent
+        assert sockets[1].parent == directory and all(stat.S_ISSOCK(p.stat().st_mode) for p in sockets)
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700 and directory.stat().st_uid == os.getuid()
+        text = _complete(up.url)  # the gateway drafts and verifies through both sockets
+        assert text and _complete(up.url) == text
+    finally:
+        assert up.interrupt() == 0
+    assert not directory.exists(), f"left behind: {list(directory.iterdir())}"
+
+
+def test_tcp_services_puts_them_on_loopback_ports():
+    up = Up("--policy", "chain:2", "--profile", str(PROFILE), "--tcp-services")
+    try:
+        for address in (up.draft, up.target):
+            host, _, port = address.rpartition(":")
+            assert host == "127.0.0.1" and port.isdigit(), address
+        assert _complete(up.url)
+    finally:
+        assert up.interrupt() == 0
 
 
 # A parent that starts a draft from a worker thread, reports the draft's pid, and waits to be killed.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specserve.draft.config import DraftConfig
-from specserve.shared.messages import Offload, Release, Reload, Speculate
+from specserve.shared.messages import Message, Offload, Release, Reload, Speculate
 from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
 
 
@@ -25,7 +25,15 @@ def build_host(config: DraftConfig) -> ServiceHost:
         Reload: engine.reload,
     }
     return ServiceHost("draft", config.model, str(engine.device), config.dtype, handlers, engine.stats,
-                       status=lambda: "offloaded" if engine.runner is None else "ok")
+                       status=lambda: "offloaded" if engine.runner is None else "ok", call_tokens=call_tokens)
+
+
+def call_tokens(body: Message) -> int | None:
+    """A call's size as the entries claim it (ServiceHost runs small ones on the loop's thread); the
+    beam steps of an entry count its depth x width nodes. Offload and Reload always go to the model thread."""
+    if isinstance(body, Speculate):
+        return sum(e.num_new + e.depth * e.width for e in body.entries)
+    return 0 if isinstance(body, Release) else None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -322,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
             for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype)):
                 if value:
                     service_args += [flag, str(value)]
-            proc = ServiceProcess("target", *service_args, threads=args.threads)
+            proc = ServiceProcess("target", *service_args, threads=args.threads, unix=True)  # as `up` runs it
             address = proc.address
         profile = asyncio.run(_profile(address, args, settings))
     except (RuntimeError, ValueError, OSError) as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specserve.shared.messages import Forward, Release
+from specserve.shared.messages import Forward, Message, Release
 from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
 from specserve.target.config import TargetConfig
 
@@ -19,7 +19,15 @@ def build_host(config: TargetConfig) -> ServiceHost:
     else:
         engine = exit_on_load_error(lambda: TargetEngine(config))
     handlers = {Forward: engine.forward, Release: release_handler(engine.release, engine.free_blocks)}
-    return ServiceHost("target", config.model, str(engine.device), config.dtype, handlers, engine.stats)
+    return ServiceHost("target", config.model, str(engine.device), config.dtype, handlers, engine.stats,
+                       call_tokens=call_tokens)
+
+
+def call_tokens(body: Message) -> int | None:
+    """A call's size as the entries claim it (ServiceHost runs small ones on the loop's thread)."""
+    if isinstance(body, Forward):
+        return sum(e.num_tokens for e in body.prefill) + sum(e.num_nodes for e in body.verify)
+    return 0 if isinstance(body, Release) else None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,0 +1,120 @@
+"""Where a service runs its model calls (shared/service_base.ServiceHost), over a real socket.
+
+A small call that finds the model thread idle runs on the event loop's own thread (no hop there and
+back); a large one runs on the model thread, and so does a small one that arrives while a call is
+there, after it: calls never overlap and keep their arrival order. Health is answered while a
+large call runs. The handlers here record where and when they ran; the sizes are the target
+service's own `call_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from specserve.shared.messages import Forward, ForwardReply, Health, HealthReply, Message, VerifyEntry
+from specserve.shared.rpc import RpcClient, RpcServer
+from specserve.shared.service_base import ServiceHost
+from specserve.target.server import call_tokens
+
+
+def forward(nodes: int, rid: str = "r") -> Forward:
+    return Forward([], [VerifyEntry(rid, 1, 10, nodes)])
+
+
+class Recorder:
+    """A Forward handler that records (rid, thread, start, end); rid "slow" blocks until released."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, str, float, float]] = []
+        self.release = threading.Event()
+        self.slow_started = threading.Event()
+
+    def __call__(self, body: Message, _tensors: dict) -> tuple[ForwardReply, None]:
+        assert isinstance(body, Forward)
+        rid = body.verify[0].rid
+        t0 = time.monotonic()
+        if rid == "slow":
+            self.slow_started.set()
+            assert self.release.wait(10)
+        self.runs.append((rid, threading.current_thread().name, t0, time.monotonic()))
+        return ForwardReply([], 0.0, 0.0, 0.0, 0), None
+
+
+def host(recorder: Recorder, inline_tokens: int) -> ServiceHost:
+    h = ServiceHost("target", "m", "cpu", "float32", {Forward: recorder}, lambda: Health(), call_tokens=call_tokens)
+    h.inline_tokens = inline_tokens
+    return h
+
+
+async def serve(h: ServiceHost, path: str) -> tuple[RpcServer, str]:
+    server = RpcServer(h.handle)
+    return server, await server.start(f"unix:{path}")
+
+
+def test_small_calls_run_on_the_loop_thread_and_large_ones_on_the_model_thread(tmp_path):
+    recorder = Recorder()
+    h = host(recorder, inline_tokens=8)
+
+    async def main() -> None:
+        server, address = await serve(h, str(tmp_path / "t.sock"))
+        client = await RpcClient.connect(address)
+        try:
+            await client.call(forward(8, "small"), ForwardReply)
+            await client.call(forward(9, "large"), ForwardReply)
+        finally:
+            await client.close()
+            await server.close()
+
+    asyncio.run(main())
+    h.executor.shutdown()
+    where = {rid: thread for rid, thread, _, _ in recorder.runs}
+    assert where["small"] == "MainThread" and where["large"].startswith("target-model")
+
+
+def test_zero_inline_tokens_sends_every_call_to_the_model_thread(tmp_path):
+    recorder = Recorder()
+    h = host(recorder, inline_tokens=0)
+
+    async def main() -> None:
+        server, address = await serve(h, str(tmp_path / "t.sock"))
+        client = await RpcClient.connect(address)
+        try:
+            await client.call(forward(1, "small"), ForwardReply)
+        finally:
+            await client.close()
+            await server.close()
+
+    asyncio.run(main())
+    h.executor.shutdown()
+    assert recorder.runs[0][1].startswith("target-model")
+
+
+def test_a_small_call_waits_for_the_call_on_the_model_thread_and_health_does_not(tmp_path):
+    recorder = Recorder()
+    h = host(recorder, inline_tokens=8)
+
+    async def main() -> None:
+        server, address = await serve(h, str(tmp_path / "t.sock"))
+        a, b, c = [await RpcClient.connect(address) for _ in range(3)]
+        try:
+            slow = asyncio.ensure_future(a.call(forward(64, "slow"), ForwardReply))
+            await asyncio.get_running_loop().run_in_executor(None, recorder.slow_started.wait, 10)
+            small = asyncio.ensure_future(b.call(forward(1, "small"), ForwardReply))
+            reply, _ = await asyncio.wait_for(c.call(Health(), HealthReply), 5)  # not behind the slow call
+            assert reply.service == "target"
+            await asyncio.sleep(0.2)
+            assert not small.done()  # it waits for the slow call instead of running beside it
+            recorder.release.set()
+            await asyncio.wait_for(asyncio.gather(slow, small), 10)
+        finally:
+            for client in (a, b, c):
+                await client.close()
+            await server.close()
+
+    asyncio.run(main())
+    h.executor.shutdown()
+    (first, first_thread, _, first_end), (second, second_thread, second_start, _) = recorder.runs
+    assert (first, second) == ("slow", "small")
+    assert second_start >= first_end and second_thread == first_thread  # in order, on the model thread
