@@ -247,7 +247,8 @@ def cmd_knee(args: argparse.Namespace) -> None:
     points = []
     with stack_for(args, "fifo") as stack:
         for i, rate in enumerate(sorted(args.rates)):
-            p = run_point(stack, f"knee-fifo-rate{rate:g}", args.seed + i, num_requests=n_for(rate, args.duration_s),
+            p = run_point(stack, f"{_tagged('knee', args)}-fifo-rate{rate:g}", args.seed + i,
+                          num_requests=n_for(rate, args.duration_s),
                           request_rate=rate)
             points.append({"rate": rate} | p)
             if p["attainment"] is not None and p["attainment"] < GOAL_ATTAINMENT and args.stop_early:
@@ -255,7 +256,8 @@ def cmd_knee(args: argparse.Namespace) -> None:
     below = [p["rate"] for p in points if (p["attainment"] or 0.0) < GOAL_ATTAINMENT]
     knee = min(below) if below else None
     print(f"FIFO falls below 90% attainment at {knee} req/s", file=sys.stderr)
-    save("knee", {"setting": setting(args), "duration_s": args.duration_s, "points": points, "knee_rate": knee})
+    save(_tagged("knee", args), {"setting": setting(args), "duration_s": args.duration_s, "points": points,
+                                 "knee_rate": knee})
 
 
 def cmd_overload(args: argparse.Namespace) -> None:
@@ -263,7 +265,7 @@ def cmd_overload(args: argparse.Namespace) -> None:
     the order alternating between runs."""
     rate = args.rate
     if rate is None:
-        knee = load("knee")
+        knee = load(_tagged("knee", args))
         if not knee or knee.get("knee_rate") is None:
             raise SystemExit("overload: run `admission.py knee` first, or give --rate")
         rate = 2 * knee["knee_rate"]
@@ -272,11 +274,12 @@ def cmd_overload(args: argparse.Namespace) -> None:
         order = ("fifo", "slo") if run % 2 == 0 else ("slo", "fifo")
         for admission in order:
             with stack_for(args, admission) as stack:
-                p = run_point(stack, f"overload-{admission}-run{run}", args.seed + 100 * run,
+                p = run_point(stack, f"{_tagged('overload', args)}-{admission}-run{run}", args.seed + 100 * run,
                               num_requests=n_for(rate, args.duration_s), request_rate=rate)
                 p["blocks"] = blocks_free(stack)
             runs.append({"admission": admission, "run": run} | p)
-    save("overload", {"setting": setting(args), "rate": rate, "duration_s": args.duration_s, "runs": runs})
+    save(_tagged("overload", args), {"setting": setting(args), "rate": rate, "duration_s": args.duration_s,
+                                     "runs": runs})
 
 
 # ------------------------------------------------------------------------------------------ target 2
@@ -341,7 +344,11 @@ def search_capacity(attains, start: float, step: float, fine: int, min_rate: flo
 
 def capacity_name(args: argparse.Namespace) -> str:
     where = f"sim-{args.simulate}-x{args.targets}" if args.simulate else f"real-x{args.targets}"
-    return f"{where}-{args.admission}-{args.router}"
+    return _tagged(f"{where}-{args.admission}-{args.router}", args)
+
+
+def _tagged(name: str, args: argparse.Namespace) -> str:
+    return f"{name}-{args.tag}" if getattr(args, "tag", "") else name
 
 
 # ------------------------------------------------------------------------------------------ target 3
@@ -352,7 +359,7 @@ def cmd_burst(args: argparse.Namespace) -> None:
     gateway's queue is polled throughout; then every service's blocks are read."""
     rate = args.rate
     if rate is None:
-        knee = load("knee")
+        knee = load(_tagged("knee", args))
         if not knee:
             raise SystemExit("burst: run `admission.py knee` first, or give --rate")
         ok = [p["rate"] for p in knee["points"] if (p["attainment"] or 0.0) >= GOAL_ATTAINMENT]
@@ -365,13 +372,13 @@ def cmd_burst(args: argparse.Namespace) -> None:
         order = ("fifo", "slo") if run % 2 == 0 else ("slo", "fifo")
         for admission in order:
             with stack_for(args, admission) as stack:
-                p = run_point(stack, f"burst-{admission}-run{run}", args.seed + 100 * run, poll=True,
+                p = run_point(stack, f"{_tagged('burst', args)}-{admission}-run{run}", args.seed + 100 * run, poll=True,
                               rate_schedule=schedule, burstiness=args.burstiness)
                 p["blocks"] = blocks_free(stack)
             p["drain"] = drain(p["queue"], args.before_s, args.before_s + args.burst_s)
             runs.append({"admission": admission, "run": run} | p)
             print(f"  drain: {p['drain']}", file=sys.stderr)
-    save("burst", {"setting": setting(args), "rate": rate, "schedule": schedule, "factor": args.factor,
+    save(_tagged("burst", args), {"setting": setting(args), "rate": rate, "schedule": schedule, "factor": args.factor,
                    "burstiness": args.burstiness, "runs": runs})
 
 
@@ -410,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
         p.add_argument("--duration-s", type=float, default=duration_s, help="seconds of arrivals per point")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--tag", default="", help="names a result set (knee-TAG.json, ...), e.g. for other SLO classes")
 
     p = sub.add_parser("knee", help="target 1a: FIFO attainment vs rate")
     common(p, 40.0)
@@ -502,93 +510,114 @@ def _sim_label(setting: dict) -> str:
 
 def markdown(results: Path) -> str:
     out: list[str] = []
-    knee, over, burst = (_read(results / f"{n}.json") for n in ("knee", "overload", "burst"))
-    if knee:
-        out += ["#### Target 1a: where FIFO admission falls below 90% attainment (one real CPU replica)", "",
-                f"`bench/admission.py knee`, {knee['meta']['date']}, commit {knee['meta']['commit']}; policy "
-                f"`{knee['setting']['policy']}`, {knee['duration_s']:g} s of Poisson arrivals per rate, one run.", "",
-                "| rate (req/s) | requests | attainment % | goodput tok/s | TPOT p50 ms | TTFT p50 ms |",
-                "|---:|---:|---:|---:|---:|---:|"]
-        for p in knee["points"]:
-            out.append(f"| {p['rate']:g} | {p['requests']} | {_aggp([p['attainment']])} | "
-                       f"{_agg([p['goodput_tok_s']])} | {_agg([p['tpot_p50_ms']])} | {_agg([p['ttft_p50_ms']])} |")
-        out += ["", f"Knee: **{knee['knee_rate']} req/s** (the lowest rate scanned below 90%).", ""]
-    if over:
-        runs = over["runs"]
-        by = {a: [r for r in runs if r["admission"] == a] for a in ("fifo", "slo")}
-        n = len(by["fifo"])
-        out += [f"#### Target 1b: FIFO and SLO admission at {over['rate']:g} req/s (2x the knee), one real CPU replica",
-                "", f"`bench/admission.py overload`, {over['meta']['date']}, commit {over['meta']['commit']}; "
-                f"{n} runs, each {over['duration_s']:g} s of Poisson arrivals, the same seeds for both, fresh services "
-                "per run, order alternating; median (min-max) over runs.", "",
-                "| | FIFO | SLO admission |", "|---|---:|---:|"]
-
-        def row(name: str, key: str, pct: bool = True) -> None:
-            f = _aggp if pct else _agg
-            out.append(f"| {name} | {f([r[key] for r in by['fifo']])} | {f([r[key] for r in by['slo']])} |")
-
-        row("attainment % (all requests; refused = missed)", "attainment")
-        row("admitted requests' TPOT attainment %", "admitted_attainment")
-        row("admitted requests' TTFT attainment %", "admitted_ttft_attainment")
-        row("goodput tok/s (TPOT met)", "goodput_tok_s", pct=False)
-        row("goodput tok/s (TPOT and TTFT met)", "goodput_tpot_ttft_tok_s", pct=False)
-        row("throughput tok/s", "throughput_tok_s", pct=False)
-        row("TTFT p99 ms", "ttft_p99_ms", pct=False)
-        row("run duration s (first send to last token)", "duration_s", pct=False)
-        for o in OUTCOMES:
-            out.append(f"| requests {o} (sum over runs) | {sum(r['outcomes'][o] for r in by['fifo'])} | "
-                       f"{sum(r['outcomes'][o] for r in by['slo'])} |")
-        refusal = [r["refused_status_ms_max"] for r in by["slo"] if r["refused_status_ms_max"] is not None]
-        out.append(f"| slowest refusal (503 status after send), ms | - | {max(refusal):.0f} |" if refusal else
-                   "| slowest refusal, ms | - | - |")
-        out.append(f"| every block free at the end | {all(_blocks_ok(r['blocks']) for r in by['fifo'])} | "
-                   f"{all(_blocks_ok(r['blocks']) for r in by['slo'])} |")
-        ratios = [s["goodput_tok_s"] / f["goodput_tok_s"] for f, s in zip(sorted(by["fifo"], key=lambda r: r["run"]),
-                                                                        sorted(by["slo"], key=lambda r: r["run"]))
-                  if f["goodput_tok_s"] and s["goodput_tok_s"] is not None]
-        out += ["", f"Goodput SLO / FIFO per run (same seeds): {', '.join(f'{x:.2f}x' for x in ratios)}; median "
-                f"{statistics.median(ratios):.2f}x." if ratios else "", ""]
+    tags = sorted({p.stem.removeprefix(n).removeprefix("-") for n in ("knee", "overload", "burst")
+                   for p in results.glob(f"{n}*.json")})
+    for tag in tags:
+        knee, over = (_read(results / f"{n}{'-' + tag if tag else ''}.json") for n in ("knee", "overload"))
+        if knee or over:
+            classes = _classes((knee or over or {}).get("setting", {}))
+            out += [f"**SLO classes{' `' + tag + '`' if tag else ''}: {classes}.**", ""]
+        out += _knee_md(knee) + _overload_md(over)
     caps = sorted(results.glob("capacity-*.json"))
     if caps:
-        out += ["#### Target 2: serving capacity (highest rate with >= 90% attainment)", "",
-                "`bench/admission.py capacity`: a coarse scan upwards (x1.5 per step) to the first miss, then "
-                "bisection; one run per rate, so a point's attainment carries the run-to-run noise of that one "
-                "run. The resolution column is the gap between the capacity and the lowest rate that missed.", "",
-                "| setting | SLO classes (TPOT ms : TTFT ms) | admission | router | capacity req/s | first miss | "
-                "points (rate: attainment %) | gateway CPU (cores) at capacity | blocks free |",
-                "|---|---|---|---|---:|---:|---|---:|---|"]
-        for path in caps:
-            c = _read(path)
-            st = c["setting"]
-            pts = ", ".join(f"{p['rate']:.3g}: {_aggp([p['attainment']])}" for p in c["points"])
-            at = next((p for p in c["points"] if p["rate"] == c["capacity_rate"]), None)
-            cpu = f"{at['gateway_cpu_share']:.2f}" if at and at.get("gateway_cpu_share") is not None else "-"
-            where = f"{_sim_label(st)}, {st['targets']} replicas" if st.get("simulate") else \
-                f"real CPU, {st['targets']} replica"
-            cap = "-" if c["capacity_rate"] is None else f"{c['capacity_rate']:.3g}"
-            miss = "-" if c["first_miss_rate"] is None else f"{c['first_miss_rate']:.3g}"
-            out.append(f"| {where} | {_classes(st)} | {st['admission']} | {st['router']} | {cap} | {miss} | {pts} | "
-                       f"{cpu} | {_blocks_ok(c['blocks'])} |")
-        out.append("")
-    if burst:
-        out += [f"#### Target 3: a burst ({burst['factor']:g}x the sustainable {burst['rate']:g} req/s), "
-                f"{_sim_label(burst['setting'])}", "",
-                f"`bench/admission.py burst`, {burst['meta']['date']}, commit {burst['meta']['commit']}: rate "
-                f"schedule `{burst['schedule']}` (SECONDS:RATE segments, gamma shape {burst['burstiness']:g}); the "
-                "gateway's `vllm:num_requests_waiting` / `running` polled every 0.25 s. Drain: seconds after the "
-                "burst's end until nothing waits (and, settled, no more run than before the burst).", "",
-                "| admission | run | requests | refused (503 + Retry-After) | best effort | attainment of the rest % "
-                "(TPOT) | TTFT % | peak waiting | waiting empty after s | settled after s | failed | blocks free |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for r in burst["runs"]:
-            d = r["drain"]
-            out.append(f"| {r['admission']} | {r['run']} | {r['requests']} | {r['outcomes']['refused']} | "
-                       f"{r['outcomes']['best_effort']} | {_aggp([r['admitted_attainment']])} | "
-                       f"{_aggp([r['admitted_ttft_attainment']])} | {d['peak_waiting']:.0f} | "
-                       f"{_agg([d['waiting_empty_after_s']])} | {_agg([d['settled_after_s']])} | "
-                       f"{r['outcomes']['failed']} | {_blocks_ok(r['blocks'])} |")
-        out.append("")
+        out += _capacity_md(caps)
+    for tag in tags:
+        out += _burst_md(_read(results / f"burst{'-' + tag if tag else ''}.json"))
     return "\n".join(out)
+
+
+def _knee_md(knee: dict | None) -> list[str]:
+    if not knee:
+        return []
+    out = ["#### Target 1a: where FIFO admission falls below 90% attainment (one real CPU replica)", "",
+           f"`bench/admission.py knee`, {knee['meta']['date']}, commit {knee['meta']['commit']}; policy "
+           f"`{knee['setting']['policy']}`, {knee['duration_s']:g} s of Poisson arrivals per rate, one run.", "",
+           "| rate (req/s) | requests | attainment % | goodput tok/s | TPOT p50 ms | TTFT p50 ms |",
+           "|---:|---:|---:|---:|---:|---:|"]
+    for p in knee["points"]:
+        out.append(f"| {p['rate']:g} | {p['requests']} | {_aggp([p['attainment']])} | "
+                   f"{_agg([p['goodput_tok_s']])} | {_agg([p['tpot_p50_ms']])} | {_agg([p['ttft_p50_ms']])} |")
+    return out + ["", f"Knee: **{knee['knee_rate']} req/s** (the lowest rate scanned below 90%).", ""]
+
+
+def _overload_md(over: dict | None) -> list[str]:
+    if not over:
+        return []
+    by = {a: sorted((r for r in over["runs"] if r["admission"] == a), key=lambda r: r["run"]) for a in ("fifo", "slo")}
+    out = [f"#### Target 1b: FIFO and SLO admission at {over['rate']:g} req/s (2x the knee), one real CPU replica",
+           "", f"`bench/admission.py overload`, {over['meta']['date']}, commit {over['meta']['commit']}; "
+           f"{len(by['fifo'])} runs, each {over['duration_s']:g} s of Poisson arrivals, the same seeds for both, "
+           "fresh services per run, order alternating; median (min-max) over runs.", "",
+           "| | FIFO | SLO admission |", "|---|---:|---:|"]
+    for name, key, fmt in (("attainment % (all requests; refused = missed)", "attainment", _aggp),
+                           ("admitted requests' TPOT attainment %", "admitted_attainment", _aggp),
+                           ("admitted requests' TTFT attainment %", "admitted_ttft_attainment", _aggp),
+                           ("goodput tok/s (TPOT met)", "goodput_tok_s", _agg),
+                           ("goodput tok/s (TPOT and TTFT met)", "goodput_tpot_ttft_tok_s", _agg),
+                           ("throughput tok/s", "throughput_tok_s", _agg),
+                           ("TTFT p99 ms", "ttft_p99_ms", _agg),
+                           ("run duration s (first send to last token)", "duration_s", _agg)):
+        out.append(f"| {name} | {fmt([r[key] for r in by['fifo']])} | {fmt([r[key] for r in by['slo']])} |")
+    for o in OUTCOMES:
+        out.append(f"| requests {o} (sum over runs) | {sum(r['outcomes'][o] for r in by['fifo'])} | "
+                   f"{sum(r['outcomes'][o] for r in by['slo'])} |")
+    refusal = [r["refused_status_ms_max"] for r in by["slo"] if r["refused_status_ms_max"] is not None]
+    out.append(f"| slowest refusal (503 status after send), ms | - | {max(refusal):.0f} |" if refusal else
+               "| slowest refusal, ms | - | - |")
+    out.append(f"| every block free at the end | {all(_blocks_ok(r['blocks']) for r in by['fifo'])} | "
+               f"{all(_blocks_ok(r['blocks']) for r in by['slo'])} |")
+    ratios = [s["goodput_tok_s"] / f["goodput_tok_s"] for f, s in zip(by["fifo"], by["slo"])
+              if f["goodput_tok_s"] and s["goodput_tok_s"] is not None]
+    if ratios:
+        out += ["", f"Goodput SLO / FIFO per run (same seeds): {', '.join(f'{x:.2f}x' for x in ratios)}; median "
+                f"{statistics.median(ratios):.2f}x."]
+    return out + [""]
+
+
+def _capacity_md(caps: list[Path]) -> list[str]:
+    out = ["#### Target 2: serving capacity (highest rate with >= 90% attainment)", "",
+           "`bench/admission.py capacity`: a coarse scan upwards (x1.5 per step) to the first miss, then "
+           "bisection; one run per rate, so a point's attainment carries the run-to-run noise of that one "
+           "run. The resolution is the gap between the capacity and the lowest rate that missed.", "",
+           "| setting | SLO classes (TPOT ms : TTFT ms) | admission | router | capacity req/s | first miss | "
+           "points (rate: attainment %) | gateway CPU (cores) at capacity | blocks free |",
+           "|---|---|---|---|---:|---:|---|---:|---|"]
+    for path in caps:
+        c = _read(path)
+        assert c is not None
+        st = c["setting"]
+        pts = ", ".join(f"{p['rate']:.3g}: {_aggp([p['attainment']])}" for p in c["points"])
+        at = next((p for p in c["points"] if p["rate"] == c["capacity_rate"]), None)
+        cpu = f"{at['gateway_cpu_share']:.2f}" if at and at.get("gateway_cpu_share") is not None else "-"
+        where = (f"{_sim_label(st)}, {st['targets']} replicas" if st.get("simulate")
+                 else f"real CPU, {st['targets']} replica")
+        cap = "-" if c["capacity_rate"] is None else f"{c['capacity_rate']:.3g}"
+        miss = "-" if c["first_miss_rate"] is None else f"{c['first_miss_rate']:.3g}"
+        out.append(f"| {where} | {_classes(st)} | {st['admission']} | {st['router']} | {cap} | {miss} | {pts} | "
+                   f"{cpu} | {_blocks_ok(c['blocks'])} |")
+    return out + [""]
+
+
+def _burst_md(burst: dict | None) -> list[str]:
+    if not burst:
+        return []
+    out = [f"#### Target 3: a burst ({burst['factor']:g}x the sustainable {burst['rate']:g} req/s), "
+           f"{_sim_label(burst['setting'])}; SLO classes: {_classes(burst['setting'])}", "",
+           f"`bench/admission.py burst`, {burst['meta']['date']}, commit {burst['meta']['commit']}: rate "
+           f"schedule `{burst['schedule']}` (SECONDS:RATE segments, gamma shape {burst['burstiness']:g}); the "
+           "gateway's `vllm:num_requests_waiting` / `running` polled every 0.25 s. Drain: seconds after the "
+           "burst's end until nothing waits (and, settled, no more run than before the burst).", "",
+           "| admission | run | requests | refused (503 + Retry-After) | best effort | attainment of the rest "
+           "% (TPOT) | TTFT % | peak waiting | waiting empty after s | settled after s | failed | blocks free |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in burst["runs"]:
+        d = r["drain"]
+        out.append(f"| {r['admission']} | {r['run']} | {r['requests']} | {r['outcomes']['refused']} | "
+                   f"{r['outcomes']['best_effort']} | {_aggp([r['admitted_attainment']])} | "
+                   f"{_aggp([r['admitted_ttft_attainment']])} | {d['peak_waiting']:.0f} | "
+                   f"{_agg([d['waiting_empty_after_s']])} | {_agg([d['settled_after_s']])} | "
+                   f"{r['outcomes']['failed']} | {_blocks_ok(r['blocks'])} |")
+    return out + [""]
 
 
 def _read(path: Path) -> dict | None:
