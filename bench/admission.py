@@ -582,6 +582,7 @@ def _capacity_md(caps: list[Path]) -> list[str]:
            "| setting | SLO classes (TPOT ms : TTFT ms) | admission | router | capacity req/s | first miss | "
            "points (rate: attainment %) | gateway CPU (cores) at capacity | blocks free |",
            "|---|---|---|---|---:|---:|---|---:|---|"]
+    sims: set[str] = set()
     for path in caps:
         c = _read(path)
         assert c is not None
@@ -589,13 +590,15 @@ def _capacity_md(caps: list[Path]) -> list[str]:
         pts = ", ".join(f"{p['rate']:.3g}: {_aggp([p['attainment']])}" for p in c["points"])
         at = next((p for p in c["points"] if p["rate"] == c["capacity_rate"]), None)
         cpu = f"{at['gateway_cpu_share']:.2f}" if at and at.get("gateway_cpu_share") is not None else "-"
-        where = (f"{_sim_label(st)}, {st['targets']} replicas" if st.get("simulate")
+        where = (f"SIMULATED `{st['simulate']}`, {st['targets']} replicas" if st.get("simulate")
                  else f"real CPU, {st['targets']} replica")
+        if st.get("simulate"):
+            sims.add(st["simulate"])
         cap = "-" if c["capacity_rate"] is None else f"{c['capacity_rate']:.3g}"
         miss = "-" if c["first_miss_rate"] is None else f"{c['first_miss_rate']:.3g}"
         out.append(f"| {where} | {_classes(st)} | {st['admission']} | {st['router']} | {cap} | {miss} | {pts} | "
                    f"{cpu} | {_blocks_ok(c['blocks'])} |")
-    return out + [""]
+    return out + [""] + [f"Simulated rows: {_sim_label({'simulate': sim})}." for sim in sorted(sims)] + [""]
 
 
 def _burst_md(burst: dict | None) -> list[str]:
