@@ -45,7 +45,7 @@ from specserve.bench.workload import (
     parse_mix,
 )
 from specserve.gateway.profile import Profile
-from tests.gateway_procs import Up
+from tests.gateway_procs import Up, gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [json.loads(line) for line in (ROOT / "bench/workloads/short.jsonl").read_text().splitlines()]
@@ -640,3 +640,27 @@ def test_cli_accepts_the_servers_tier_aliases(up, tmp_path):
     by_tier = {r["category"]: r for r in read_records(out)}
     assert by_tier["priority"]["slo_tpot_ms"] == classes["critical"]["tpot_ms"]
     assert by_tier["scale"]["slo_tpot_ms"] == classes["chat"]["tpot_ms"]
+
+
+def test_bench_rate_schedule_and_refusals_through_slo_admission(up, tmp_path):
+    """`--rate-schedule` against a gateway with SLO admission: the requests are the schedule's arrivals,
+    a request with an unmeetable TPOT is refused (503) and its record keeps the Retry-After and how fast
+    the refusal came; the others are served and carry neither."""
+    gw = gateway(up, "none", "--admission", "slo")
+    try:
+        out = tmp_path / "sched.jsonl"
+        proc = bench_cli("--url", gw.address, "--rate-schedule", "1:6,1:0,1:6", "--seed", "3", "--max-tokens", "4",
+                         "--ignore-eos", "--mix", "critical=0.5:short:0.01,chat=0.5:short", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        expected = piecewise_arrivals([(1.0, 6.0), (1.0, 0.0), (1.0, 6.0)], 1.0, 3)
+        assert [r["scheduled_s"] for r in records] == pytest.approx(expected, abs=1e-12) and len(records) >= 4
+        refused = [r for r in records if r["category"] == "critical"]
+        served = [r for r in records if r["category"] == "chat"]
+        assert refused and served
+        for r in refused:
+            assert r["status"] == 503 and r["retry_after_s"] >= 1 and 0 < r["status_ms"] < 10_000, r
+        for r in served:
+            assert r["status"] == 200 and r["retry_after_s"] is None and r["status_ms"] <= r["ttft_ms"], r
+    finally:
+        gw.stop()
