@@ -23,7 +23,14 @@ import numpy as np
 import openai
 import pytest
 
-from specserve.bench.arrivals import gamma_arrivals, load_trace, poisson_arrivals, trace_arrivals
+from specserve.bench.arrivals import (
+    gamma_arrivals,
+    load_trace,
+    parse_rate_schedule,
+    piecewise_arrivals,
+    poisson_arrivals,
+    trace_arrivals,
+)
 from specserve.bench.client import request_body
 from specserve.bench.records import RequestRecord, percentile, summarize, vllm_tpot_ms
 from specserve.bench.runner import BenchConfig, arrival_times, format_summary, summary_path
@@ -38,7 +45,7 @@ from specserve.bench.workload import (
     parse_mix,
 )
 from specserve.gateway.profile import Profile
-from tests.gateway_procs import Up
+from tests.gateway_procs import Up, gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [json.loads(line) for line in (ROOT / "bench/workloads/short.jsonl").read_text().splitlines()]
@@ -142,6 +149,42 @@ def test_arrival_times_of_config(tmp_path):
         [0.0, 1 / 3, 0.5])
     assert arrival_times(BenchConfig(num_requests=4, request_rate=2.0, seed=5)) == gamma_arrivals(4, 2.0, 1.0, 5)
     assert summary_path(Path("/x/run.jsonl")) == Path("/x/run.summary.json")
+    burst = BenchConfig(rate_schedule="20:0.5,10:1.5,30:0.5", burstiness=0.5, seed=2)
+    assert arrival_times(burst) == piecewise_arrivals([(20, 0.5), (10, 1.5), (30, 0.5)], 0.5, 2)
+    with pytest.raises(ValueError, match="exclusive"):
+        arrival_times(BenchConfig(rate_schedule="1:1", trace=str(trace)))
+    with pytest.raises(ValueError, match="no request"):
+        arrival_times(BenchConfig(rate_schedule="0.001:0.001"))
+
+
+def test_parse_rate_schedule():
+    assert parse_rate_schedule("20:0.5, 10:1.5,30:0") == [(20.0, 0.5), (10.0, 1.5), (30.0, 0.0)]
+    for bad, message in (("", "no segment"), ("20", "SECONDS:RATE"), ("a:1", "SECONDS:RATE"),
+                         ("0:1", "> 0"), ("5:-1", ">= 0"), ("inf:1", "finite"), ("5:nan", "finite")):
+        with pytest.raises(ValueError, match=message):
+            parse_rate_schedule(bad)
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.3])
+def test_piecewise_arrivals_follow_each_segments_rate(burstiness):
+    """A burst schedule: each segment holds about duration x rate arrivals (within 5 sigma of the count's
+    spread, gamma gaps of shape b have a variance 1/b times Poisson's), none in a zero-rate segment,
+    all inside the schedule, sorted and seeded."""
+    segments = [(2000.0, 1.0), (500.0, 6.0), (300.0, 0.0), (2000.0, 0.5)]
+    a = piecewise_arrivals(segments, burstiness, seed=7)
+    assert a == piecewise_arrivals(segments, burstiness, seed=7) != piecewise_arrivals(segments, burstiness, seed=8)
+    assert a == sorted(a) and 0 < a[0] and a[-1] < sum(d for d, _ in segments)
+    start = 0.0
+    for duration, rate in segments:
+        count = sum(start <= t < start + duration for t in a)
+        expected = duration * rate
+        assert abs(count - expected) <= 5 * math.sqrt(expected / burstiness) + 1, (duration, rate, count)
+        start += duration
+    with pytest.raises(ValueError, match="burstiness"):
+        piecewise_arrivals(segments, 0.0)
+    with pytest.raises(ValueError, match="segment"):
+        piecewise_arrivals([(0.0, 1.0)])
+    assert piecewise_arrivals([(5.0, 0.0)]) == []
 
 
 # ================================================================================================ workload
@@ -597,3 +640,27 @@ def test_cli_accepts_the_servers_tier_aliases(up, tmp_path):
     by_tier = {r["category"]: r for r in read_records(out)}
     assert by_tier["priority"]["slo_tpot_ms"] == classes["critical"]["tpot_ms"]
     assert by_tier["scale"]["slo_tpot_ms"] == classes["chat"]["tpot_ms"]
+
+
+def test_bench_rate_schedule_and_refusals_through_slo_admission(up, tmp_path):
+    """`--rate-schedule` against a gateway with SLO admission: the requests are the schedule's arrivals,
+    a request with an unmeetable TPOT is refused (503) and its record keeps the Retry-After and how fast
+    the refusal came; the others are served and carry neither."""
+    gw = gateway(up, "none", "--admission", "slo")
+    try:
+        out = tmp_path / "sched.jsonl"
+        proc = bench_cli("--url", gw.address, "--rate-schedule", "1:6,1:0,1:6", "--seed", "3", "--max-tokens", "4",
+                         "--ignore-eos", "--mix", "critical=0.5:short:0.01,chat=0.5:short", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        expected = piecewise_arrivals([(1.0, 6.0), (1.0, 0.0), (1.0, 6.0)], 1.0, 3)
+        assert [r["scheduled_s"] for r in records] == pytest.approx(expected, abs=1e-12) and len(records) >= 4
+        refused = [r for r in records if r["category"] == "critical"]
+        served = [r for r in records if r["category"] == "chat"]
+        assert refused and served
+        for r in refused:
+            assert r["status"] == 503 and r["retry_after_s"] >= 1 and 0 < r["status_ms"] < 10_000, r
+        for r in served:
+            assert r["status"] == 200 and r["retry_after_s"] is None and r["status_ms"] <= r["ttft_ms"], r
+    finally:
+        gw.stop()

@@ -40,6 +40,55 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return gamma_arrivals(n, rate, 1.0, seed)
 
 
+def parse_rate_schedule(spec: str) -> list[tuple[float, float]]:
+    """'20:0.5,10:1.5,30:0.5' -> [(20.0, 0.5), (10.0, 1.5), (30.0, 0.5)]: (seconds, requests/s) segments."""
+    segments = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        dur, sep, rate = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            seg = (float(dur), float(rate))
+        except ValueError:
+            raise ValueError(f"bad rate segment {part!r}: expected SECONDS:RATE, e.g. 10:1.5") from None
+        if not (seg[0] > 0 and math.isfinite(seg[0])) or not (seg[1] >= 0 and math.isfinite(seg[1])):
+            raise ValueError(f"bad rate segment {part!r}: seconds must be > 0 and the rate >= 0, both finite")
+        segments.append(seg)
+    if not segments:
+        raise ValueError(f"the rate schedule {spec!r} has no segment")
+    return segments
+
+
+def piecewise_arrivals(segments: list[tuple[float, float]], burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Arrivals of a piecewise-constant rate: segment k lasts `segments[k][0]` seconds at `segments[k][1]`
+    requests/s (0: none), one after another from t = 0 (e.g. a burst: `[(20, r), (10, 3 r), (30, r)]`).
+
+    Within a segment the gaps are gamma of shape `burstiness` at that segment's mean rate, starting from
+    the segment's start; an arrival past its end is dropped and the next segment starts afresh (exact
+    for Poisson, which is memoryless; for other shapes the gap that spans a boundary is redrawn). The
+    number of requests follows from the schedule: about sum(duration x rate)."""
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0 (got {burstiness})")
+    rng = random.Random(seed)
+    out: list[float] = []
+    start = 0.0
+    for duration, rate in segments:
+        if not (duration > 0 and math.isfinite(duration)) or not (rate >= 0 and math.isfinite(rate)):
+            raise ValueError(f"bad segment ({duration}, {rate}): seconds must be > 0 and the rate >= 0, both finite")
+        end = start + duration
+        if rate > 0:
+            theta = 1.0 / (rate * burstiness)
+            t = start + rng.gammavariate(burstiness, theta)
+            while t < end:
+                out.append(t)
+                t += rng.gammavariate(burstiness, theta)
+        start = end
+    return out
+
+
 def load_trace(path: str | Path) -> list[float]:
     """Timestamps in seconds from a trace file: one number per line, or JSONL rows with a `timestamp`
     (or `arrival_time`, `time`) field. Blank lines and lines starting with # are skipped."""

@@ -43,7 +43,13 @@ async def send(session: aiohttp.ClientSession, url: str, req: BenchRequest, reco
     try:
         async with session.post(url, json=request_body(req, model, ignore_eos, best_effort)) as resp:
             record.status = resp.status
+            record.status_ms = (time.perf_counter() - sent) * 1e3
             if resp.status != 200:
+                retry = resp.headers.get("Retry-After")
+                try:
+                    record.retry_after_s = float(retry) if retry is not None else None
+                except ValueError:  # an HTTP date: kept as absent (the gateway sends seconds)
+                    record.retry_after_s = None
                 text = await resp.text()
                 try:
                     record.error = _decode(text)["error"]["message"]

@@ -31,6 +31,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     sent_s: float  # actual send time, s from the start of the run
     max_tokens: int
     status: int = 0  # HTTP status (0: no response)
+    status_ms: float | None = None  # send -> the response's status line (for a 503: how fast it was refused), ms
+    retry_after_s: float | None = None  # the Retry-After header of a refusal, s (None: none sent)
     error: str | None = None  # why it failed, if it did
     ttft_ms: float | None = None  # send -> first chunk with a token, ms
     latency_ms: float | None = None  # send -> last token-bearing chunk, ms

@@ -3,7 +3,8 @@
     specserve bench --url http://127.0.0.1:8000 --request-rate 4 --num-requests 200 --ignore-eos
 
 Requests arrive by a Poisson process (`--burstiness 1`), a burstier gamma process (`--burstiness
-< 1`), or at the times of a trace file (`--trace`, rescaled to `--request-rate` if given). Each one
+< 1`), a piecewise-constant rate (`--rate-schedule`, e.g. a burst), or at the times of a trace file
+(`--trace`, rescaled to `--request-rate` if given). Each one
 is a streamed /v1/completions call with its category's `service_tier` (and `slo`, if the mix gives
 a TPOT). The output is a JSONL of per-request records, a JSON summary beside it, and a table on
 stdout; the summary also carries the server's iteration split read from /metrics.
@@ -23,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from specserve.bench.arrivals import gamma_arrivals, load_trace, trace_arrivals
+from specserve.bench.arrivals import gamma_arrivals, load_trace, parse_rate_schedule, piecewise_arrivals, trace_arrivals
 from specserve.bench.client import send
 from specserve.bench.records import RequestRecord, summarize
 from specserve.bench.scrape import PARTS, scrape, server_delta
@@ -39,6 +40,7 @@ class BenchConfig:
     request_rate: float = math.inf  # requests/s (inf: all at once)
     burstiness: float = 1.0  # gamma shape of the gaps: 1 = Poisson, < 1 burstier
     trace: str | None = None  # file of arrival timestamps to replay
+    rate_schedule: str | None = None  # piecewise rate "SECONDS:RATE,...", req/s per segment; sets the request count
     max_concurrency: int | None = None  # most requests in flight (None: no limit)
     mix: str = DEFAULT_MIX  # TIER=SHARE:WORKLOAD[:TPOT_MS],...
     max_tokens: int | None = None  # override every prompt row's max_tokens
@@ -66,6 +68,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None,
                    help="replay arrival timestamps from this file (one per line, or JSONL with 'timestamp'); "
                         "rescaled to --request-rate when that is given")
+    p.add_argument("--rate-schedule", default=None, metavar="SECONDS:RATE,...",
+                   help="a piecewise-constant rate instead of --request-rate, e.g. 20:0.5,10:1.5,30:0.5 (a burst); "
+                        "gaps within a segment follow --burstiness; the request count follows from the schedule")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--mix", default=DEFAULT_MIX,
                    help=f"categories TIER=SHARE:WORKLOAD[:TPOT_MS],... (default {DEFAULT_MIX})")
@@ -84,6 +89,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def arrival_times(cfg: BenchConfig) -> list[float]:
+    if cfg.rate_schedule is not None:
+        if cfg.trace is not None:
+            raise ValueError("--rate-schedule and --trace are exclusive")
+        times = piecewise_arrivals(parse_rate_schedule(cfg.rate_schedule), cfg.burstiness, cfg.seed)
+        if not times:
+            raise ValueError(f"the rate schedule {cfg.rate_schedule!r} gives no request (raise a rate or a duration)")
+        return times
     if cfg.trace is not None:
         rate = None if math.isinf(cfg.request_rate) else cfg.request_rate
         return trace_arrivals(load_trace(cfg.trace), cfg.num_requests, rate)
@@ -111,9 +123,9 @@ async def run_bench(cfg: BenchConfig) -> tuple[dict, list[RequestRecord]]:
     if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     categories = parse_mix(cfg.mix)
-    requests = build_requests(categories, cfg.num_requests, cfg.seed, cfg.max_tokens,
-                              sequential=cfg.sequential_prompts)
     times = arrival_times(cfg)
+    n = len(times) if cfg.rate_schedule is not None else cfg.num_requests  # a schedule sets the count
+    requests = build_requests(categories, n, cfg.seed, cfg.max_tokens, sequential=cfg.sequential_prompts)
     url = cfg.url.rstrip("/").removesuffix("/v1")
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)  # concurrency is ours to limit, not the pool's
