@@ -33,14 +33,11 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.schedule_cost import PROMPT, package_tree  # noqa: E402
+from bench.schedule_cost import counter_deltas, package_tree  # noqa: E402
 from bench.sweep import relative_paths  # noqa: E402
-from specserve.bench.scrape import parse_counters  # noqa: E402
 from specserve.launch import ServiceProcess  # noqa: E402
 
 PARTS = ("draft", "target", "transport", "schedule")
@@ -82,25 +79,7 @@ class _pythonpath:  # noqa: N801 (a context manager named for what it sets)
 
 async def one_at_a_time(url: str, requests: int, tokens: int) -> dict[str, float]:
     """`requests` streamed requests one after another (after a warm-up); ms per iteration of each share."""
-    async with aiohttp.ClientSession() as s:
-        async def metrics() -> dict[str, float]:
-            async with s.get(f"{url}/metrics") as r:
-                return parse_counters(await r.text())
-
-        async def one() -> None:
-            body = {"model": "target", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            async with s.post(f"{url}/v1/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                async for _ in r.content:
-                    pass
-
-        await one()  # warm-up, outside the counted window
-        before = await metrics()
-        for _ in range(requests):
-            await one()
-        after = await metrics()
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    d = await counter_deltas(url, tokens, requests, at_once=False)
     iters = d.get("specserve:iterations_total", 0.0)
     out = {f"{p}_ms": d.get(f"specserve:iteration_{p}_seconds_total", 0.0) / iters * 1e3 for p in PARTS}
     out["iteration_ms"] = sum(out[f"{p}_ms"] for p in PARTS)

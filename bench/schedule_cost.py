@@ -113,7 +113,9 @@ class Stack:
             p.stop()
 
 
-async def load(url: str, batch: int, tokens: int) -> dict[str, float]:
+async def counter_deltas(url: str, tokens: int, requests: int, at_once: bool) -> dict[str, float]:
+    """The gateway's /metrics counters' growth over `requests` streamed greedy requests of `tokens`
+    tokens, all at once or one after another, after one warm-up request outside the window."""
     async with aiohttp.ClientSession() as s:
         async def metrics() -> dict[str, float]:
             async with s.get(f"{url}/metrics") as r:
@@ -129,9 +131,17 @@ async def load(url: str, batch: int, tokens: int) -> dict[str, float]:
 
         await one()  # warm-up, outside the counted window
         before = await metrics()
-        await asyncio.gather(*(one() for _ in range(batch)))
+        if at_once:
+            await asyncio.gather(*(one() for _ in range(requests)))
+        else:
+            for _ in range(requests):
+                await one()
         after = await metrics()
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+async def load(url: str, batch: int, tokens: int) -> dict[str, float]:
+    d = await counter_deltas(url, tokens, batch, at_once=True)
     parts = [d.get(f"specserve:iteration_{p}_seconds_total", 0.0) for p in ("draft", "target", "transport",
                                                                             "schedule")]
     iters = d.get("specserve:iterations_total", 0.0)
