@@ -53,42 +53,33 @@ async def serve(h: ServiceHost, path: str) -> tuple[RpcServer, str]:
     return server, await server.start(f"unix:{path}")
 
 
-def test_small_calls_run_on_the_loop_thread_and_large_ones_on_the_model_thread(tmp_path):
+def threads_of(tmp_path, inline_tokens: int, calls: list[tuple[int, str]]) -> dict[str, str]:
+    """Forward calls of (tokens, rid), one after another over a real socket: rid -> the thread it ran on."""
     recorder = Recorder()
-    h = host(recorder, inline_tokens=8)
+    h = host(recorder, inline_tokens=inline_tokens)
 
     async def main() -> None:
         server, address = await serve(h, str(tmp_path / "t.sock"))
         client = await RpcClient.connect(address)
         try:
-            await client.call(forward(8, "small"), ForwardReply)
-            await client.call(forward(9, "large"), ForwardReply)
+            for tokens, rid in calls:
+                await client.call(forward(tokens, rid), ForwardReply)
         finally:
             await client.close()
             await server.close()
 
     asyncio.run(main())
     h.executor.shutdown()
-    where = {rid: thread for rid, thread, _, _ in recorder.runs}
+    return {rid: thread for rid, thread, _, _ in recorder.runs}
+
+
+def test_small_calls_run_on_the_loop_thread_and_large_ones_on_the_model_thread(tmp_path):
+    where = threads_of(tmp_path, 8, [(8, "small"), (9, "large")])
     assert where["small"] == "MainThread" and where["large"].startswith("target-model")
 
 
 def test_zero_inline_tokens_sends_every_call_to_the_model_thread(tmp_path):
-    recorder = Recorder()
-    h = host(recorder, inline_tokens=0)
-
-    async def main() -> None:
-        server, address = await serve(h, str(tmp_path / "t.sock"))
-        client = await RpcClient.connect(address)
-        try:
-            await client.call(forward(1, "small"), ForwardReply)
-        finally:
-            await client.close()
-            await server.close()
-
-    asyncio.run(main())
-    h.executor.shutdown()
-    assert recorder.runs[0][1].startswith("target-model")
+    assert threads_of(tmp_path, 0, [(1, "small")])["small"].startswith("target-model")
 
 
 def test_a_small_call_waits_for_the_call_on_the_model_thread_and_health_does_not(tmp_path):
