@@ -40,6 +40,11 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return gamma_arrivals(n, rate, 1.0, seed)
 
 
+def _valid_segment(duration: float, rate: float) -> bool:
+    """A schedule segment lasts a finite time > 0 at a finite rate >= 0."""
+    return duration > 0 and math.isfinite(duration) and rate >= 0 and math.isfinite(rate)
+
+
 def parse_rate_schedule(spec: str) -> list[tuple[float, float]]:
     """'20:0.5,10:1.5,30:0.5' -> [(20.0, 0.5), (10.0, 1.5), (30.0, 0.5)]: (seconds, requests/s) segments."""
     segments = []
@@ -54,7 +59,7 @@ def parse_rate_schedule(spec: str) -> list[tuple[float, float]]:
             seg = (float(dur), float(rate))
         except ValueError:
             raise ValueError(f"bad rate segment {part!r}: expected SECONDS:RATE, e.g. 10:1.5") from None
-        if not (seg[0] > 0 and math.isfinite(seg[0])) or not (seg[1] >= 0 and math.isfinite(seg[1])):
+        if not _valid_segment(*seg):
             raise ValueError(f"bad rate segment {part!r}: seconds must be > 0 and the rate >= 0, both finite")
         segments.append(seg)
     if not segments:
@@ -76,7 +81,7 @@ def piecewise_arrivals(segments: list[tuple[float, float]], burstiness: float = 
     out: list[float] = []
     start = 0.0
     for duration, rate in segments:
-        if not (duration > 0 and math.isfinite(duration)) or not (rate >= 0 and math.isfinite(rate)):
+        if not _valid_segment(duration, rate):
             raise ValueError(f"bad segment ({duration}, {rate}): seconds must be > 0 and the rate >= 0, both finite")
         end = start + duration
         if rate > 0:
