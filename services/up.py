@@ -81,8 +81,7 @@ def main(args: argparse.Namespace) -> int:
         except PresetError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        overrides = config.simulate.partition(",")[2]  # e.g. time_scale=4, passed on to the services
-        sim = ["--simulate", str(preset.path) + ("," + overrides if overrides else "")]
+        sim = ["--simulate", preset.spec]  # the file, with any time_scale override
         if not config.profile:  # the simulated target's profile, kept apart from the real one's
             config.profile = str(default_profile_path(config.model, f"sim-{preset.name}"))
     check_port_free(config.host, config.port)  # PortInUse: one line, exit 1, before any model loads

@@ -44,6 +44,7 @@ def test_time_scale_multiplies_every_modelled_time():
         assert b.tokens == a.tokens
         assert b.pass_ms(entries) == pytest.approx(4 * a.pass_ms(entries), rel=1e-12)
     assert slow.acceptance == base.acceptance
+    assert base.spec == str(base.path) and load_preset(slow.spec).target == slow.target  # what up passes on
 
 
 def test_latency_model_is_piecewise_linear_in_tokens_and_linear_in_context():

@@ -39,6 +39,12 @@ class Preset:
     tokenizer: Path  # tokenizer.json the corpus is tokenized with (the target's)
     seed: int
     sources: tuple[str, ...]
+    time_scale: float = 1.0  # every modelled pass time multiplied by this (the spec's override)
+
+    @property
+    def spec(self) -> str:
+        """A `--simulate` spec that loads this preset again, overrides included (for child services)."""
+        return str(self.path) + (f",time_scale={self.time_scale!r}" if self.time_scale != 1.0 else "")
 
 
 def preset_names() -> list[str]:
@@ -120,7 +126,7 @@ def load_preset(spec: str) -> Preset:
     corpus = tuple(_find(path, f, where) for f in text.get("corpus", DEFAULT_CORPUS))
     tokenizer = _find(path, text.get("tokenizer", "models/target/tokenizer.json"), where)
     return Preset(name, path, target, draft, acceptance, corpus, tokenizer, int(text.get("seed", 0)),
-                  tuple(str(s) for s in raw.get("sources", [])))
+                  tuple(str(s) for s in raw.get("sources", [])), scale)
 
 
 def _find(preset: Path, name: str, where: str) -> Path:
