@@ -94,10 +94,12 @@ class ReleaseReply(Struct, tag=True):
 class SpeculateEntry(Struct):
     rid: str
     step: int  # the gateway's iteration number for this request; strictly increasing
-    num_new: int  # committed tokens since this request's last call (its slice of tensor "tokens")
-    num_committed: int  # all committed tokens of the request after this call (prompt + output)
+    num_new: int  # tokens of its slice of tensor "tokens": committed since its last call, then the assumed ones
+    num_committed: int  # all committed tokens of the request after this call (prompt + output), assumed excluded
     depth: int  # beam steps d; 0 only appends the new tokens (keeps the draft KV in sync)
     width: int  # beam width w (children kept per step)
+    num_assumed: int = 0  # drafting ahead: the last tokens of its slice are a guess, not committed; the tree
+    # grows from them, then the draft forgets them (tokens and KV)
 
 
 class Speculate(Struct, tag=True):

@@ -55,10 +55,11 @@ def _cut(flat: torch.Tensor, counts: list[int]) -> list[list[Any]]:
 class SpeculateItem:
     rid: str
     step: int
-    new_tokens: list[int]  # committed since this request's last speculate call
-    num_committed: int  # all committed tokens after them
+    new_tokens: list[int]  # committed since this request's last speculate call (then the assumed ones)
+    num_committed: int  # all committed tokens after them (the assumed ones excluded)
     depth: int
     width: int
+    assumed: int = 0  # drafting ahead: the last `assumed` new tokens are a guess the draft forgets afterwards
 
 
 @dataclass(slots=True)
@@ -129,7 +130,8 @@ class _ServiceClient:
 
 class DraftClient(_ServiceClient):
     async def speculate(self, items: list[SpeculateItem]) -> tuple[list[Candidate], SpeculateReply]:
-        entries = [SpeculateEntry(i.rid, i.step, len(i.new_tokens), i.num_committed, i.depth, i.width) for i in items]
+        entries = [SpeculateEntry(i.rid, i.step, len(i.new_tokens), i.num_committed, i.depth, i.width,
+                                  i.assumed) for i in items]
         reply, out = await self.rpc.call(Speculate(entries), SpeculateReply,
                                          _nonempty({"tokens": _flat([i.new_tokens for i in items])}))
         counts = [t.num_nodes for t in reply.trees]

@@ -75,14 +75,16 @@ class Steered(Chain):
         self.records.append(record)
 
 
-async def serve(policy: Steered, services, prompts, stops, *, sync: bool) -> list[list[int]]:
+async def serve(policy: Steered, services, prompts, stops, *, sync: bool, overlap: bool = False,
+                abort: int | None = None, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """abort: the index of a request to abort once its first tokens arrive (its output is cut there)."""
     target, draft = services
     pool = ServicePool([TargetReplica(0, target.address, LatencyModel(16, 10.0))], DraftService(draft.address))
     engine = Engine(policy, Scheduler(policy, RoundRobin(), sync_draft=sync), pool, GatewayMetrics("t"),
-                    EngineLimits())
+                    EngineLimits(), overlap=overlap)
     await engine.start()
     try:
-        reqs = [GenRequest(f"r{i}", ids, SamplingSpec(), MAX_TOKENS, SloClass("chat", 100.0, 5000.0),
+        reqs = [GenRequest(f"r{i}", ids, SamplingSpec(), max_tokens, SloClass("chat", 100.0, 5000.0),
                            frozenset(stops)) for i, (ids, _) in enumerate(prompts)]
         for r in reqs:
             engine.submit(r)
@@ -93,6 +95,9 @@ async def serve(policy: Steered, services, prompts, stops, *, sync: bool) -> lis
                 event = await r.events.get()
                 if isinstance(event, Tokens):
                     out += event.tokens
+                    if abort is not None and r is reqs[abort]:
+                        engine.abort(r.rid)  # the engine is in its next pass: aborted mid-step
+                        return out
                 elif isinstance(event, Finished):
                     assert event.reason in ("stop", "length"), event
                     return out

@@ -185,6 +185,17 @@ def test_greedy_identical_across_policies(up, reference):
     wait_all_free(up)
 
 
+def test_greedy_identical_across_policies_with_overlap(up, reference):
+    """The same with drafting ahead (--overlap): every policy that drafts, and adaserve."""
+    for policy in ["adaserve", *POLICIES[1:]]:
+        g = gateway(up, policy, "--budget", "24", "--overlap")
+        try:
+            assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
+        finally:
+            g.stop()
+    wait_all_free(up)
+
+
 # ---- load and isolation --------------------------------------------------------------------------
 def test_32_concurrent_streams(up):
     async def one(c, i):

@@ -156,6 +156,30 @@ def test_reload_rebuilds_the_draft_kv_from_committed_tokens(services, prompts):
     assert after.path_prob == pytest.approx(before.path_prob, rel=1e-5)
 
 
+def test_assumed_tokens_grow_the_tree_and_are_forgotten(services, prompts):
+    """Drafting ahead: a tree grown from assumed tokens equals the tree grown once they are committed;
+    afterwards the draft holds only the committed tokens (the next call must send the assumed ones)."""
+    prompt = prompts["tiny"]
+
+    async def main():
+        dc, tc = await _clients(services)
+        head, guess = prompt[:-2], prompt[-2:]
+        (ahead,), _ = await dc.speculate([SpeculateItem("a", 1, prompt, len(head), 3, 2, assumed=2)])
+        (wrong,), _ = await dc.speculate([SpeculateItem("a", 2, [], len(prompt), 3, 2)])
+        assert wrong.error is not None and wrong.error.code == "out_of_sync"  # the guess was not kept
+        (bad,), _ = await dc.speculate([SpeculateItem("b", 1, guess, 2, 3, 2, assumed=3)])
+        assert bad.error is not None and bad.error.code == "bad_shape"
+        (real,), _ = await dc.speculate([SpeculateItem("c", 1, head, len(head), 0, 1)])
+        (real,), _ = await dc.speculate([SpeculateItem("c", 2, guess, len(prompt), 3, 2)])
+        await dc.release(["a", "c"])
+        await _assert_pools_empty(dc, tc)
+        return ahead, real
+
+    ahead, real = _run(main())
+    assert ahead.tokens == real.tokens and ahead.parents == real.parents and ahead.tokens[0] == prompt[-1]
+    assert ahead.path_prob == pytest.approx(real.path_prob, rel=1e-5)
+
+
 def _raw_call(address: str, data: bytes, read: bool = True) -> bytes:
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as sock:

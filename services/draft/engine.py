@@ -136,6 +136,7 @@ class DraftEngine:
                 self.release(entry.rid)
             results.append(DraftTree(entry.rid, entry.step, 0, 0, error))
         self.entry_errors += len(failed)
+        self._forget_assumed([e for e, _ in accepted if e.num_assumed > 0 and e.rid not in failed])
         reply = SpeculateReply(results, catchup_ms, beam_ms, ms_since(t0), forwards, self.free_blocks(),
                                offloaded=self.runner is None)
         return reply, {
@@ -169,10 +170,13 @@ class DraftEngine:
         have = len(req.tokens) if req else 0
         if req is not None and entry.step <= req.last_step:
             return ErrorInfo("stale_step", f"step {entry.step} of {entry.rid!r} is not after {req.last_step}")
-        if have + len(toks) != entry.num_committed:
+        if not 0 <= entry.num_assumed <= len(toks):
+            return ErrorInfo("bad_shape", f"{entry.rid!r}: {entry.num_assumed} assumed tokens, but the call adds "
+                             f"{len(toks)}")
+        if have + len(toks) - entry.num_assumed != entry.num_committed:
             return ErrorInfo("out_of_sync" if req else "unknown_request",
                              f"{entry.rid!r}: the draft holds {have} committed tokens, the call adds "
-                             f"{len(toks)}, but says the request has {entry.num_committed}")
+                             f"{len(toks) - entry.num_assumed}, but says the request has {entry.num_committed}")
         if have + len(toks) == 0:
             return ErrorInfo("empty_request", f"{entry.rid!r} has no committed tokens to speculate from")
         if not 0 <= entry.depth <= self.config.max_depth or not 1 <= entry.width <= self.config.max_width:
@@ -181,6 +185,17 @@ class DraftEngine:
         if any(not 0 <= t < self.vocab_size for t in toks):
             return ErrorInfo("bad_token", f"{entry.rid!r}: token ids outside 0..{self.vocab_size - 1}")
         return None
+
+    def _forget_assumed(self, entries: list[SpeculateEntry]) -> None:
+        """Drafting ahead: drop the guessed tokens the trees grew from (history and KV); the gateway
+        sends them again once they are committed."""
+        for entry in entries:
+            req = self.requests[entry.rid]
+            del req.tokens[len(req.tokens) - entry.num_assumed:]
+            if req.synced > len(req.tokens):
+                req.synced = len(req.tokens)
+                if self.runner is not None and self.runner.has_request(entry.rid):
+                    self.runner.truncate(entry.rid, req.synced)
 
     def _snapshot(self, rid: str) -> tuple[int, int] | None:
         req = self.requests.get(rid)

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from specserve.gateway import spans
+from specserve.gateway.ahead import Guess, assumed_path, next_tree, reroot
 from specserve.gateway.executor import Executor, Failure, TargetPass
 from specserve.gateway.metrics import ADMISSION_OUTCOMES, GatewayMetrics
 from specserve.gateway.plan import (
@@ -76,9 +77,10 @@ class EngineLimits:
 
 class Engine:
     def __init__(self, policy: Policy, scheduler: Scheduler, pool: ServicePool, metrics: GatewayMetrics,
-                 limits: EngineLimits, call_timeout_s: float = 30.0):
+                 limits: EngineLimits, call_timeout_s: float = 30.0, overlap: bool = False):
         self.policy, self.scheduler, self.pool, self.metrics = policy, scheduler, pool, metrics
         self.limits = limits
+        self.overlap = overlap  # draft the next trees beside the target pass (ahead.py)
         self.executor = Executor(pool, call_timeout_s)
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []  # admitted, in admission order
@@ -238,11 +240,15 @@ class Engine:
         if plan.residency is not Residency.KEEP:
             await self._transition(plan, record)
         decoding = [r for r in self.running if r.decoding and r.rid in plan.shapes]
-        trees = await self._speculate(plan, decoding, record)
+        if self.overlap:
+            trees = self._held_trees(plan, decoding)
+        else:
+            trees = await self._speculate(plan, decoding, record)
         with tracing.span("policy.select"):
-            passes = self._passes(plan, decoding, trees, record)
+            passes, selected = self._passes(plan, decoding, trees, record)
         if passes:
-            await self._target_pass(plan, passes, record)
+            ahead = self._ahead_items(plan, decoding, trees, selected) if self.overlap else {}
+            await self._target_pass(plan, passes, record, ahead)
         record.total_ms = (time.perf_counter() - t0) * 1e3
         record.waiting, record.running = len(self.waiting), len(self.running)
         self._consume(record)
@@ -373,14 +379,62 @@ class Engine:
         r.draft_seen = True
         return SpeculateItem(r.rid, plan.step, list(r.draft_unsent), r.committed, shape.depth, shape.width)
 
+    # ---- 4b. drafting ahead (--overlap) ---------------------------------------------------------------
+    def _held_trees(self, plan: IterationPlan, decoding: list[GenRequest]) -> dict[str, CandidateTree]:
+        """The trees drafted ahead during the last pass, cut to this plan's depth; a request without one
+        (a miss), or that the policy now gives d = 0, verifies its root alone."""
+        trees: dict[str, CandidateTree] = {}
+        for r in decoding:
+            tree, r.ahead = r.ahead, None
+            depth = plan.shapes[r.rid].depth
+            if tree is not None and depth > 0:
+                trees[r.rid] = tree if max(tree.depths) <= depth else reroot(tree, 0, depth)
+        return trees
+
+    def _ahead_items(self, plan: IterationPlan, decoding: list[GenRequest], trees: dict[str, CandidateTree],
+                     selected: dict[str, list[int]]) -> dict[str, tuple[Guess, SpeculateItem]]:
+        """Per request that speculates: the guess of its answer and the draft entry growing its next tree
+        from that guess (depth d + 1: the first level is the guess of the bonus token)."""
+        draft = self.pool.draft
+        if draft is None or not draft.up:
+            return {}
+        out: dict[str, tuple[Guess, SpeculateItem]] = {}
+        for r in decoding:
+            shape = plan.shapes[r.rid]
+            if shape.depth <= 0:
+                continue
+            tree = trees.get(r.rid)
+            path = assumed_path(tree, selected.get(r.rid, [0])) if tree is not None else []
+            depth = min(shape.depth + 1, self.limits.draft_max_depth)
+            r.draft_seen = True
+            out[r.rid] = (Guess(path, path[-1] if path else r.output[-1], len(r.output), depth),
+                          SpeculateItem(r.rid, plan.step, [*r.draft_unsent, *path], r.committed, depth, shape.width,
+                                        len(path)))
+        return out
+
+    def _take_ahead(self, ahead: dict[str, tuple[Guess, SpeculateItem]], drafted: dict[str, CandidateTree],
+                    record: IterationRecord) -> None:
+        """After the commit: a request whose answer matched its guess keeps its next tree."""
+        for rid, (guess, _) in ahead.items():
+            tree = drafted.get(rid)
+            r = self.requests.get(rid)
+            if tree is None:
+                continue
+            if r is None or r.finish_reason is not None or r.replica is None:
+                continue
+            r.ahead = next_tree(guess, tree, r.output[guess.output_len:], guess.depth - 1)
+            record.draft.ahead_hits += r.ahead is not None
+
     def _take_candidates(self, candidates: list[Candidate], items: list[SpeculateItem],
-                         trees: dict[str, CandidateTree] | None) -> None:
-        sent = {i.rid: len(i.new_tokens) for i in items}
+                         trees: dict[str, CandidateTree] | None, roots: dict[str, int] | None = None) -> None:
+        """roots: the root each tree must have where it is not the request's newest token (drafting ahead)."""
+        sent = {i.rid: len(i.new_tokens) - i.assumed for i in items}
         for cand in candidates:
             r = self.requests.get(cand.rid)
             if r is None or r.finish_reason is not None:
                 continue
-            if cand.error is not None or not cand.tokens or cand.tokens[0] != r.output[-1]:
+            root = roots.get(cand.rid, r.output[-1]) if roots else r.output[-1]
+            if cand.error is not None or not cand.tokens or cand.tokens[0] != root:
                 log.warning("draft refused %s (%s): rebuilding its draft state", r.rid, cand.error)
                 self._resync_draft(r)
                 continue
@@ -408,12 +462,14 @@ class Engine:
     def _resync_draft(self, r: GenRequest) -> None:
         """Forget the draft's copy: release it there and resend every committed token next time."""
         r.draft_unsent = r.prompt + r.output if r.output else []
+        r.ahead = None
         if self.pool.draft is not None:
             self.pool.draft.owed_releases.add(r.rid)
 
     # ---- 5. selection and the passes -------------------------------------------------------------
     def _passes(self, plan: IterationPlan, decoding: list[GenRequest], trees: dict[str, CandidateTree],
-                record: IterationRecord) -> list[TargetPass]:
+                record: IterationRecord) -> tuple[list[TargetPass], dict[str, list[int]]]:
+        """The replicas' passes, and the tree nodes selected per request (root included)."""
         selected: dict[str, list[int]] = {}
         if trees:  # a replica whose requests all have their root alone has nothing to select
             decoding_of = {r.rid: r for r in decoding}
@@ -452,24 +508,32 @@ class Engine:
             record.requests.append(RequestStep(r.rid, r.replica, depth=shape.depth, width=shape.width,
                                                verified=len(toks)))
         # (replicas that went down were handled after the releases; only draft calls ran since)
-        return [by_replica[i] for i in sorted(by_replica) if by_replica[i].replica.up]
+        return [by_replica[i] for i in sorted(by_replica) if by_replica[i].replica.up], selected
 
-    async def _target_pass(self, plan: IterationPlan, passes: list[TargetPass], record: IterationRecord) -> None:
+    async def _target_pass(self, plan: IterationPlan, passes: list[TargetPass], record: IterationRecord,
+                           ahead: dict[str, tuple[Guess, SpeculateItem]]) -> None:
+        """The passes, and beside them one draft call: the eager sync's d = 0 entries and, with --overlap,
+        the entries drafting ahead."""
         sync_ids = set(plan.draft_sync)
         sync_reqs = [r for r in self.running if r.rid in sync_ids and r.draft_unsent]
         draft = self.pool.draft
         sync = [self._speculate_item(r, plan) for r in sync_reqs] if draft is not None and draft.up else []
         for item in sync:
             item.depth, item.width = 0, 1
-        results, sync_result, phase_ms = await self.executor.target_pass(passes, sync)
+        beside = sync + [item for _, item in ahead.values()]
+        results, sync_result, phase_ms = await self.executor.target_pass(passes, beside)
         record.target_phase_ms = phase_ms
+        drafted: dict[str, CandidateTree] = {}
         if sync_result is not None:
-            record.draft.sync_requests, record.draft.sync_call_ms = len(sync), sync_result.ms
+            record.draft.sync_requests, record.draft.ahead = len(sync), len(ahead)
+            record.draft.sync_call_ms = sync_result.ms
             if sync_result.value is None:
-                self._draft_failed(sync_result.failure, sync_reqs, record)
+                self._draft_failed(sync_result.failure, sync_reqs + [self.requests[rid] for rid in ahead
+                                                                     if rid in self.requests], record)
             else:
                 record.draft.sync_service_ms = sync_result.value[1].total_ms
-                self._take_candidates(sync_result.value[0], sync, None)
+                self._take_candidates(sync_result.value[0], beside, drafted,
+                                      {rid: guess.root for rid, (guess, _) in ahead.items()})
         steps = {s.rid: s for s in record.requests}
         now = time.perf_counter()
         for p, result in zip(passes, results):
@@ -484,6 +548,8 @@ class Engine:
             step.service_ms, step.forward_ms = min(reply.total_ms, result.ms), reply.forward_ms
             p.replica.free_blocks = reply.free_blocks
             self._commit(outputs, {i.rid: len(i.tokens) for i in p.prefill}, steps, now)
+        if drafted:
+            self._take_ahead(ahead, drafted, record)
 
     def _end_requests_of_down_replicas(self, why: str = "the connection was lost") -> None:
         for replica in self.pool.targets:

@@ -115,14 +115,17 @@ class _IterationCounters:
         ("specserve:draft_catchup_seconds", "Seconds the draft spent appending committed tokens to its KV "
          "(catch-up), inside Speculate calls on the critical path."),
         ("specserve:draft_beam_seconds", "Seconds the draft spent in beam steps, inside Speculate calls."),
-        ("specserve:draft_sync_seconds", "Seconds the draft spent in eager syncs (depth-0 calls beside the target "
-         "pass)."),
+        ("specserve:draft_sync_seconds", "Seconds the draft spent in calls beside the target pass (eager syncs, "
+         "drafting ahead)."),
     )
     COUNTS = (  # (name, help)
         ("specserve:iterations", "Engine iterations run."),
         ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
         ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+        ("specserve:draft_ahead", "Trees drafted ahead beside the target pass (--overlap)."),
+        ("specserve:draft_ahead_hits", "Trees drafted ahead whose guess the target's answer matched (used next "
+         "step)."),
     )
     PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos",
                     "Accepted tokens per draft position (0 = first draft token).")
@@ -130,7 +133,7 @@ class _IterationCounters:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.seconds = [0.0] * len(self.SECONDS)
-        self.counts = [0] * len(self.COUNTS)  # iterations, drafts, draft tokens, accepted
+        self.counts = [0] * len(self.COUNTS)  # iterations, drafts, draft tokens, accepted, ahead, hits
         self.per_position: list[int] = []  # accepted draft tokens per position, summed over iterations
 
     def add(self, record: IterationRecord) -> None:
@@ -140,6 +143,8 @@ class _IterationCounters:
             self.seconds[i] += ms / 1e3
         counts = self.counts
         counts[0] += 1
+        counts[4] += record.draft.ahead
+        counts[5] += record.draft.ahead_hits
         per_position = self.per_position
         for step in record.requests:
             if step.verified > 1 and step.error is None:

@@ -49,11 +49,18 @@ class DraftStep:
     catchup_ms: float = 0.0  # appending committed tokens to the draft KV, inside the service
     beam_ms: float = 0.0  # the d beam steps, inside the service
     sync_requests: int = 0  # d = 0 entries sent only to keep the draft current (eager sync)
-    sync_call_ms: float = 0.0  # that call, run beside the target pass
+    ahead: int = 0  # entries drafting the next step's tree ahead (--overlap), in the same call
+    ahead_hits: int = 0  # of those, requests whose answer matched the guess: their next tree is ready
+    sync_call_ms: float = 0.0  # that call (sync and ahead entries), run beside the target pass
     sync_service_ms: float = 0.0
     transition: str | None = None  # "offload" or "reload" when the residency changed
     transition_ms: float = 0.0  # that call, as the gateway saw it
     failure: str | None = None
+
+    @property
+    def beside(self) -> int:
+        """Entries of the draft call that ran beside the target pass."""
+        return self.sync_requests + self.ahead
 
 
 @dataclass(slots=True)
@@ -96,7 +103,7 @@ class IterationRecord:
     def draft_ms(self) -> float:
         """Inside the draft on the critical path: the Speculate call's service time, plus the wait for
         the eager sync after the target pass ended."""
-        overhang = max(0.0, self.target_phase_ms - self.target_call_ms) if self.draft.sync_requests else 0.0
+        overhang = max(0.0, self.target_phase_ms - self.target_call_ms) if self.draft.beside else 0.0
         return self.draft.service_ms + overhang
 
     @property
@@ -106,7 +113,7 @@ class IterationRecord:
     @property
     def transport_ms(self) -> float:
         draft = max(0.0, self.draft.call_ms - self.draft.service_ms) + self.draft.transition_ms
-        gather = 0.0 if self.draft.sync_requests else max(0.0, self.target_phase_ms - self.target_call_ms)
+        gather = 0.0 if self.draft.beside else max(0.0, self.target_phase_ms - self.target_call_ms)
         return draft + max(0.0, self.target_call_ms - self.target_service_ms) + gather
 
     @property

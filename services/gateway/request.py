@@ -13,6 +13,8 @@ from specserve.shared.messages import SamplingSpec
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
+    from specserve.gateway.policy.base import CandidateTree
+
 
 @dataclass(slots=True)
 class Tokens:
@@ -55,6 +57,7 @@ class GenRequest:
     verified: list[tuple[int, int]] = field(default_factory=list)  # (engine step, tree nodes sent incl. root)
     draft_unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen
     draft_seen: bool = False  # the draft may hold state for it (it must be released there)
+    ahead: CandidateTree | None = None  # its next tree, drafted ahead during the last target pass (--overlap)
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None
     resuming: bool = False  # preempted: its KV is being rebuilt from `context` before it decodes again
