@@ -3,6 +3,8 @@
     .venv/bin/python bench/peer_side_by_side.py --rounds 3 [--policies 'none;chain:6;adaserve']
         [--profile bench/results/sweep-full/profile.json] [--out bench/results/peer_side_by_side.json]
 
+A policy may carry gateway flags ('chain:4 --overlap' runs chain:4 with drafting ahead).
+
 The speed of the 2-core development machine drifts by up to 1.8x within a day, so a peer measured
 at another time cannot be set beside our numbers. Here each round runs, one after another: each
 policy's fresh specserve stack on the first 8 short prompts (64 tokens each, one at a time, critical
@@ -35,7 +37,8 @@ def _sweep():
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--policies", default="none;chain:6;adaserve", help="';'-separated")
+    ap.add_argument("--policies", default="none;chain:6;adaserve",
+                    help="';'-separated; a policy may carry gateway flags: 'chain:4 --overlap'")
     ap.add_argument("--profile", default=str(ROOT / "bench" / "results" / "sweep-full" / "profile.json"),
                     help="the profile every gateway reads (B, SLO classes)")
     ap.add_argument("--prompts", type=int, default=8)
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {}
         for policy in policies:
             print(f"round {i + 1}/{args.rounds}: specserve {policy}", file=sys.stderr, flush=True)
-            with sweep.Stack(policy, Path(args.profile), 1, []) as stack:
+            name, *gateway_args = policy.split()  # e.g. "chain:4 --overlap": a policy and gateway flags
+            with sweep.Stack(name, Path(args.profile), 1, gateway_args) as stack:
                 sweep.warm_up(stack.url, work / "warm-up.jsonl")
                 s = sweep.solo_point(stack.url, work / f"{sweep.slug(policy)}-round{i}.jsonl", policy, args.prompts)
                 b = sweep.bench_point(stack.url, work / f"{sweep.slug(policy)}-batch-round{i}.jsonl", policy,

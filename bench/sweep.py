@@ -196,7 +196,7 @@ def solo_point(url: str, out: Path, label: str, requests: int) -> dict:
 
 
 def slug(policy: str) -> str:
-    return policy.replace(":", "-").replace(",", "")
+    return policy.replace(":", "-").replace(",", "").replace(" ", "")
 
 
 # ------------------------------------------------------------------------------------------ the sweep

@@ -76,12 +76,12 @@ class Steered(Chain):
 
 
 async def serve(policy: Steered, services, prompts, stops, *, sync: bool, overlap: bool = False,
-                abort: int | None = None, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+                draft_misses: bool = False, abort: int | None = None, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """abort: the index of a request to abort once its first tokens arrive (its output is cut there)."""
     target, draft = services
     pool = ServicePool([TargetReplica(0, target.address, LatencyModel(16, 10.0))], DraftService(draft.address))
     engine = Engine(policy, Scheduler(policy, RoundRobin(), sync_draft=sync), pool, GatewayMetrics("t"),
-                    EngineLimits(), overlap=overlap)
+                    EngineLimits(), overlap=overlap, draft_misses=draft_misses)
     await engine.start()
     try:
         reqs = [GenRequest(f"r{i}", ids, SamplingSpec(), max_tokens, SloClass("chat", 100.0, 5000.0),

@@ -7,9 +7,10 @@ grows a tree of depth d + 1 from the end of that path and then forgets the assum
 
 When the target's answer is exactly that path plus a bonus token that is one of the new tree's
 first-level children (a *hit*), the subtree under that child is the next step's tree, depth d,
-already drafted: the next iteration calls no draft on its critical path. On a miss the next step
-verifies its root alone while the draft grows a tree from that root; then the draft's first-level
-guess of the bonus token is all it must get right.
+already drafted: the next iteration calls no draft for it on its critical path. On a miss the next
+step either verifies its root alone while the draft grows a tree from that root (`--overlap-miss
+root`: then the draft's first-level guess of the bonus token is all it must get right), or drafts its
+tree before the pass as without --overlap (`draft`: a miss costs what it always did).
 
 Lossless by construction: the target verifies every token and decides what is emitted; the draft
 only proposes. Pure bookkeeping, no I/O: the engine sends the calls.

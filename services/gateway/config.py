@@ -64,8 +64,11 @@ class GatewayConfig(Settings):
     draft_sync: str = option("lazy", "lazy: requests that do not speculate send their committed tokens to the "
                              "draft with their next speculation; eager: every iteration, beside the target pass",
                              choices=("lazy", "eager"))
-    overlap: bool = option(False, "draft each request's next tree beside the target pass, guessing its answer; a "
-                           "wrong guess verifies the root alone next step (drafting ahead, lossless)")
+    overlap: bool = option(False, "draft each request's next tree beside the target pass, guessing its answer "
+                           "(drafting ahead; lossless)")
+    overlap_miss: str = option("root", "with --overlap, a request whose guess was wrong verifies next: its root "
+                               "alone (root) or a tree drafted before the pass, as without --overlap (draft)",
+                               choices=("root", "draft"))
     slo_classes: list[str] = option(default_factory=list, flag="--slo-class",
                                     help="add or override an SLO class: NAME=TPOT_MS[:TTFT_MS]")
     threads: int = option(1, "torch threads of a target started to profile")

@@ -77,10 +77,12 @@ class EngineLimits:
 
 class Engine:
     def __init__(self, policy: Policy, scheduler: Scheduler, pool: ServicePool, metrics: GatewayMetrics,
-                 limits: EngineLimits, call_timeout_s: float = 30.0, overlap: bool = False):
+                 limits: EngineLimits, call_timeout_s: float = 30.0, overlap: bool = False,
+                 draft_misses: bool = False):
         self.policy, self.scheduler, self.pool, self.metrics = policy, scheduler, pool, metrics
         self.limits = limits
         self.overlap = overlap  # draft the next trees beside the target pass (ahead.py)
+        self.draft_misses = draft_misses  # with overlap: a wrong guess drafts before the pass (else: root alone)
         self.executor = Executor(pool, call_timeout_s)
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []  # admitted, in admission order
@@ -240,10 +242,12 @@ class Engine:
         if plan.residency is not Residency.KEEP:
             await self._transition(plan, record)
         decoding = [r for r in self.running if r.decoding and r.rid in plan.shapes]
-        if self.overlap:
-            trees = self._held_trees(plan, decoding)
-        else:
+        if not self.overlap:
             trees = await self._speculate(plan, decoding, record)
+        else:
+            trees = self._held_trees(plan, decoding)
+            if self.draft_misses:
+                trees.update(await self._speculate(plan, [r for r in decoding if r.rid not in trees], record))
         with tracing.span("policy.select"):
             passes, selected = self._passes(plan, decoding, trees, record)
         if passes:
@@ -377,7 +381,8 @@ class Engine:
     def _speculate_item(self, r: GenRequest, plan: IterationPlan) -> SpeculateItem:
         shape = plan.shapes[r.rid]
         r.draft_seen = True
-        return SpeculateItem(r.rid, plan.step, list(r.draft_unsent), r.committed, shape.depth, shape.width)
+        return SpeculateItem(r.rid, draft_step(plan.step), list(r.draft_unsent), r.committed, shape.depth,
+                             shape.width)
 
     # ---- 4b. drafting ahead (--overlap) ---------------------------------------------------------------
     def _held_trees(self, plan: IterationPlan, decoding: list[GenRequest]) -> dict[str, CandidateTree]:
@@ -408,8 +413,8 @@ class Engine:
             depth = min(shape.depth + 1, self.limits.draft_max_depth)
             r.draft_seen = True
             out[r.rid] = (Guess(path, path[-1] if path else r.output[-1], len(r.output), depth),
-                          SpeculateItem(r.rid, plan.step, [*r.draft_unsent, *path], r.committed, depth, shape.width,
-                                        len(path)))
+                          SpeculateItem(r.rid, draft_step(plan.step, beside=True), [*r.draft_unsent, *path],
+                                        r.committed, depth, shape.width, len(path)))
         return out
 
     def _take_ahead(self, ahead: dict[str, tuple[Guess, SpeculateItem]], drafted: dict[str, CandidateTree],
@@ -519,7 +524,7 @@ class Engine:
         draft = self.pool.draft
         sync = [self._speculate_item(r, plan) for r in sync_reqs] if draft is not None and draft.up else []
         for item in sync:
-            item.depth, item.width = 0, 1
+            item.step, item.depth, item.width = draft_step(plan.step, beside=True), 0, 1
         beside = sync + [item for _, item in ahead.values()]
         results, sync_result, phase_ms = await self.executor.target_pass(passes, beside)
         record.target_phase_ms = phase_ms
@@ -658,6 +663,12 @@ class Engine:
             else:
                 self.metrics.set_replica(str(t.index), False, len(t.requests), 0.0)
         self.metrics.set_load(len(self.running), len(self.waiting), used / total if total else 0.0)
+
+
+def draft_step(step: int, beside: bool = False) -> int:
+    """The step number of a draft entry: an iteration may call the draft for a request twice with --overlap
+    (its tree before the pass, the next one beside it), and the draft wants them strictly increasing."""
+    return 2 * step + beside
 
 
 __all__ = ["Engine", "EngineLimits", "ServiceUnavailable", "TargetReplica"]

@@ -302,7 +302,8 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
                           kv_lookahead_tokens=config.kv_lookahead_tokens)
     metrics = GatewayMetrics(info.name)
     metrics.prime_admission(classes)
-    engine = Engine(policy, scheduler, pool, metrics, limits, config.call_timeout_s, config.overlap)
+    engine = Engine(policy, scheduler, pool, metrics, limits, config.call_timeout_s, config.overlap,
+                    config.overlap_miss == "draft")
     await engine.start()
     rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None
     gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)
