@@ -62,8 +62,11 @@ EXPORTED = {
                                                             "critical path."),
     "specserve:draft_beam_seconds_total": ("counter", M, "Seconds the draft spent in beam steps, inside Speculate "
                                                          "calls."),
-    "specserve:draft_sync_seconds_total": ("counter", M, "Seconds the draft spent in eager syncs (depth-0 calls "
-                                                         "beside the target pass)."),
+    "specserve:draft_sync_seconds_total": ("counter", M, "Seconds the draft spent in calls beside the target "
+                                                         "pass (eager syncs, drafting ahead)."),
+    "specserve:draft_ahead_total": ("counter", M, "Trees drafted ahead beside the target pass (--overlap)."),
+    "specserve:draft_ahead_hits_total": ("counter", M, "Trees drafted ahead whose guess the target's answer "
+                                                       "matched (used next step)."),
     "specserve:requests_received_total": ("counter", M, "Requests received (queued)."),
     "specserve:request_slo_total": ("counter", (*M, "tier", "met"),
                                     "Finished requests by SLO tier and whether the SLO was met."),

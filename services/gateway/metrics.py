@@ -165,7 +165,7 @@ class _IterationCounters:
             f.add_metric(labels, value)
             return f
 
-        for (name, doc), count in zip(self.COUNTS[1:], self.counts[1:]):
+        for (name, doc), count in zip(self.COUNTS[1:4], self.counts[1:4]):
             yield family(name, doc, count)
         per_position = CounterMetricFamily(*self.PER_POSITION, labels=["model_name", "position"])
         for position, count in enumerate(self.per_position):
@@ -176,6 +176,8 @@ class _IterationCounters:
         yield family(*self.COUNTS[0], self.counts[0])
         for (name, doc), value in zip(self.SECONDS[4:], self.seconds[4:]):
             yield family(name, doc, value)
+        for (name, doc), count in zip(self.COUNTS[4:], self.counts[4:]):  # drafting ahead
+            yield family(name, doc, count)
 
 
 class GatewayMetrics:
