@@ -83,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     report = {"rounds": rounds, "median_ms": med, "tree": args.tree, "load_average_before": load,
               "slowdown": {m: med[f"{m} at once"] / med[f"{m} alone"] for m in ("target", "draft")}}
-    print(f"| model | alone ms | at once ms | slowdown | (median of {args.rounds} rounds, min-max) |")
-    print("|---|---:|---:|---:|---|")
+    print(f"Step time, ms: median of {args.rounds} rounds (min-max); load average before {load:.2f}\n")
+    print("| model | alone ms | at once ms | slowdown |")
+    print("|---|---:|---:|---:|")
     for m in ("target", "draft"):
         a, b = [r[f"{m} alone"] for r in rounds], [r[f"{m} at once"] for r in rounds]
         print(f"| {m} | {med[f'{m} alone']:.2f} ({min(a):.2f}-{max(a):.2f}) | {med[f'{m} at once']:.2f} "
-              f"({min(b):.2f}-{max(b):.2f}) | {report['slowdown'][m]:.2f}x | |")
+              f"({min(b):.2f}-{max(b):.2f}) | {report['slowdown'][m]:.2f}x |")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
