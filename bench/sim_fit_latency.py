@@ -4,11 +4,14 @@ bundled target and draft, in process, one torch thread (as `specserve up` runs e
 
     .venv/bin/python bench/sim_fit_latency.py [--out bench/results/sim_fit_latency.json]
 
-Each pass is n requests x k tree nodes at context c (every request prefilled to c tokens first,
-untimed; the tree is discarded after the call so the context stays c), plus single prefill chunks.
-Median of --repeats timed calls after one warm-up. The model
-    pass_ms = table(T) + per_request_ms * n + per_context_token_us / 1000 * n * c + per_pair_ns / 1e6 * n * k * c
-is linear in its parameters (the table's values at fixed knots are the coefficients of hat
+The passes: a grid of n requests x k tree nodes at context c (every request prefilled to c tokens
+first, untimed; the tree is discarded after the call so the context stays c), single prefill
+chunks, decodes of unequal context and mixed passes (a prefill chunk beside decodes), as the
+serving stack makes them. Median of --repeats timed calls after one warm-up. The model
+    pass_ms = table(T) + per_request_ms * n + per_context_token_us / 1000 * C + per_pair_ns / 1e6 * P
+with C and P the context and (new token, context token) pairs as the padded attention counts them
+(shared/simulate/latency.py: padded_attention, as this project's attention runs) is linear in its
+parameters (the table's values at fixed knots are the coefficients of hat
 functions), so it is fitted by least squares (relative error; negative linear terms are dropped);
 the report gives each point's measured and fitted time.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,43 +35,65 @@ from specserve.shared.simulate.latency import LatencyModel
 KNOTS = (1, 2, 8, 16, 32, 64, 128, 256, 512)
 
 
-def measure(model_dir: Path, grid: list[tuple[int, int, int]], chunks: list[tuple[int, int]],
-            repeats: int) -> list[dict]:
+def measure(model_dir: Path, passes: list[list[tuple[str, int, int]]], repeats: int) -> list[dict]:
+    """passes: per pass, its entries as (kind, new tokens, context): kind "T" a chain tree of that many
+    nodes (a decode when 1), "C" a prefill chunk. Each entry's context is prefilled first (untimed);
+    after each timed call the trees are discarded and the chunks truncated, so the context stays."""
     runner = ModelRunner.from_dir(model_dir, num_blocks=4096)
     rng = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=rng).tolist()
+
     points = []
-    for n, k, c in grid:
-        rids = [f"r{n}-{k}-{c}-{i}" for i in range(n)]
-        runner.forward([Chunk(r, torch.randint(1, vocab, (c,), generator=rng).tolist()) for r in rids])
+    for p, entries in enumerate(passes):
+        rids = [f"p{p}-{i}" for i in range(len(entries))]
+        runner.forward([Chunk(r, tokens(c)) for r, (_, _, c) in zip(rids, entries) if c])
         times = []
         for rep in range(repeats + 1):
-            trees = [Tree(r, torch.randint(1, vocab, (k,), generator=rng).tolist(), [-1] + list(range(k - 1)))
-                     for r in rids]
+            batch = [Tree(r, tokens(n), [-1] + list(range(n - 1))) if kind == "T"
+                     else Chunk(r, tokens(n), logits_at=[n - 1]) for r, (kind, n, _) in zip(rids, entries)]
             t0 = time.perf_counter()
-            runner.forward(trees)
+            runner.forward(batch)
             ms = (time.perf_counter() - t0) * 1e3
-            for r in rids:
-                runner.discard_tree(r)
+            for r, (kind, _, c) in zip(rids, entries):
+                if kind == "T":
+                    runner.discard_tree(r)
+                elif c:
+                    runner.truncate(r, c)
+                else:
+                    runner.release(r)
             if rep:
                 times.append(ms)
         for r in rids:
-            runner.release(r)
-        points.append({"requests": n, "tokens": n * k, "context": n * c, "pairs": n * k * c,
-                       "ms": statistics.median(times)})
-    for t, c in chunks:  # a prefill chunk of t tokens after c tokens of the same prompt
-        times = []
-        for rep in range(repeats + 1):
-            if c:
-                runner.forward([Chunk("chunk", torch.randint(1, vocab, (c,), generator=rng).tolist())])
-            t0 = time.perf_counter()
-            runner.forward([Chunk("chunk", torch.randint(1, vocab, (t,), generator=rng).tolist(), logits_at=[t - 1])])
-            ms = (time.perf_counter() - t0) * 1e3
-            runner.release("chunk")
-            if rep:
-                times.append(ms)
-        points.append({"requests": 1, "tokens": t, "context": c, "pairs": t * c, "ms": statistics.median(times)})
+            if runner.has_request(r):
+                runner.release(r)
+        points.append({"entries": [list(e) for e in entries], "ms": statistics.median(times)})
     return points
+
+
+def grid(ns: tuple[int, ...], ks: tuple[int, ...], cs: tuple[int, ...]) -> list[list[tuple[str, int, int]]]:
+    """n equal requests, each verifying a chain of k nodes at context c."""
+    return [[("T", k, c)] * n for c in cs for n in ns for k in ks]
+
+
+CHUNKS = [[("C", t, c)] for t, c in ((16, 0), (64, 0), (256, 0), (256, 256), (256, 768), (128, 1024))]
+# Passes the serving stack makes and a uniform grid does not: decodes of unequal context (one long
+# prompt among short ones: the padded attention reads the longest for all) and mixed passes, a
+# prefill chunk beside decodes (the chunk and the decodes are separate attention groups).
+UNEVEN = [[("T", 1, 1024)] + [("T", 1, 64)] * (n - 1) for n in (4, 8, 16)] + [
+    [("T", 1, 1536)] * 2 + [("T", 1, 300)] * 14,
+    [("T", 4, 1024)] + [("T", 4, 128)] * 7]
+MIXED = [[("C", 256, 0)] + [("T", 1, 256)] * 8, [("C", 256, 512)] + [("T", 1, 300)] * 15,
+         [("C", 64, 0)] + [("T", 1, 64)] * 8, [("C", 128, 256)] + [("T", 4, 128)] * 8,
+         [("C", 256, 0)] + [("T", 1, 1024)] * 4 + [("T", 1, 200)] * 4]
+
+
+def features(p: dict, knots: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The model's counts for a measured pass (padded attention: this project's attention pads)."""
+    model = LatencyModel(knots, (0.0,) * len(knots), padded_attention=True)
+    return model.features([(n, c) for _, n, c in p["entries"]])
 
 
 def hat(t: float, knots: tuple[int, ...]) -> list[float]:
@@ -84,8 +110,9 @@ def hat(t: float, knots: tuple[int, ...]) -> list[float]:
 
 
 def fit(points: list[dict]) -> LatencyModel:
-    knots = tuple(k for k in KNOTS if k <= max(p["tokens"] for p in points))
-    a = np.array([hat(p["tokens"], knots) + [p["requests"], p["context"] / 1e3, p["pairs"] / 1e6] for p in points])
+    knots = tuple(k for k in KNOTS if k <= max(features(p, KNOTS)[0] for p in points))
+    feats = [features(p, knots) for p in points]
+    a = np.array([hat(t, knots) + [n, c / 1e3, pairs / 1e6] for t, n, c, pairs in feats])
     y = np.array([p["ms"] for p in points])
     # relative error: weight each point by 1 / its time
     w = 1 / y
@@ -98,7 +125,7 @@ def fit(points: list[dict]) -> LatencyModel:
         coef[keep] = sub
     table = [round(float(v), 3) for v in coef[: len(knots)]]
     return LatencyModel(knots, tuple(table), round(float(coef[-3]), 4), round(float(coef[-2]), 4),
-                        round(float(coef[-1]), 4))
+                        round(float(coef[-1]), 4), padded_attention=True)
 
 
 def main() -> None:
@@ -109,22 +136,27 @@ def main() -> None:
     torch.set_num_threads(1)
     models = Path(__file__).resolve().parent.parent / "models"
     result: dict = {"threads": 1, "repeats": args.repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    grids = {
-        "target": [(n, k, c) for n in (1, 2, 4, 8, 16, 32) for k in (1, 2, 4, 8) for c in (32, 256)],
-        "draft": [(n, k, c) for n in (1, 4, 16, 32, 64) for k in (1, 2, 4) for c in (32, 256)],
+    sets = {
+        "target": {"grid": grid((1, 2, 4, 8, 16, 32), (1, 2, 4, 8), (32, 256)) + grid((1, 4, 16), (1, 4), (1024,)),
+                   "chunks": CHUNKS, "uneven": UNEVEN, "mixed": MIXED},
+        "draft": {"grid": grid((1, 4, 16, 32, 64), (1, 2, 4), (32, 256)), "chunks": CHUNKS},
     }
     for name in ("target", "draft"):
-        points = measure(models / name, grids[name], [(16, 0), (64, 0), (256, 0), (256, 256), (256, 768), (128, 1024)],
-                         args.repeats)
+        labels = [label for label, passes in sets[name].items() for _ in passes]
+        points = measure(models / name, [p for passes in sets[name].values() for p in passes], args.repeats)
         model = fit(points)
-        for p in points:
-            n = p["requests"]
-            p["model_ms"] = round(model.pass_ms([(p["tokens"] // n, p["context"] // n)] * n), 3)
+        for label, p in zip(labels, points):
+            p["set"] = label
+            p["model_ms"] = round(model.pass_ms([(n, c) for _, n, c in p["entries"]]), 3)
             p["error"] = round(p["model_ms"] / p["ms"] - 1, 3)
         errors = sorted(abs(p["error"]) for p in points)
+        by_set = {label: statistics.median(abs(p["error"]) for p in points if p["set"] == label)
+                  for label in sets[name]}
         result[name] = {"tokens": list(model.tokens), "ms": list(model.ms), "per_request_ms": model.per_request_ms,
                         "per_context_token_us": model.per_context_token_us, "per_pair_ns": model.per_pair_ns,
-                        "median_abs_error": errors[len(errors) // 2], "max_abs_error": errors[-1], "points": points}
+                        "padded_attention": True, "load_average": os.getloadavg(),
+                        "median_abs_error": errors[len(errors) // 2], "max_abs_error": errors[-1],
+                        "median_abs_error_by_set": by_set, "points": points}
         print(name, {k: v for k, v in result[name].items() if k != "points"}, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -60,6 +60,33 @@ def test_latency_model_is_piecewise_linear_in_tokens_and_linear_in_context():
         LatencyModel((8, 4), (1.0, 2.0))
 
 
+def test_padded_attention_charges_every_entry_of_a_group_for_its_longest():
+    kw = dict(per_context_token_us=2.0, per_pair_ns=10.0)
+    own, padded = LatencyModel((1, 8, 64), (10.0, 12.0, 40.0), **kw), LatencyModel((1, 8, 64), (10.0, 12.0, 40.0),
+                                                                                  padded_attention=True, **kw)
+    even = [(4, 100)] * 3  # equal entries: nothing to pad, the two forms agree (every point of the fit)
+    assert padded.pass_ms(even) == pytest.approx(own.pass_ms(even), rel=1e-12)
+    # 8 decodes, one of them after a 1,500-token prompt: all 8 read 1,500 keys
+    uneven = [(1, 1500)] + [(1, 100)] * 7
+    assert padded.features(uneven) == (8, 8, 8 * 1500, 8 * 1500)
+    assert own.features(uneven) == (8, 8, 2200, 2200)
+    # the keys are padded to the longest context + new tokens: an 8-token chunk and a decode after 100
+    # tokens gather 101 keys each; with Q = 8 that is 93 context keys per entry (uniform: exactly c)
+    assert padded.features([(8, 0), (1, 100)]) == (9, 2, 2 * 93, 2 * 8 * 93)
+    # a 256-token chunk beside 4 decodes: shared.batch.attention_groups puts the chunk and the first
+    # decode in one group (padding within 2x), the other three in a second, padded to the longest
+    mixed = [(256, 512), (1, 40), (1, 90), (1, 30), (1, 20)]
+    assert padded.features(mixed) == (260, 5, 2 * 512 + 3 * 90, 2 * 256 * 512 + 3 * 90)
+    assert padded.pass_ms(mixed) == pytest.approx(padded.table_ms(260) + 2.0 * (1024 + 270) / 1e3
+                                                  + 10.0 * (2 * 256 * 512 + 270) / 1e6)
+
+
+def test_cpu_demo_pads_as_the_real_attention_does_and_the_gpu_presets_do_not():
+    assert load_preset("cpu-demo").target.padded_attention and load_preset("cpu-demo").draft.padded_attention
+    assert not load_preset("llama2-7b-a100").target.padded_attention
+    assert load_preset("cpu-demo,time_scale=2").target.padded_attention  # the time scale keeps it
+
+
 def _accepted(tokens, parents, truth):
     acc = accept_choices(tokens, parents, torch.tensor(_truth_at_nodes(tokens, parents, truth)), None)
     return len(acc.path) - 1
@@ -187,6 +214,10 @@ def test_a_malformed_preset_file_names_the_problem(tmp_path):
     bad.write_text("[target]\ntokens = [1, 2]\nms = [1.0]\n[draft]\ntokens=[1]\nms=[1.0]\n"
                    "[acceptance]\ndepth_accept = [0.5]\n")
     with pytest.raises(PresetError, match=r"\[target\].*as many"):
+        load_preset(str(bad))
+    bad.write_text("[target]\ntokens = [1]\nms = [1.0]\npadded_attention = 1\n[draft]\ntokens=[1]\nms=[1.0]\n"
+                   "[acceptance]\ndepth_accept = [0.5]\n")
+    with pytest.raises(PresetError, match=r"\[target\].*padded_attention must be true or false"):
         load_preset(str(bad))
     bad.write_text("not = [toml")
     with pytest.raises(PresetError, match="not valid TOML"):

@@ -11,6 +11,14 @@ through the given (tokens, ms) points: flat before the first point, the last seg
 the last. This is the shape of Vidur's and SLOs-Serve's step-time models (linear work in the
 tokens, a memory term in the KV read) with the token curve given as measured instead of as two
 planes, so that it reproduces a `specserve profile` curve point for point.
+
+With `padded_attention`, the c_i and t_i c_i terms count what a padded attention reads instead of
+each entry's own context: this project's attention (shared/attention.py) runs entries in groups of
+similar query length (shared.batch.attention_groups) and pads every entry of a group to the group's
+longest query Q_g and longest key length, so entry i reads K_g = max_j (c_j + t_j) - Q_g keys and
+pays for Q_g x K_g pairs. For a group of equal entries (every point of the fit) the two forms
+agree; for 8 decodes of which one has a 1,500-token prompt, the padded form charges all eight for
+1,500 keys. GPU presets leave it off: paged-attention kernels read each entry's own blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from specserve.shared.batch import attention_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +37,7 @@ class LatencyModel:
     per_request_ms: float = 0.0  # extra time per entry in the pass, ms
     per_context_token_us: float = 0.0  # extra time per context token attended, summed over entries, us
     per_pair_ns: float = 0.0  # extra time per (new token, context token) pair, summed over entries, ns
+    padded_attention: bool = False  # context and pairs counted as padded per attention group (module doc)
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.ms):
@@ -45,12 +56,23 @@ class LatencyModel:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (new_tokens - x0) / (x1 - x0)
 
+    def features(self, entries: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
+        """(new tokens, entries, context tokens, pairs) of a pass, as the model counts them."""
+        new = sum(n for n, _ in entries)
+        if not self.padded_attention:
+            return new, len(entries), sum(c for _, c in entries), sum(n * c for n, c in entries)
+        context = pairs = 0
+        for group in attention_groups([n for n, _ in entries]):
+            q = max(entries[i][0] for i in group)
+            k = max(entries[i][0] + entries[i][1] for i in group) - q
+            context += len(group) * k
+            pairs += len(group) * q * k
+        return new, len(entries), context, pairs
+
     def pass_ms(self, entries: Sequence[tuple[int, int]]) -> float:
         """entries: (new tokens, context tokens) per entry of the pass."""
         if not entries:
             return 0.0
-        new = sum(n for n, _ in entries)
-        context = sum(c for _, c in entries)
-        pairs = sum(n * c for n, c in entries)
-        return (self.table_ms(new) + self.per_request_ms * len(entries) + self.per_context_token_us * context / 1e3
+        new, n, context, pairs = self.features(entries)
+        return (self.table_ms(new) + self.per_request_ms * n + self.per_context_token_us * context / 1e3
                 + self.per_pair_ns * pairs / 1e6)

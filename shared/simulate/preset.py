@@ -71,11 +71,17 @@ def _latency(raw: Any, where: str) -> LatencyModel:
     try:
         return LatencyModel(tuple(int(t) for t in raw["tokens"]), tuple(float(m) for m in raw["ms"]),
                             float(raw.get("per_request_ms", 0.0)), float(raw.get("per_context_token_us", 0.0)),
-                            float(raw.get("per_pair_ns", 0.0)))
+                            float(raw.get("per_pair_ns", 0.0)), _flag(raw.get("padded_attention", False), where))
     except KeyError as exc:
         raise PresetError(f"{where}: missing key {exc}") from None
     except (TypeError, ValueError) as exc:
         raise PresetError(f"{where}: {exc}") from None
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise PresetError(f"{where}: padded_attention must be true or false, got {value!r}")
+    return value
 
 
 def split_spec(spec: str) -> tuple[str, float]:
