@@ -38,14 +38,14 @@ def test_reroot_keeps_the_subtree_with_conditional_probabilities():
 
 
 def test_next_tree_only_on_the_guessed_answer():
-    guess = Guess([7, 8], 8, 5, 3)  # tree grown from token 8, after assuming 7, 8 accepted
+    guess = Guess([7, 8], 8, 5)  # tree grown from token 8, after assuming 7, 8 accepted
     ahead = CandidateTree([8, 20, 21, 22, 23], [-1, 0, 0, 1, 2], [1.0, 0.5, 0.25, 0.25, 0.1])
-    hit = next_tree(guess, ahead, [7, 8, 21], 2)
+    hit = next_tree(guess, ahead, [7, 8, 21])
     assert hit is not None and hit.tokens == [21, 23] and hit.parents == [-1, 0]
-    assert next_tree(guess, ahead, [7, 8, 99], 2) is None  # the bonus is not a guessed child
-    assert next_tree(guess, ahead, [7, 21], 2) is None  # 8 was rejected
-    assert next_tree(guess, ahead, [7, 8, 20, 22], 2) is None  # more emitted than guessed
-    assert next_tree(Guess([], 8, 5, 3), ahead, [20], 2).tokens == [20, 22]  # guessed from the root
+    assert next_tree(guess, ahead, [7, 8, 99]) is None  # the bonus is not a guessed child
+    assert next_tree(guess, ahead, [7, 21]) is None  # 8 was rejected
+    assert next_tree(guess, ahead, [7, 8, 20, 22]) is None  # more emitted than guessed
+    assert next_tree(Guess([], 8, 5), ahead, [20]).tokens == [20, 22]  # guessed from the root
 
 
 def test_overlap_is_lossless_and_uses_its_trees(services, prompts_and_reference):  # noqa: F811

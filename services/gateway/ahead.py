@@ -30,7 +30,6 @@ class Guess:
     path: list[int]  # assumed tokens after the root of the tree being verified (empty: the root alone)
     root: int  # the token the new tree grows from: path[-1], or the root being verified
     output_len: int  # tokens the request had emitted when the call was made
-    depth: int  # the depth asked of the draft: the next step's depth + 1
 
 
 def assumed_path(tree: CandidateTree, selected: list[int]) -> list[int]:
@@ -48,25 +47,25 @@ def assumed_path(tree: CandidateTree, selected: list[int]) -> list[int]:
     return path[::-1]
 
 
-def next_tree(guess: Guess, tree: CandidateTree, emitted: list[int], depth: int) -> CandidateTree | None:
+def next_tree(guess: Guess, tree: CandidateTree, emitted: list[int]) -> CandidateTree | None:
     """The next step's tree when the target emitted the assumed path plus one of the tree's first-level
-    children (cut to `depth`); None on a miss."""
+    children (the subtree under that child: one level shallower than the tree); None on a miss."""
     if len(emitted) != len(guess.path) + 1 or emitted[:-1] != guess.path:
         return None
     bonus = emitted[-1]
     child = next((c for c in tree.children[0] if tree.tokens[c] == bonus), None)
-    return None if child is None else reroot(tree, child, depth)
+    return None if child is None else reroot(tree, child)
 
 
-def reroot(tree: CandidateTree, root: int, depth: int) -> CandidateTree:
-    """The subtree under node `root`, at most `depth` levels below it, as a tree of its own: path
-    probabilities become conditional on reaching `root`; parents still precede children."""
+def reroot(tree: CandidateTree, root: int, depth: int | None = None) -> CandidateTree:
+    """The subtree under node `root` (at most `depth` levels below it, if given) as a tree of its own:
+    path probabilities become conditional on reaching `root`; parents still precede children."""
     keep = [root]
     index = {root: 0}
     parents = [-1]
     for v in range(root + 1, len(tree.tokens)):
         p = tree.parents[v]
-        if p in index and tree.depths[v] - tree.depths[root] <= depth:
+        if p in index and (depth is None or tree.depths[v] - tree.depths[root] <= depth):
             index[v] = len(keep)
             keep.append(v)
             parents.append(index[p])

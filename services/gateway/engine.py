@@ -412,7 +412,7 @@ class Engine:
             path = assumed_path(tree, selected.get(r.rid, [0])) if tree is not None else []
             depth = min(shape.depth + 1, self.limits.draft_max_depth)
             r.draft_seen = True
-            out[r.rid] = (Guess(path, path[-1] if path else r.output[-1], len(r.output), depth),
+            out[r.rid] = (Guess(path, path[-1] if path else r.output[-1], len(r.output)),
                           SpeculateItem(r.rid, draft_step(plan.step, beside=True), [*r.draft_unsent, *path],
                                         r.committed, depth, shape.width, len(path)))
         return out
@@ -421,13 +421,10 @@ class Engine:
                     record: IterationRecord) -> None:
         """After the commit: a request whose answer matched its guess keeps its next tree."""
         for rid, (guess, _) in ahead.items():
-            tree = drafted.get(rid)
-            r = self.requests.get(rid)
-            if tree is None:
+            tree, r = drafted.get(rid), self.requests.get(rid)
+            if tree is None or r is None or r.finish_reason is not None or r.replica is None:
                 continue
-            if r is None or r.finish_reason is not None or r.replica is None:
-                continue
-            r.ahead = next_tree(guess, tree, r.output[guess.output_len:], guess.depth - 1)
+            r.ahead = next_tree(guess, tree, r.output[guess.output_len:])
             record.draft.ahead_hits += r.ahead is not None
 
     def _take_candidates(self, candidates: list[Candidate], items: list[SpeculateItem],
