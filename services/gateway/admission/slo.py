@@ -18,9 +18,10 @@ every batch but never sets the batch length.
 Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
 theirs, and the rest goes to prompts in prefill-deadline order.
 
-The per-replica roofline starts from the profiled curve plus the measured round-trip overhead and is
-refitted from the iteration records; each tier's cost (nodes per pass) and gain (tokens per pass)
-are moving averages of what the speculation policy in use really did. No I/O, no clock.
+The per-replica roofline starts from the profile (its baseline for passes of up to B tokens, its
+curve above; `initial_roofline`) and is refitted from the iteration records; each tier's cost
+(nodes per pass) and gain (tokens per pass) are moving averages of what the speculation policy in use
+really did. No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -277,12 +278,27 @@ def retry_after(view: SchedulerView) -> float:
 
 
 def initial_roofline(latency: LatencyModel) -> Roofline:
-    """The profiled curve, with the round trips the profile does not see (the baseline iteration
-    minus the pass at batch 8) added to every plane's fixed cost."""
-    curve = latency.curve or [(8, latency.baseline_iteration_ms)]
-    base = Roofline.fit([(t, 0, ms) for t, ms in curve], knee=max(1, latency.budget_tokens))
-    overhead = max(0.0, latency.baseline_iteration_ms - base.time_ms(8))
-    return Roofline(tuple(Plane(p.k1, p.k2, p.b + overhead) for p in base.planes), base.knee)
+    """The planner's start, until the live refit (roofline.py) replaces it a few dozen iterations in.
+
+    Memory-bound plane (passes of at most B tokens): anchored on the profile's baseline, the measured
+    decode iteration at batch B (its minimum), with the curve's slope below B where it has points
+    there. Not the curve's own B-token point: that is the median of verify passes measured in
+    rounds while the contexts grew, 45% above the baseline on the CPU profile (27.0 against
+    18.6 ms), and live decode iterations of one or two requests are faster still (16-17 ms), so a
+    plane through it let no plan hold a decoder of the class set at 1.0x the baseline.
+    Compute-bound plane (above B): the curve's points from B up, with the round trips the profile
+    does not see (the baseline minus the fitted pass at B, when positive) added to its fixed cost."""
+    b_tokens = max(1, latency.budget_tokens)
+    baseline = latency.baseline_iteration_ms
+    curve = latency.curve or [(b_tokens, baseline)]
+    fitted = Roofline.fit([(t, 0, ms) for t, ms in curve], knee=b_tokens)
+    low = fitted.planes[0] if sum(1 for t, _ in curve if t <= b_tokens) >= 2 else Plane(0.0, 0.0, 0.0)
+    planes = [Plane(low.k1, 0.0, max(0.0, baseline - low.k1 * b_tokens))]
+    if len(fitted.planes) > 1:
+        high = fitted.planes[1]
+        overhead = max(0.0, baseline - high.time_ms(b_tokens, 0))
+        planes.append(Plane(high.k1, high.k2, high.b + overhead))
+    return Roofline(tuple(planes), b_tokens)
 
 
 __all__ = ["AdmissionCounts", "SloAdmission", "initial_roofline", "retry_after"]
