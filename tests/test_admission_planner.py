@@ -289,7 +289,7 @@ CPU_CURVE = [(8, 26.993), (16, 34.29), (24, 40.992), (32, 41.679), (48, 50.657),
 
 def cpu_view(waiting, decoding=()):
     lat = LatencyModel(8, CPU_BASELINE_MS, list(CPU_CURVE))
-    reps = [ReplicaView(0, True, 4096, 0, len(decoding), lat)]
+    reps = [ReplicaView(0, True, 4096, sum(r.kv_blocks for r in decoding), len(decoding), lat)]
     return SchedulerView(list(waiting), [], list(decoding), reps, DraftView(False, False), Limits(64, 256, 8, 8))
 
 
@@ -322,9 +322,30 @@ def test_the_live_refit_keeps_room_for_a_lone_critical_decoder():
     assert roof.time2bs(CPU_BASELINE_MS) >= 2  # a critical decoder and prompt tokens beside it
     p = adm.propose(cpu_view([critical("c")]), set(), None)
     assert [a.rid for a in p.admit] == ["c"]
-    search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0)
+    search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0, 12)
     p = adm.propose(cpu_view([critical("c2")], [search]), set(), None)  # arrives with one other running
     assert [a.rid for a in p.admit] == ["c2"]
+
+
+def test_the_refit_prices_the_context_held_a_lone_short_request_fits_beside_a_long_one_not():
+    # decode steps cost 11 ms + 1.5 per decoder + 0.08 per KV block held: short-prompt requests hold
+    # 16 blocks, a 1,300-token search prompt 95 (the CPU replica: 11-18 ms against 21-24 ms a token)
+    rng = random.Random(7)
+    adm = SloAdmission()
+    roof = adm.roofline(0, cpu_view([]).replicas[0].latency)
+    for i in range(16 + 64 * 3):
+        if i % 4 == 3:
+            t = rng.choice([17, 24, 40, 64, 128, 256])
+            roof.observe(t, 0, float(np.interp(t, *zip(*CPU_CURVE, strict=True))) + rng.uniform(0.0, 3.0), 95)
+        else:
+            n, kv = rng.choice([(1, 16), (2, 32), (3, 48), (1, 95), (2, 111)])
+            roof.observe(n, 0, 11.0 + 1.5 * n + 0.08 * kv + rng.uniform(-0.5, 0.5), kv)
+    assert roof.planes[0].k3 == pytest.approx(0.08, abs=0.01)
+    p = adm.propose(cpu_view([critical("alone")]), set(), None)
+    assert [a.rid for a in p.admit] == ["alone"]
+    search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0, 95)
+    p = adm.propose(cpu_view([critical("beside")], [search]), set(), None)
+    assert p.admit == [] and "beside" in p.reject  # 2 decoders at 111 blocks: 22.9 ms > 18.6
 
 
 # ---- preemption order --------------------------------------------------------------------------------
