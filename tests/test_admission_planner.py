@@ -327,21 +327,6 @@ def test_the_live_refit_keeps_room_for_a_lone_critical_decoder():
     assert [a.rid for a in p.admit] == ["c2"]
 
 
-def test_a_lone_long_prompt_is_prefilled_in_full_chunks_and_a_tight_arrival_does_not_starve_it():
-    adm = SloAdmission()
-    search = WaitingView("s", 1841, 64, 120, "search", 44.681, 2000.0, 0.0)  # the long set's longest prompt
-    p = adm.propose(cpu_view([search]), set(), None)
-    # nothing decodes: batches are full chunks (256 tokens in 161 ms), not 44.7 ms ones (30 tokens: 2.7 s)
-    assert [a.rid for a in p.admit] == ["s"] and p.chunks == {"s": 256}
-    prefilling = PrefillView("s", 0, 1841, 256, "search", 44.681, 2000.0, 200.0)
-    view = cpu_view([critical("c")])
-    view.prefilling.append(prefilling)
-    view.replicas[0].reserved_blocks = 120
-    p = adm.propose(view, set(), None)
-    # the critical request would decode in 18.6 ms batches of 8 tokens beside 1,585 prompt tokens still due
-    assert p.admit == [] and "c" in p.reject and p.chunks == {"s": 256}
-
-
 def test_the_refit_prices_the_context_held_a_lone_short_request_fits_beside_a_long_one_not():
     # decode steps cost 11 ms + 1.5 per decoder + 0.08 per KV block held: short-prompt requests hold
     # 16 blocks, a 1,300-token search prompt 95 (the CPU replica: 11-18 ms against 21-24 ms a token)

@@ -116,7 +116,9 @@ class SloAdmission:
         budgets = {}
         for rep in up:
             roof = self.roofline(rep.index, rep.latency)
-            idle = idle_ms(roof, set(tiers), rep.reserved_blocks, view.limits.max_prefill_tokens)
+            # with nothing decoding, batches last the tightest TPOT this replica can hold a token in
+            # (a request asking for less must not stall everyone else's prefill)
+            idle = min((t for t in tiers if roof.time2bs(t, 0, rep.reserved_blocks) >= 1), default=tiers[-1])
             budgets[rep.index] = ReplicaBudget(roof, loads, idle, round(self.spec_steps), rep.reserved_blocks)
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
@@ -154,11 +156,8 @@ class SloAdmission:
             # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
             # case); when several are admitted at once, the next plans see all their blocks
             b = budgets[replica]
-            kv = total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0)
-            present = present_tiers(tiers, base[replica], held[replica]) | {be_tpot if best_effort else w.tpot_ms
-                                                                             for w in cands}
-            idle = idle_ms(b.roofline, present, kv, view.limits.max_prefill_tokens)
-            budget = ReplicaBudget(b.roofline, b.tiers, idle, b.spec_steps, kv)
+            budget = ReplicaBudget(b.roofline, b.tiers, b.idle_ms, b.spec_steps,
+                                   total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0))
             took = set(plan(held[replica] + new, base[replica], free[replica] // unit,
                             budget.as_budget()).admitted) if new else set()
             if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
@@ -248,11 +247,7 @@ class SloAdmission:
         per_replica = [0] * len(view.replicas)
         left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
         left.update({w.rid: w.prompt_tokens for w in offered})
-        tiers = [t.tpot_ms for t in next(iter(budgets.values())).tiers] if budgets else []
-        for replica, b0 in budgets.items():
-            present = present_tiers(tiers, base[replica], held[replica])
-            idle = idle_ms(b0.roofline, present, b0.kv_blocks, view.limits.max_prefill_tokens)
-            b = ReplicaBudget(b0.roofline, b0.tiers, idle, b0.spec_steps, b0.kv_blocks)
+        for replica, b in budgets.items():
             room = min(max(b.shape(tuple(base[replica])).prefill_per_batch, MIN_CHUNK_TOKENS),
                        view.limits.max_prefill_tokens)
             for n in sorted(held[replica], key=lambda x: x.deadline_ms):
@@ -282,26 +277,6 @@ class SloAdmission:
     @staticmethod
     def _count(where: dict[str, int], tier: str) -> None:
         where[tier] = where.get(tier, 0) + 1
-
-
-def present_tiers(tiers: list[float], decoders: list[int], held: list[Node]) -> set[float]:
-    """The TPOTs of a replica's decoders and prefilling prompts."""
-    return {t for t, n in zip(tiers, decoders, strict=True) if n} | {tiers[n.tier] for n in held}
-
-
-def idle_ms(roof: Roofline, tpots: set[float], kv: int, max_prefill_tokens: int) -> float:
-    """A batch's length while nothing decodes. With one paced tier among the replica's requests (and
-    those offered to it) no TPOT binds until they decode: a batch is the engine's largest pass, a
-    full prompt chunk, the most prompt tokens per ms (the CPU profile: 256 tokens in 161 ms, 8 in
-    27). Batches as short as the tier's TPOT took 2.8 s for a 1,259-token search prompt in the
-    planner's model, which refused it against its 2 s TTFT, where FIFO served it within 0.9 s. With
-    two or more tiers, the tightest one this replica can hold a token in: a tight request admitted
-    beside a long prompt decodes as soon as its own prompt is in, and the long prompt then advances
-    only by what those batches leave."""
-    paced = sorted(t for t in tpots if t < BEST_EFFORT_TPOT_MS)
-    if len(paced) <= 1:
-        return roof.time_ms(max(1, max_prefill_tokens), 0, kv)
-    return min((t for t in paced if roof.time2bs(t, 0, kv) >= 1), default=paced[-1])
 
 
 def retry_after(view: SchedulerView) -> float:
@@ -334,4 +309,4 @@ def initial_roofline(latency: LatencyModel) -> Roofline:
     return Roofline(tuple(planes), b_tokens)
 
 
-__all__ = ["AdmissionCounts", "SloAdmission", "idle_ms", "initial_roofline", "present_tiers", "retry_after"]
+__all__ = ["AdmissionCounts", "SloAdmission", "initial_roofline", "retry_after"]
