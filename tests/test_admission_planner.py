@@ -1,10 +1,13 @@
 """SLOs-Serve's planner pieces (specserve.gateway.admission) on hand-built cases: no processes.
 
-- the roofline: its fit reproduces a two-plane table, and time2bs is its inverse;
+- the roofline: its fit reproduces a two-plane table, and time2bs is its inverse (also split at a
+  knee, where only the memory-bound plane prices small passes);
 - PB*: Algorithm 2 (corrected) equals its closed form (digest §6) on random instances;
 - the DP equals brute force over every subset on small random instances (tiers, memory, forced nodes);
 - the admission stage: chunk budgets in deadline order that meet the deadlines, soft admission
-  (next replica, best effort, 503 with Retry-After) and the metrics' counts.
+  (next replica, best effort, 503 with Retry-After) and the metrics' counts;
+- a profile like the real CPU one (its 8-token curve point above the 1.0x class): the planner admits
+  a lone critical request from the start, and still does once refitted from live iterations.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 
 from specserve.gateway.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
 from specserve.gateway.admission.budget_model import ReplicaBudget
 from specserve.gateway.admission.dp import Budget, Node, plan
 from specserve.gateway.admission.roofline import Plane, Roofline
-from specserve.gateway.admission.slo import SloAdmission
+from specserve.gateway.admission.slo import SloAdmission, initial_roofline
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.plan import (
     DraftView,
@@ -56,6 +60,30 @@ def test_roofline_refits_from_live_samples_split_at_its_own_knee():
         assert live.time_ms(t) == pytest.approx(truth.time_ms(t), rel=0.02)
 
 
+def test_the_memory_bound_plane_takes_the_median_residual_the_compute_bound_one_the_p90():
+    # decode steps of 1-2 tokens at 16 + 0.5 per token, one in five slowed by 3 ms; prefill passes exact
+    rng = random.Random(2)
+    steps = [(t, 0, 16.0 + 0.5 * t + (3.0 if i % 5 == 0 else 0.0)) for i, t in enumerate(rng.choice([1, 2])
+                                                                                       for _ in range(100))]
+    prefill = [(t, 0, 10.0 + 0.5 * t + (3.0 if t % 5 == 0 else 0.0)) for t in range(17, 257)]
+    fit = Roofline.fit(steps + prefill, knee=8)
+    assert fit.time_ms(1) < 17.5  # a TPOT is a mean over steps: the slow fifth is not the plan's step
+    assert fit.time_ms(256) >= 10.0 + 0.5 * 256 + 2.0  # a prefill pass keeps the p90's margin
+
+
+def test_the_first_refit_comes_after_16_samples_then_every_64():
+    live = Roofline((Plane(1.0, 0.0, 0.0),), knee=8)  # the profile's guess
+    for i in range(16):
+        live.observe((1, 2, 64)[i % 3], 0, 20.0)
+    first = live.planes
+    assert first != (Plane(1.0, 0.0, 0.0),)
+    for i in range(63):
+        live.observe((1, 2, 64)[i % 3], 0, 30.0)
+    assert live.planes == first
+    live.observe(1, 0, 30.0)
+    assert live.planes != first
+
+
 def test_time2bs_is_the_inverse_of_the_roofline():
     r = Roofline((Plane(0.02, 1.0, 8.0), Plane(0.25, 1.0, 0.0)))
     for target in (9.0, 12.0, 20.0, 50.0, 200.0):
@@ -64,6 +92,12 @@ def test_time2bs_is_the_inverse_of_the_roofline():
             assert r.time_ms(n, steps) <= target + 1e-9
             assert r.time_ms(n + 1, steps) > target
     assert r.time2bs(5.0) < 0  # below the fixed cost nothing fits
+    # split at a knee: up to 8 tokens the flat plane alone; the steep one's line lies above it there
+    split = Roofline((Plane(0.0, 0.0, 18.0), Plane(0.5, 0.0, 28.0)), knee=8)
+    assert split.time_ms(8) == 18.0 and split.time_ms(9) == 32.5
+    for target in (17.0, 18.0, 25.0, 32.5, 40.0, 100.0):
+        n = split.time2bs(target)
+        assert n == max((t for t in range(1, 200) if split.time_ms(t) <= target), default=-1)
 
 
 # ---- PB* -------------------------------------------------------------------------------------------
@@ -245,6 +279,73 @@ def test_ttft_already_lost_is_declined():
     late = WaitingView("late", 20, 20, 4, "chat", 10.0, 100.0, 150.0)  # waited 150 ms of a 100 ms TTFT
     p = adm.propose(rview([late]), set(), None)
     assert "late" in p.reject and math.isfinite(p.reject["late"].retry_after_s)
+
+
+# ---- a profile like the real CPU one ---------------------------------------------------------------
+CPU_BASELINE_MS = 18.617  # the profile's decode iteration at batch 8; the critical class is 1.0x of it
+CPU_CURVE = [(8, 26.993), (16, 34.29), (24, 40.992), (32, 41.679), (48, 50.657), (64, 61.065), (96, 81.54),
+             (128, 95.313), (192, 125.673), (256, 161.398)]  # bench/results/sweep-full/profile.json
+
+
+def cpu_view(waiting, decoding=()):
+    lat = LatencyModel(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    reps = [ReplicaView(0, True, 4096, sum(r.kv_blocks for r in decoding), len(decoding), lat)]
+    return SchedulerView(list(waiting), [], list(decoding), reps, DraftView(False, False), Limits(64, 256, 8, 8))
+
+
+def critical(rid, prompt=60):
+    return WaitingView(rid, prompt, 128, 12, "critical", CPU_BASELINE_MS, 1000.0, 0.0)
+
+
+def test_a_cpu_like_profile_admits_a_lone_critical_request_from_the_start():
+    # the curve's shortest point (8 tokens, 27.0 ms) is above the critical class's 18.6 ms: a roofline
+    # through it refused every critical request, though live lone decode steps take 16-17 ms
+    roof = initial_roofline(cpu_view([]).replicas[0].latency)
+    assert roof.time2bs(CPU_BASELINE_MS) == 8  # the baseline is the decode pass at 8 tokens
+    assert roof.time_ms(256) >= 150.0  # large passes stay priced by the curve
+    p = SloAdmission().propose(cpu_view([critical("c")]), set(), None)
+    assert [a.rid for a in p.admit] == ["c"] and p.reject == {}
+
+
+def test_the_live_refit_keeps_room_for_a_lone_critical_decoder():
+    rng = random.Random(5)
+    adm = SloAdmission()
+    roof = adm.roofline(0, cpu_view([]).replicas[0].latency)
+    for i in range(16 + 64 * 3):  # iterations as the real replica timed them
+        if i % 4 == 3:  # a pass with a prompt chunk: the profile's curve plus the gateway's few ms
+            t = rng.choice([17, 24, 40, 64, 128, 256])
+            ms = float(np.interp(t, *zip(*CPU_CURVE, strict=True))) + rng.uniform(0.0, 3.0)
+        else:  # one or two decoders: 16-17 ms, one step in ten slowed by the machine's other work
+            t = rng.choice([1, 2])
+            ms = rng.uniform(16.0, 17.0) + (rng.uniform(2.5, 4.0) if rng.random() < 0.1 else 0.0)
+        roof.observe(t, 0, ms)
+    assert roof.time2bs(CPU_BASELINE_MS) >= 2  # a critical decoder and prompt tokens beside it
+    p = adm.propose(cpu_view([critical("c")]), set(), None)
+    assert [a.rid for a in p.admit] == ["c"]
+    search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0, 12)
+    p = adm.propose(cpu_view([critical("c2")], [search]), set(), None)  # arrives with one other running
+    assert [a.rid for a in p.admit] == ["c2"]
+
+
+def test_the_refit_prices_the_context_held_a_lone_short_request_fits_beside_a_long_one_not():
+    # decode steps cost 11 ms + 1.5 per decoder + 0.08 per KV block held: short-prompt requests hold
+    # 16 blocks, a 1,300-token search prompt 95 (the CPU replica: 11-18 ms against 21-24 ms a token)
+    rng = random.Random(7)
+    adm = SloAdmission()
+    roof = adm.roofline(0, cpu_view([]).replicas[0].latency)
+    for i in range(16 + 64 * 3):
+        if i % 4 == 3:
+            t = rng.choice([17, 24, 40, 64, 128, 256])
+            roof.observe(t, 0, float(np.interp(t, *zip(*CPU_CURVE, strict=True))) + rng.uniform(0.0, 3.0), 95)
+        else:
+            n, kv = rng.choice([(1, 16), (2, 32), (3, 48), (1, 95), (2, 111)])
+            roof.observe(n, 0, 11.0 + 1.5 * n + 0.08 * kv + rng.uniform(-0.5, 0.5), kv)
+    assert roof.planes[0].k3 == pytest.approx(0.08, abs=0.01)
+    p = adm.propose(cpu_view([critical("alone")]), set(), None)
+    assert [a.rid for a in p.admit] == ["alone"]
+    search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0, 95)
+    p = adm.propose(cpu_view([critical("beside")], [search]), set(), None)
+    assert p.admit == [] and "beside" in p.reject  # 2 decoders at 111 blocks: 22.9 ms > 18.6
 
 
 # ---- preemption order --------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ from specserve.gateway.admission.roofline import Roofline
 
 
 class ReplicaBudget:
-    def __init__(self, roofline: Roofline, tiers: Sequence[TierLoad], idle_ms: float, spec_steps: int = 0):
+    def __init__(self, roofline: Roofline, tiers: Sequence[TierLoad], idle_ms: float, spec_steps: int = 0,
+                 kv_blocks: int = 0):
         self.roofline = roofline
+        self.kv_blocks = kv_blocks  # KV blocks the replica's requests will hold: the context its passes attend to
         self.tiers = list(tiers)
         self.idle_ms = idle_ms  # batch length when nothing decodes: the tightest TPOT offered
         self.spec_steps = spec_steps
@@ -30,7 +32,7 @@ class ReplicaBudget:
     def cap(self, length_ms: float) -> int:
         c = self._caps.get(length_ms)
         if c is None:
-            c = self._caps[length_ms] = self.roofline.time2bs(length_ms, self.spec_steps)
+            c = self._caps[length_ms] = self.roofline.time2bs(length_ms, self.spec_steps, self.kv_blocks)
         return c
 
     def shape(self, decoders: tuple[int, ...]) -> BatchShape:

@@ -18,9 +18,10 @@ every batch but never sets the batch length.
 Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
 theirs, and the rest goes to prompts in prefill-deadline order.
 
-The per-replica roofline starts from the profiled curve plus the measured round-trip overhead and is
-refitted from the iteration records; each tier's cost (nodes per pass) and gain (tokens per pass)
-are moving averages of what the speculation policy in use really did. No I/O, no clock.
+The per-replica roofline starts from the profile (its baseline for passes of up to B tokens, its
+curve above; `initial_roofline`) and is refitted from the iteration records; each tier's cost
+(nodes per pass) and gain (tokens per pass) are moving averages of what the speculation policy in use
+really did. No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class SloAdmission:
         self.best_effort: set[str] = set()  # rids admitted in the best-effort tier
         self.spec_steps = 0.0  # moving average of the deepest beam per iteration
         self.last = AdmissionCounts()
+        self.kv_held: dict[int, int] = {}  # per replica: KV blocks its requests hold in the planned iteration
         self._next = 0  # rotating first replica (SLO-aware routing)
 
     # ---- the per-replica model -----------------------------------------------------------------
@@ -96,7 +98,7 @@ class SloAdmission:
         for rep in record.replicas:
             tokens = rep.prefill_tokens + rep.tree_nodes
             if rep.failure is None and rep.replica in self.rooflines and tokens:
-                self.rooflines[rep.replica].observe(tokens, depth, record.total_ms)
+                self.rooflines[rep.replica].observe(tokens, depth, record.total_ms, self.kv_held.get(rep.replica, 0))
 
     # ---- the proposal --------------------------------------------------------------------------
     def propose(self, view: SchedulerView, best_effort_ok: set[str], first_replica: int | None) -> Proposal:
@@ -116,8 +118,8 @@ class SloAdmission:
             roof = self.roofline(rep.index, rep.latency)
             # with nothing decoding, batches last the tightest TPOT this replica can hold a token in
             # (a request asking for less must not stall everyone else's prefill)
-            idle = min((t for t in tiers if roof.time2bs(t) >= 1), default=tiers[-1])
-            budgets[rep.index] = ReplicaBudget(roof, loads, idle, round(self.spec_steps))
+            idle = min((t for t in tiers if roof.time2bs(t, 0, rep.reserved_blocks) >= 1), default=tiers[-1])
+            budgets[rep.index] = ReplicaBudget(roof, loads, idle, round(self.spec_steps), rep.reserved_blocks)
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
             if r.replica in base:
@@ -126,6 +128,7 @@ class SloAdmission:
                                  p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
                 for rep in up}  # forced nodes: admitted before, and those admitted in this plan
         free = {rep.index: rep.free_blocks for rep in up}
+        total = {rep.index: rep.free_blocks + rep.reserved_blocks for rep in up}
         slots = {rep.index: max(0, view.limits.max_running - rep.running) for rep in up}
 
         best_effort_on = {rep.index: [r for r in view.decoding if r.replica == rep.index and r.rid in self.best_effort]
@@ -150,11 +153,16 @@ class SloAdmission:
                 return cands
             unit = max(1, math.ceil(free[replica] / self.memory_buckets))
             new = nodes(cands, best_effort, slots[replica], free[replica], unit)
+            # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
+            # case); when several are admitted at once, the next plans see all their blocks
+            b = budgets[replica]
+            budget = ReplicaBudget(b.roofline, b.tiers, b.idle_ms, b.spec_steps,
+                                   total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0))
             took = set(plan(held[replica] + new, base[replica], free[replica] // unit,
-                            budgets[replica].as_budget()).admitted) if new else set()
+                            budget.as_budget()).admitted) if new else set()
             if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
                 took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
-                                         slots, budgets[replica], index, tpot_of, preempt)
+                                         slots, budget, index, tpot_of, preempt)
             for w in cands:
                 if w.rid in took:
                     tpot = be_tpot if best_effort else w.tpot_ms
@@ -195,6 +203,7 @@ class SloAdmission:
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
 
         chunks, per_replica = self._chunks(view, budgets, base, held, offered)
+        self.kv_held = {r: total[r] - free[r] for r in free}  # what this iteration's passes attend to
         for rid in preempt:
             self.best_effort.discard(rid)
             self.tier_of.pop(rid, None)
@@ -277,12 +286,27 @@ def retry_after(view: SchedulerView) -> float:
 
 
 def initial_roofline(latency: LatencyModel) -> Roofline:
-    """The profiled curve, with the round trips the profile does not see (the baseline iteration
-    minus the pass at batch 8) added to every plane's fixed cost."""
-    curve = latency.curve or [(8, latency.baseline_iteration_ms)]
-    base = Roofline.fit([(t, 0, ms) for t, ms in curve], knee=max(1, latency.budget_tokens))
-    overhead = max(0.0, latency.baseline_iteration_ms - base.time_ms(8))
-    return Roofline(tuple(Plane(p.k1, p.k2, p.b + overhead) for p in base.planes), base.knee)
+    """The planner's start, until the live refit (roofline.py) replaces it a few dozen iterations in.
+
+    Memory-bound plane (passes of at most B tokens): anchored on the profile's baseline, the measured
+    decode iteration at batch B (its minimum), with the curve's slope below B where it has points
+    there. Not the curve's own B-token point: that is the median of verify passes measured in
+    rounds while the contexts grew, 45% above the baseline on the CPU profile (27.0 against
+    18.6 ms), and live decode iterations of one or two requests are faster still (16-17 ms), so a
+    plane through it let no plan hold a decoder of the class set at 1.0x the baseline.
+    Compute-bound plane (above B): the curve's points from B up, with the round trips the profile
+    does not see (the baseline minus the fitted pass at B, when positive) added to its fixed cost."""
+    b_tokens = max(1, latency.budget_tokens)
+    baseline = latency.baseline_iteration_ms
+    curve = latency.curve or [(b_tokens, baseline)]
+    fitted = Roofline.fit([(t, 0, ms) for t, ms in curve], knee=b_tokens)
+    low = fitted.planes[0] if sum(1 for t, _ in curve if t <= b_tokens) >= 2 else Plane(0.0, 0.0, 0.0)
+    planes = [Plane(low.k1, 0.0, max(0.0, baseline - low.k1 * b_tokens))]
+    if len(fitted.planes) > 1:
+        high = fitted.planes[1]
+        overhead = max(0.0, baseline - high.time_ms(b_tokens, 0))
+        planes.append(Plane(high.k1, high.k2, high.b + overhead))
+    return Roofline(tuple(planes), b_tokens)
 
 
 __all__ = ["AdmissionCounts", "SloAdmission", "initial_roofline", "retry_after"]
