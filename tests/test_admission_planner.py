@@ -348,6 +348,36 @@ def test_the_refit_prices_the_context_held_a_lone_short_request_fits_beside_a_lo
     assert p.admit == [] and "beside" in p.reject  # 2 decoders at 111 blocks: 22.9 ms > 18.6
 
 
+def test_a_refit_through_two_kv_clusters_keeps_a_fixed_cost():
+    # what a stalled CI run refitted from: lone 1-token decode steps of a request holding 11 blocks and
+    # of one holding 12, and two prompt passes; least squares put 6 ms on each block held and nothing
+    # on the weights' read (b < 0, clamped to 0), so a pass with no context cost nothing
+    live = Roofline((Plane(0.0, 0.0, 20.0),), knee=24, first_refit=16)
+    rng = random.Random(3)
+    for i in range(16):
+        kv = 11 if i < 8 else 12
+        live.observe(1, 0, (21.0 if kv == 11 else 25.0) + rng.uniform(-0.3, 0.3), kv)
+    live.observe(70, 0, 60.0, 11)
+    live.observe(40, 0, 45.0, 12)
+    low = live.planes[0]
+    assert low.b >= 15.0, low  # the fixed cost stays: the KV column was dropped, not the intercept
+    assert live.time2bs(30.0, 0, 11) >= 1 and live.time2bs(1.0, 0, 0) < 1
+
+
+def test_an_idle_replica_takes_a_waiting_best_effort_request_whatever_its_model_says():
+    adm = SloAdmission()
+    view = cpu_view([WaitingView("be", 70, 20, 11, "chat", 0.01, 5000.0, 0.0, True)])
+    adm.rooflines[0] = Roofline((Plane(0.0, 0.0, 0.0, 6.0), Plane(0.0, 0.0, 0.0, 10.9)), knee=24)  # the bad refit
+    p = adm.propose(view, {"be"}, None)
+    assert [a.rid for a in p.admit] == ["be"] and p.reject == {} and "be" in adm.best_effort
+    busy = cpu_view([WaitingView("be", 70, 20, 11, "chat", 0.01, 5000.0, 0.0, True)],
+                    [RequestView("c", "critical", CPU_BASELINE_MS, 1000.0, 5, 90.0, 100, [], 0, 0, 12)])
+    adm2 = SloAdmission()
+    adm2.rooflines[0] = Roofline((Plane(0.0, 0.0, 0.0, 6.0), Plane(0.0, 0.0, 0.0, 10.9)), knee=24)
+    p = adm2.propose(busy, {"be"}, None)
+    assert p.admit == [] and "be" in p.defer  # a busy replica still asks its model
+
+
 # ---- preemption order --------------------------------------------------------------------------------
 def test_preemption_takes_best_effort_first_then_the_newest():
     from specserve.gateway.preempt import Holder, victims

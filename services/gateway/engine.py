@@ -53,6 +53,7 @@ from specserve.shared.rpc import TRANSPORT_ERRORS
 from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
 
 log = logging.getLogger("specserve.gateway")
+REPLAN_INTERVAL_S = 0.05  # requests wait that no replica takes and nothing runs: plan again after this
 
 
 class ServiceUnavailable(Exception):
@@ -198,12 +199,20 @@ class Engine:
                         self._draft_lost()
                 continue
             try:
-                await self._iteration()
+                busy = await self._iteration()
             except Exception:  # a bug in one iteration must not stop serving
                 log.exception("iteration %d failed; its requests are ended", self.step)
                 for r in list(self.running):
                     self._finish(r, "error", "internal error in the gateway")
+                busy = True
+            if busy:
                 await asyncio.sleep(0)
+                continue
+            # requests wait that no replica takes yet and nothing ran: an iteration that awaits nothing
+            # would hold the event loop (no HTTP handler, no arrival); plan again on news or after a tick
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), REPLAN_INTERVAL_S)
 
     def _owed(self) -> bool:
         services = [t for t in self.pool.targets if t.up]
@@ -211,7 +220,8 @@ class Engine:
             services.append(self.pool.draft)  # type: ignore[arg-type]
         return any(s.owed_releases for s in services)
 
-    async def _iteration(self) -> None:
+    async def _iteration(self) -> bool:
+        """One iteration; False when it changed nothing (no pass ran, nobody was admitted or refused)."""
         t0 = time.perf_counter()
         if self.pool.needs_reconnect and "draft" in await self.pool.reconnect(TRANSPORT_ERRORS):
             self._draft_lost()  # it may have restarted empty: every request rebuilds its draft state
@@ -223,16 +233,18 @@ class Engine:
             for r in list(self.waiting):
                 self._finish(r, "error", "no target replica is available")
             await asyncio.sleep(RECONNECT_INTERVAL_S)
-            return
+            return True
         if not self.running and not self.waiting:
-            return  # only releases were owed
+            return True  # only releases were owed
         self.step += 1
         if tracing.ENABLED:
             traces = {r.rid: r.trace for r in (*self.running, *self.waiting) if r.trace is not None}
             with spans.iteration(self.step, t0) as span:
-                spans.record_iteration(span, await self._step(t0), traces)
+                record = await self._step(t0)
+                spans.record_iteration(span, record, traces)
         else:
-            await self._step(t0)
+            record = await self._step(t0)
+        return bool(record.replicas or record.admitted or record.rejected)
 
     async def _step(self, t0: float) -> IterationRecord:
         plan = self.scheduler.plan(self._snapshot(t0), self.step)

@@ -114,12 +114,24 @@ def _most(p: Plane, time_ms: float, spec_steps: float, kv: float) -> float:
 def _plane(samples: Sequence[tuple[float, ...]], margin: float) -> Plane:
     """Least squares over the columns the samples vary in (tokens, draft steps, KV blocks; a sample
     without its KV blocks holds none), slopes kept >= 0, then the `margin` quantile of the residuals
-    added to the fixed cost."""
+    added to the fixed cost.
+
+    A fit whose fixed cost comes out negative has let a slope explain the weights' read, which no
+    pass escapes: then the KV column (our stand-in), and after it the draft steps', is dropped and
+    the rest fitted again. Live samples of one or two short requests vary in KV blocks by a block or
+    two and in little else, and a slope through two such clusters once priced a pass at 6 ms per
+    block held with no fixed cost, so a pass with nothing held cost nothing and one beside a request
+    of 11 blocks could not hold a token: a waiting best-effort request was never admitted."""
     x = np.array([[s[0], s[1], s[3] if len(s) > 3 else 0.0, 1.0] for s in samples], dtype=np.float64)
     y = np.array([s[2] for s in samples], dtype=np.float64)
-    cols = [c for c in (0, 1, 2) if len(set(x[:, c].tolist())) >= 2] + [3]  # a constant column has no slope
-    coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-    full = dict(zip(cols, coef.tolist(), strict=True))
+    cols = [c for c in (0, 1, 2) if len(set(x[:, c].tolist())) >= 2]  # a constant column has no slope
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, [*cols, 3]], y, rcond=None)
+        full = dict(zip([*cols, 3], coef.tolist(), strict=True))
+        droppable = [c for c in (2, 1) if c in cols]
+        if full[3] >= 0 or not droppable:
+            break
+        cols.remove(droppable[0])
     k1, k2, k3 = (max(full.get(c, 0.0), 0.0) for c in (0, 1, 2))
     b = full[3]
     resid = y - (k1 * x[:, 0] + k2 * x[:, 1] + k3 * x[:, 2] + b)

@@ -8,7 +8,8 @@ admission (digest §8):
 1. a request the replica declines is offered to the next replicas (`--router slo`: every replica, in
    a rotating order; with `round-robin` / `least-loaded` only the router's pick is asked);
 2. then, if it allows best effort (`service_tier: "flex"`), it waits in the best-effort tier and is
-   admitted when a replica can take it with no TTFT bound at the loosest TPOT;
+   admitted when a replica can take it with no TTFT bound at the loosest TPOT, and always by a
+   replica with nothing to run (work conserving: whatever the model says, an idle replica is spare);
 3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
    request on any replica is expected to finish).
 
@@ -160,6 +161,11 @@ class SloAdmission:
                                    total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0))
             took = set(plan(held[replica] + new, base[replica], free[replica] // unit,
                             budget.as_budget()).admitted) if new else set()
+            if best_effort and not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
+                # work conserving: an idle replica is spare capacity whatever its model says (a bad
+                # refit once kept it idle beside a waiting best-effort request for good)
+                first = next((w for w in cands if w.kv_blocks <= free[replica]), None)
+                took = {first.rid} if first is not None else took
             if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
                 took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
                                          slots, budget, index, tpot_of, preempt)
