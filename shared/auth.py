@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import threading
 from collections.abc import MutableMapping
 
 from specserve.shared.messages import AuthChallenge, AuthHello, AuthOk, AuthProof, Error, Message
@@ -74,12 +75,16 @@ def load_secret(explicit: str | bytes | None = None,
     return text.encode()
 
 
+_ENSURE_LOCK = threading.Lock()
+
+
 def ensure_secret(environ: MutableMapping[str, str] | None = None) -> bytes:
     """The shared secret; when none is set, a new random one is put into SPECSERVE_SECRET of
     `environ` (default os.environ) first, so that children started afterwards inherit it."""
     env = os.environ if environ is None else environ
-    if not env.get(SECRET_FILE_VAR) and not env.get(SECRET_VAR):
-        env[SECRET_VAR] = secrets.token_hex(32)
+    with _ENSURE_LOCK:  # services started side by side from threads must not each make their own
+        if not env.get(SECRET_FILE_VAR) and not env.get(SECRET_VAR):
+            env[SECRET_VAR] = secrets.token_hex(32)
     return load_secret(environ=env)
 
 

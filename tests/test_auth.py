@@ -389,3 +389,32 @@ def test_beyond_the_cap_a_new_unauthenticated_connection_drops_the_oldest():
 
     oldest_closed_s, reply = _run(main())
     assert oldest_closed_s < 1.0 and reply.service == "test"
+
+
+def test_services_started_side_by_side_share_one_new_secret():
+    # bench/sweep.py starts its target(s) and draft from threads; each ServiceProcess calls
+    # ensure_secret, and two that both found none once made two secrets (a gateway then could not
+    # authenticate to a target: "the service does not hold our shared secret")
+    import threading
+
+    from specserve.shared.auth import SECRET_VAR, ensure_secret
+
+    class Slow(dict):  # an environment whose lookups yield the GIL, as a busy machine does
+        writes = 0
+
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            time.sleep(0.01)  # the others look now, before this thread acts on what it saw
+            return value
+
+        def __setitem__(self, key, value):
+            Slow.writes += 1  # each write is a secret some child may have been started with
+            super().__setitem__(key, value)
+
+    env = Slow()
+    workers = [threading.Thread(target=ensure_secret, args=(env,)) for _ in range(6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert Slow.writes == 1 and SECRET_VAR in env
