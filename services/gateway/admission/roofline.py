@@ -12,10 +12,14 @@ without it priced every small decode pass at the long contexts' cost.
 
 Two planes in practice: a memory-bound one (shallow k1, b ≈ the weight read plus our three-service
 round trips) and a compute-bound one (steep k1), split at the knee: a pass of at most
-`knee` tokens is timed by the first (memory-bound) plane alone, a larger one by the max of all. The
-split is where the planes are fitted, so the steep plane's line, fitted on large passes, never
-prices a small one (on a CPU the curve is concave at its low end: a line through the large passes
-lies above the small ones). Its inverse, `time2bs`, is the most tokens a pass may hold to finish
+`knee` tokens is timed by the first (memory-bound) plane alone, a larger one by the compute-bound
+plane, never below the first plane's price at the knee. The split is where the planes are fitted,
+so neither line prices passes it never saw: the compute-bound line, fitted on large passes, would
+lie above the small ones (on a CPU the curve is concave at its low end), and the memory-bound
+line, refitted live from decode steps of 1-3 tokens, came out as steep as 3 ms a token, which
+carried past the knee capped every batch of a 149 ms TPOT at 45 tokens: a lone 1,100-1,700-token
+prompt then needed 3.9 s of batches against its 2 s TTFT and was refused on an idle replica (the
+real replica with the `4x8x` classes, docs/benchmarks.md). Its inverse, `time2bs`, is the most tokens a pass may hold to finish
 within a time; the planner fills every batch up to it.
 
 Fitted from the profiled curve (`specserve profile`: median pass time per token count, measured
@@ -39,9 +43,13 @@ class Plane:
     k2: float  # ms per sequential draft step
     b: float  # ms, fixed cost (weights, round trips)
     k3: float = 0.0  # ms per KV block held by the replica's running requests (the context attended)
+    kv_seen: float = math.inf  # KV blocks: the most the fit saw; the term is not extrapolated beyond
+
+    def kv_ms(self, kv: float) -> float:
+        return self.k3 * min(kv, self.kv_seen)
 
     def time_ms(self, tokens: float, spec_steps: float, kv: float = 0.0) -> float:
-        return self.k1 * tokens + self.k2 * spec_steps + self.k3 * kv + self.b
+        return self.k1 * tokens + self.k2 * spec_steps + self.kv_ms(kv) + self.b
 
 
 Sample = tuple[int, int, float, int]  # (tokens in the pass, spec steps, iteration ms, KV blocks held)
@@ -59,16 +67,20 @@ class Roofline:
     _refitted: bool = False
 
     def time_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0) -> float:
-        planes = self.planes[:1] if tokens <= self.knee else self.planes
-        return max(p.time_ms(tokens, spec_steps, kv) for p in planes)
+        low = self.planes[0]
+        if tokens <= self.knee or len(self.planes) == 1:
+            return low.time_ms(tokens, spec_steps, kv)
+        # above the knee: the compute-bound planes, never below the memory-bound plane's price at the
+        # knee, whose slope is not carried past it
+        return max(low.time_ms(self.knee, spec_steps, kv), *(p.time_ms(tokens, spec_steps, kv) for p in self.planes[1:]))
 
     def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0) -> int:
         """The most tokens one pass may hold and finish within `time_ms` (negative: not even one)."""
         low = _most(self.planes[0], time_ms, spec_steps, kv)
-        if low <= self.knee or len(self.planes) == 1:
+        if low < self.knee or len(self.planes) == 1:
             return int(min(low, 1 << 20))  # a flat plane alone puts no bound on tokens
         high = min(_most(p, time_ms, spec_steps, kv) for p in self.planes[1:])
-        return int(min(max(self.knee, min(low, high)), 1 << 20))  # up to the knee only the first plane counts
+        return int(min(max(self.knee, high), 1 << 20))  # up to the knee only the first plane counts
 
     # ---- fitting ---------------------------------------------------------------------------------
     @classmethod
@@ -105,7 +117,7 @@ class Roofline:
 
 def _most(p: Plane, time_ms: float, spec_steps: float, kv: float) -> float:
     """The most tokens plane `p` allows within `time_ms` (inf: a flat plane with room; negative: none)."""
-    room = time_ms - p.b - p.k2 * spec_steps - p.k3 * kv
+    room = time_ms - p.b - p.k2 * spec_steps - p.kv_ms(kv)
     if p.k1 > 0:
         return math.floor(room / p.k1 + 1e-9)
     return math.inf if room >= 0 else -1.0
@@ -121,7 +133,12 @@ def _plane(samples: Sequence[tuple[float, ...]], margin: float) -> Plane:
     the rest fitted again. Live samples of one or two short requests vary in KV blocks by a block or
     two and in little else, and a slope through two such clusters once priced a pass at 6 ms per
     block held with no fixed cost, so a pass with nothing held cost nothing and one beside a request
-    of 11 blocks could not hold a token: a waiting best-effort request was never admitted."""
+    of 11 blocks could not hold a token: a waiting best-effort request was never admitted.
+
+    The KV term stops at the most blocks the fit saw (`kv_seen`): on the real replica the
+    compute-bound plane, refitted from short prompts' passes holding at most 28 blocks, once put
+    1.17 ms on each block; carried to a 1,704-token prompt's 118 blocks it priced a pass of one
+    token at 158 ms, past the 149 ms batch, and the prompt was refused on an idle replica."""
     x = np.array([[s[0], s[1], s[3] if len(s) > 3 else 0.0, 1.0] for s in samples], dtype=np.float64)
     y = np.array([s[2] for s in samples], dtype=np.float64)
     cols = [c for c in (0, 1, 2) if len(set(x[:, c].tolist())) >= 2]  # a constant column has no slope
@@ -136,7 +153,7 @@ def _plane(samples: Sequence[tuple[float, ...]], margin: float) -> Plane:
     b = full[3]
     resid = y - (k1 * x[:, 0] + k2 * x[:, 1] + k3 * x[:, 2] + b)
     b += float(np.quantile(resid, margin)) if len(resid) > 1 else 0.0
-    return Plane(k1, k2, max(b, 0.0), k3)
+    return Plane(k1, k2, max(b, 0.0), k3, float(x[:, 2].max()) if k3 > 0 else math.inf)
 
 
 __all__ = ["Plane", "Roofline", "Sample"]
