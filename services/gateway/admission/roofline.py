@@ -18,9 +18,9 @@ so neither line prices passes it never saw: the compute-bound line, fitted on la
 lie above the small ones (on a CPU the curve is concave at its low end), and the memory-bound
 line, refitted live from decode steps of 1-3 tokens, came out as steep as 3 ms a token, which
 carried past the knee capped every batch of a 149 ms TPOT at 45 tokens: a lone 1,100-1,700-token
-prompt then needed 3.9 s of batches against its 2 s TTFT and was refused on an idle replica (the
-real replica with the `4x8x` classes, docs/benchmarks.md). Its inverse, `time2bs`, is the most tokens a pass may hold to finish
-within a time; the planner fills every batch up to it.
+prompt then needed 3.7 s or more of batches against its 2 s TTFT and was refused on an idle replica
+(the real replica with the `4x8x` classes, docs/benchmarks.md). Its inverse, `time2bs`, is the most
+tokens a pass may hold to finish within a time; the planner fills every batch up to it.
 
 Fitted from the profiled curve (`specserve profile`: median pass time per token count, measured
 through the target service) and refitted online from the iteration records, whose `total_ms`
@@ -72,7 +72,8 @@ class Roofline:
             return low.time_ms(tokens, spec_steps, kv)
         # above the knee: the compute-bound planes, never below the memory-bound plane's price at the
         # knee, whose slope is not carried past it
-        return max(low.time_ms(self.knee, spec_steps, kv), *(p.time_ms(tokens, spec_steps, kv) for p in self.planes[1:]))
+        return max(low.time_ms(self.knee, spec_steps, kv),
+                   *(p.time_ms(tokens, spec_steps, kv) for p in self.planes[1:]))
 
     def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0) -> int:
         """The most tokens one pass may hold and finish within `time_ms` (negative: not even one)."""
