@@ -381,41 +381,17 @@ def test_an_idle_replica_takes_a_waiting_best_effort_request_whatever_its_model_
     assert p.admit == [] and "be" in p.defer  # a busy replica still asks its model
 
 
-def search_alone(prompt: int, blocks: int, held: int) -> SchedulerView:
-    """A long search prompt (the `4x8x` classes: 149 ms TPOT, 2 s TTFT) arriving at an idle replica
-    whose last requests still hold `held` blocks."""
-    view = cpu_view([WaitingView("s", prompt, 128, blocks, "search", 149.0, 2000.0, 0.0)])
-    view.replicas[0] = ReplicaView(0, True, 4096, held, 0, view.replicas[0].latency)
-    return view
-
-
-def test_the_memory_bound_plane_is_not_carried_past_the_knee():
-    # planes the real replica refitted (4x8x classes, 0.3 req/s): decode steps of 1-3 tokens gave the
-    # memory-bound plane 3.06 ms a token; carried past the knee it held a 149 ms batch to 45 tokens,
-    # and a lone 1,113-token prompt (3.7 s of such batches) was refused against its 2 s TTFT
-    roof = Roofline((Plane(3.0577, 0.0, 10.603), Plane(0.26946, 0.0, 33.648)), knee=8)
-    assert roof.time2bs(149.0) == 428  # the compute-bound plane's, not the 45 of the steep line
-    assert roof.time_ms(256) == pytest.approx(max(3.0577 * 8 + 10.603, 0.26946 * 256 + 33.648))
-    assert roof.time2bs(20.0) == 3 and roof.time_ms(8) == pytest.approx(3.0577 * 8 + 10.603)
-    adm = SloAdmission()
-    adm.rooflines[0] = roof
-    p = adm.propose(search_alone(1113, 80, 11), set(), None)
-    assert [a.rid for a in p.admit] == ["s"] and p.reject == {}
-
-
 def test_the_kv_term_is_not_carried_past_the_blocks_the_fit_saw():
     rows = [(t, 0, 20.0 + 0.4 * t + 1.2 * kv + (t % 7) * 0.1, kv) for t in (16, 64, 128, 256) for kv in (8, 17, 28)]
     fit = Roofline.fit(rows, knee=8)
     high = fit.planes[-1]
     assert high.k3 == pytest.approx(1.2, abs=0.05) and high.kv_seen == 28
     assert fit.time_ms(128, 0, 135) == pytest.approx(fit.time_ms(128, 0, 28))
-    # the planes of a refit that refused a lone 1,704-token prompt (118 blocks, 17 held): 1.17 ms a
-    # block from passes holding at most 28 put a one-token pass at 158 ms, past the 149 ms batch
-    adm = SloAdmission()
-    adm.rooflines[0] = Roofline((Plane(1.4806, 0.0, 12.203, 0.02958, 28), Plane(0.47022, 0.0, 3.9071, 1.1734, 28)),
-                                knee=8)
-    p = adm.propose(search_alone(1704, 118, 17), set(), None)
-    assert [a.rid for a in p.admit] == ["s"] and p.reject == {}
+    # a refit on the real replica put 1.17 ms on each block from passes holding at most 28; carried
+    # to a 1,704-token prompt's 135 blocks it priced a pass of one token at 158 ms
+    live = Roofline((Plane(1.4806, 0.0, 12.203, 0.02958, 28), Plane(0.47022, 0.0, 3.9071, 1.1734, 28)), knee=8)
+    assert live.planes[1].time_ms(64, 0, 135) == pytest.approx(0.47022 * 64 + 3.9071 + 1.1734 * 28)
+    assert live.time_ms(64, 0, 135) == live.time_ms(64, 0, 28)
 
 
 # ---- preemption order --------------------------------------------------------------------------------

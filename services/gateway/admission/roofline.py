@@ -12,15 +12,16 @@ without it priced every small decode pass at the long contexts' cost.
 
 Two planes in practice: a memory-bound one (shallow k1, b ≈ the weight read plus our three-service
 round trips) and a compute-bound one (steep k1), split at the knee: a pass of at most
-`knee` tokens is timed by the first (memory-bound) plane alone, a larger one by the compute-bound
-plane, never below the first plane's price at the knee. The split is where the planes are fitted,
-so neither line prices passes it never saw: the compute-bound line, fitted on large passes, would
-lie above the small ones (on a CPU the curve is concave at its low end), and the memory-bound
-line, refitted live from decode steps of 1-3 tokens, came out as steep as 3 ms a token, which
-carried past the knee capped every batch of a 149 ms TPOT at 45 tokens: a lone 1,100-1,700-token
-prompt then needed 3.7 s or more of batches against its 2 s TTFT and was refused on an idle replica
-(the real replica with the `4x8x` classes, docs/benchmarks.md). Its inverse, `time2bs`, is the most
-tokens a pass may hold to finish within a time; the planner fills every batch up to it.
+`knee` tokens is timed by the first (memory-bound) plane alone, a larger one by the max of all. The
+split is where the planes are fitted, so the steep plane's line, fitted on large passes, never
+prices a small one (on a CPU the curve is concave at its low end: a line through the large passes
+lies above the small ones). The memory-bound line, refitted live from decode steps of 1-3 tokens,
+can come out steep (3 ms a token on the real replica), and carried past the knee it caps every
+batch (45 tokens in 149 ms) and refuses long prompts on an idle replica; timing larger passes by the
+compute-bound plane alone was tried and measured worse under overload (docs/benchmarks.md: the
+admitted requests then missed their TPOT), so the max stays until the compute-bound plane is fitted
+over the passes it prices. Its inverse, `time2bs`, is the most tokens a pass may hold to finish
+within a time; the planner fills every batch up to it.
 
 Fitted from the profiled curve (`specserve profile`: median pass time per token count, measured
 through the target service) and refitted online from the iteration records, whose `total_ms`
@@ -67,21 +68,16 @@ class Roofline:
     _refitted: bool = False
 
     def time_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0) -> float:
-        low = self.planes[0]
-        if tokens <= self.knee or len(self.planes) == 1:
-            return low.time_ms(tokens, spec_steps, kv)
-        # above the knee: the compute-bound planes, never below the memory-bound plane's price at the
-        # knee, whose slope is not carried past it
-        return max(low.time_ms(self.knee, spec_steps, kv),
-                   *(p.time_ms(tokens, spec_steps, kv) for p in self.planes[1:]))
+        planes = self.planes[:1] if tokens <= self.knee else self.planes
+        return max(p.time_ms(tokens, spec_steps, kv) for p in planes)
 
     def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0) -> int:
         """The most tokens one pass may hold and finish within `time_ms` (negative: not even one)."""
         low = _most(self.planes[0], time_ms, spec_steps, kv)
-        if low < self.knee or len(self.planes) == 1:
+        if low <= self.knee or len(self.planes) == 1:
             return int(min(low, 1 << 20))  # a flat plane alone puts no bound on tokens
         high = min(_most(p, time_ms, spec_steps, kv) for p in self.planes[1:])
-        return int(min(max(self.knee, high), 1 << 20))  # up to the knee only the first plane counts
+        return int(min(max(self.knee, min(low, high)), 1 << 20))  # up to the knee only the first plane counts
 
     # ---- fitting ---------------------------------------------------------------------------------
     @classmethod
