@@ -29,6 +29,10 @@ class ReplicaBudget:
         self._shapes: dict[tuple[int, ...], BatchShape] = {}
         self._caps: dict[float, int] = {}
 
+    def attending(self, kv_blocks: int) -> ReplicaBudget:
+        """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
+        return ReplicaBudget(self.roofline, self.tiers, self.idle_ms, self.spec_steps, kv_blocks)
+
     def cap(self, length_ms: float) -> int:
         c = self._caps.get(length_ms)
         if c is None:

@@ -156,9 +156,8 @@ class SloAdmission:
             new = nodes(cands, best_effort, slots[replica], free[replica], unit)
             # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
             # case); when several are admitted at once, the next plans see all their blocks
-            b = budgets[replica]
-            budget = ReplicaBudget(b.roofline, b.tiers, b.idle_ms, b.spec_steps,
-                                   total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0))
+            budget = budgets[replica].attending(total[replica] - free[replica]
+                                                + max((w.kv_blocks for w in cands), default=0))
             took = set(plan(held[replica] + new, base[replica], free[replica] // unit,
                             budget.as_budget()).admitted) if new else set()
             if best_effort and not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
