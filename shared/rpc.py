@@ -370,6 +370,13 @@ class RpcClient:
             raise UnexpectedReply(body, reply_type, reply)
         return reply, out
 
+    @property
+    def alive(self) -> bool:
+        """The connection is open at both ends as far as this process knows now: the peer has not
+        closed it (a killed service's socket is closed by its kernel, and the event loop sees the EOF
+        at once, with no call in flight) and no error or close happened on our side."""
+        return not (self.writer.is_closing() or self.reader.at_eof() or self.reader.exception() is not None)
+
     async def close(self) -> None:
         self.writer.close()
         with contextlib.suppress(Exception):

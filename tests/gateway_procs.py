@@ -1,13 +1,19 @@
-"""Start `specserve up` (and extra gateways on its services) as real processes for tests."""
+"""Start `specserve up` (and extra gateways on its services) as real processes for tests; kill its
+services and wait on what its /health reports (events, not sleeps)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
+
+import httpx
 
 from specserve.launch import ServiceProcess
 
@@ -81,3 +87,55 @@ def service_pid(kind: str, address: str) -> int:
         if b"specserve.cli" in argv and kind.encode() in argv and port.encode() in argv:
             return int(entry)
     raise LookupError(f"no {kind} process at {address}")
+
+
+def health(url: str) -> dict:
+    """The gateway's /health body (200 or 503)."""
+    return httpx.get(f"{url}/health", timeout=30).json()
+
+
+def wait_health(url: str, ok: Callable[[dict], bool], what: str, timeout_s: float = 180) -> dict:
+    """Poll /health until `ok(body)`; the deadline only bounds a hang (a loaded machine is slow, not wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = health(url)
+        if ok(body):
+            return body
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}; /health: {body}"
+        time.sleep(0.05)
+
+
+async def await_health(url: str, ok: Callable[[dict], bool], until: asyncio.Future | None = None,
+                       timeout_s: float = 180) -> dict | None:
+    """Inside a test's event loop: poll /health until `ok(body)` and return the body, or None if `until`
+    finishes first (the load the test waits on ended before the state was seen)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+        while until is None or not until.done():
+            body = (await h.get("/health")).json()
+            if ok(body):
+                return body
+            assert time.monotonic() < deadline, f"waited {timeout_s:g} s; /health: {body}"
+            await asyncio.sleep(0.01)
+    return None
+
+
+def kill(kind: str, address: str) -> int:
+    """SIGKILL the `specserve <kind>` service at address and return once it has died (its sockets are
+    closed by then); returns its pid."""
+    pid = service_pid(kind, address)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"{kind} {pid} survived SIGKILL for 60 s"
+        time.sleep(0.01)
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    """Still holds open files. A killed multi-threaded process can show its leader as a zombie while its
+    other threads still hold the file table (and its sockets); once they are gone the table is empty."""
+    try:
+        return bool(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False

@@ -81,6 +81,7 @@ class Executor:
         try:
             async with asyncio.timeout(timeout_s):
                 value = await call()
+            service.last_ok = time.monotonic()
             return CallResult(value, None, (time.perf_counter() - t0) * 1e3)
         except TRANSPORT_ERRORS as exc:  # first: a reply out of step is a protocol error *and* transport
             reason = f"no reply within {timeout_s:g} s" if isinstance(exc, TimeoutError) else \
@@ -88,6 +89,7 @@ class Executor:
             failure = Failure("down", reason)
             await service.mark_down()
         except (RemoteError, RpcProtocolError, MessageError) as exc:  # answered, in step: the service is alive
+            service.last_ok = time.monotonic()
             failure = Failure("remote", str(exc))
         return CallResult(None, failure, (time.perf_counter() - t0) * 1e3)
 

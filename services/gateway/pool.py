@@ -9,10 +9,15 @@ health, reconnect and the releases it is owed.
 
 A service is *up* while it has a connection. The executor marks one down after a transport
 failure (connection lost, deadline exceeded); `reconnect` tries again at most once per
-`RECONNECT_INTERVAL_S`. A (re)connected service is asked for its state (`Stats`): a restarted one
-starts empty, and whatever one holds that the gateway does not (a gateway restart, a call that
-timed out after it ran) is released. Releases owed to a service survive its outage and are sent once it
-is back (a restarted service answers them as unknown, which is harmless).
+`RECONNECT_INTERVAL_S`. A service is *ready* (what `/health` reports) only while it is up and its
+connection is still open now: a service that was killed has its connection closed by its kernel, so
+it stops being ready at once, before any call or ping marks it down, and it is ready again only
+after a reconnect has connected and finished the handshake and the state exchange. `readiness()`
+says which, with the seconds since the last call the service answered. A (re)connected service is
+asked for its state (`Stats`): a restarted one starts empty, and whatever one holds that the gateway
+does not (a gateway restart, a call that timed out after it ran) is released. Releases owed to a
+service survive its outage and are sent once it is back (a restarted service answers them as
+unknown, which is harmless).
 
 The replica set can change while serving (`discovery.py`: a DNS name re-resolved). The pool takes
 the new address set with `set_addresses` and applies it in `reconnect`, which the engine calls at
@@ -51,6 +56,24 @@ class _Service:
         self.address = address
         self.owed_releases: set[str] = set()  # request ids whose state this service must drop
         self._last_attempt = -math.inf
+        self.last_ok = -math.inf  # time.monotonic() of the last call it answered (connect included)
+        self.client: TargetClient | DraftClient | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None
+
+    @property
+    def ready(self) -> bool:
+        """Up, and its connection open now (not merely at the last call or ping)."""
+        return self.client is not None and self.client.rpc.alive
+
+    def readiness(self, now: float) -> dict[str, object]:
+        """`/health`'s view: "ready", "restarting" (the connection is gone: the gateway reconnects once
+        the service answers again) or "down" (never connected); with the seconds since it last answered."""
+        never = self.last_ok == -math.inf
+        return {"readiness": "ready" if self.ready else ("down" if never else "restarting"),
+                "since_last_ok_s": None if never else round(now - self.last_ok, 3)}
 
     def due(self, now: float) -> bool:
         """Time for another reconnect attempt."""
@@ -74,10 +97,6 @@ class TargetReplica(_Service):
         self.retired = False  # its address vanished: no new requests; dropped once drained
 
     @property
-    def up(self) -> bool:
-        return self.client is not None
-
-    @property
     def state(self) -> str:
         if self.retired:
             return "draining" if self.up else "dropped"
@@ -92,6 +111,7 @@ class TargetReplica(_Service):
                 await client.close()
                 raise
         self.client = client
+        self.last_ok = time.monotonic()
         self.total_blocks, self.block_size, self.free_blocks = stats.total_blocks, stats.block_size, stats.free_blocks
         # Whatever it holds that no request of ours is bound to (a gateway restarted, a call that timed
         # out after it ran) is released with the next owed releases.
@@ -114,10 +134,6 @@ class DraftService(_Service):
         self.client: DraftClient | None = None
         self.offloaded = False  # weights in host memory: root-only trees until reloaded
 
-    @property
-    def up(self) -> bool:
-        return self.client is not None
-
     async def connect(self) -> None:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             client = await DraftClient.connect(self.address)
@@ -128,6 +144,7 @@ class DraftService(_Service):
                 await client.close()
                 raise
         self.client = client
+        self.last_ok = time.monotonic()
         self.offloaded = health.status == "offloaded"
         # Its state for any request is stale now (every request rebuilds its draft state after a
         # reconnect), so everything it holds is released with the next owed releases.

@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -142,13 +143,16 @@ class Gateway:
     async def health(self, _request: web.Request) -> web.Response:
         e = self.engine
         draft = e.pool.draft
-        body = {"status": "ok" if e.target_up else "degraded", "target": e.target_up,
-                "draft": draft.up if draft is not None else None,
+        now = time.monotonic()
+        replicas = [{"index": t.index, "address": t.address, "up": t.ready, "state": t.state,
+                     "running": len(t.requests), **t.readiness(now)} for t in e.pool.targets]
+        target_ready = any(t.ready and not t.retired for t in e.pool.targets)
+        body = {"status": "ok" if target_ready else "degraded", "target": target_ready,
+                "draft": draft.ready if draft is not None else None,
+                **({f"draft_{k}": v for k, v in draft.readiness(now).items()} if draft is not None else {}),
                 "draft_offloaded": draft.offloaded if draft is not None else None,
-                "replicas": [{"index": t.index, "address": t.address, "up": t.up, "state": t.state,
-                              "running": len(t.requests)} for t in e.pool.targets],
-                "running": len(e.running), "waiting": len(e.waiting)}
-        return web.json_response(body, status=200 if e.target_up else 503)
+                "replicas": replicas, "running": len(e.running), "waiting": len(e.waiting)}
+        return web.json_response(body, status=200 if target_ready else 503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.engine.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
