@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Quick start, command 2: install the test extras and run the whole suite.
-# Extra arguments go to pytest.
+# Quick start, command 2: install the test extras and run the whole suite (CI's command).
+#   bash scripts/test.sh            the full tier: ruff, mypy, every test
+#   bash scripts/test.sh --fast     the fast tier: ruff, mypy, the tests not marked slow (-m "not slow":
+#                                   unit tests, parity, one request end to end; a few minutes)
+# Other arguments go to pytest.
+tier=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    tier=(-m "not slow")
+fi
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 ensure_venv test
 cd "$ROOT"
@@ -22,4 +30,4 @@ echo "[specserve] ruff check"
 "$VENV/bin/ruff" check .
 echo "[specserve] mypy (the gateway and shared/)"
 "$VENV/bin/mypy" -p specserve.gateway -p specserve.shared
-exec "$VENV/bin/python" -m pytest "$@"
+exec "$VENV/bin/python" -m pytest "${tier[@]}" "$@"

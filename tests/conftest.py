@@ -1,9 +1,16 @@
-"""Suite-wide settings."""
+"""Suite-wide settings, and the two tiers.
+
+`bash scripts/test.sh --fast` runs `-m "not slow"`: every module's unit tests, the parity tests on the
+demo models and one request end to end through the three services (`@pytest.mark.fast`). A test is
+slow if it is marked so, or if it uses a fixture that starts services (SERVICE_FIXTURES, directly or
+through another fixture).
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +18,17 @@ import torch
 # One shared secret for the whole run (shared/auth.py), set before anything starts: every test, the
 # services and gateways it starts (they inherit the environment) and its clients use it.
 os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))
+
+
+# Fixtures that start `specserve up` or separate services (each module that uses one pays for the start).
+SERVICE_FIXTURES = {"up", "up2", "services", "stack", "traced_up", "run12"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if uses and item.get_closest_marker("fast") is None:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -24,14 +42,20 @@ def single_intra_op_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def suite_profile(tmp_path_factory) -> Path:
+    """One profile of the demo target for the suite's `up`s: the first to start measures it (about
+    10 s; test_gateway.py checks that measurement with a fresh file of its own), the others read it."""
+    return tmp_path_factory.mktemp("profile") / "profile.json"
+
+
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    """`specserve up` for a test module: it profiles on first start into a fresh file, then B is pinned
-    to 24 so the tests do not depend on this machine's timing. (test_gateway.py has its own.)"""
+def up(suite_profile):
+    """`specserve up` for a test module, on the suite's profile; B is pinned to 24 so the tests do not
+    depend on this machine's timing. (test_gateway.py has its own.)"""
     from tests.gateway_procs import Up
 
-    profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--profile", str(profile), "--", "--budget", "24")
+    server = Up("--profile", str(suite_profile), "--", "--budget", "24")
     yield server
     server.interrupt()
 

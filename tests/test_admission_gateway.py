@@ -86,6 +86,7 @@ def test_best_effort_is_served_exactly(up, slo_gateway, reference, ask):
     wait_all_free(up)
 
 
+@pytest.mark.slow
 def test_preempted_requests_resume_exactly_and_free_every_block(reference):
     """A target pool too small for every request's worst case: with a 16-token look-ahead all are
     admitted, some are preempted when they outgrow it, resume by recompute and still equal

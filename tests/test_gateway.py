@@ -95,6 +95,21 @@ def wait_all_free(up: Up, timeout_s: float = 30) -> None:
         time.sleep(0.3)
 
 
+# ---- the fast tier's end-to-end request -------------------------------------------------------------
+@pytest.mark.fast
+def test_one_request_through_the_three_services(up, reference):
+    """One streamed chat request and one completion through gateway, draft and target (the official
+    client): the completion equals transformers' greedy text, its tokens were drafted and verified
+    (trees of more than the root), and both services hold nothing afterwards."""
+    stream = client(up.url).chat.completions.create(model="target", messages=[{"role": "user", "content": "def f(x):"}],
+                                                    max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    r = client(up.url).completions.create(model="target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference[0]
+    assert any(nodes > 1 for _, nodes, _ in r.model_extra["specserve"]["steps"]), r.model_extra["specserve"]
+    wait_all_free(up)
+
+
 # ---- API shape -------------------------------------------------------------------------------------
 def test_completions_non_streaming(up):
     r = client(up.url).completions.create(model="target", prompt=PROMPTS[0], max_tokens=12, temperature=0)

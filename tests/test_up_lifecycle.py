@@ -76,6 +76,7 @@ def _healthy(url: str) -> bool:
         return resp.status == 200
 
 
+@pytest.mark.slow
 def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port():
     port = free_port()
     no_secret = {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
@@ -120,6 +121,7 @@ def _complete(url: str) -> str:
     return reply.choices[0].text
 
 
+@pytest.mark.slow
 def test_up_puts_its_services_on_unix_sockets_in_a_private_directory_and_removes_it():
     up = Up("--policy", "chain:2", "--profile", str(PROFILE))
     try:
@@ -135,6 +137,7 @@ def test_up_puts_its_services_on_unix_sockets_in_a_private_directory_and_removes
     assert not directory.exists(), f"left behind: {list(directory.iterdir())}"
 
 
+@pytest.mark.slow
 def test_tcp_services_puts_them_on_loopback_ports():
     up = Up("--policy", "chain:2", "--profile", str(PROFILE), "--tcp-services")
     try:
@@ -159,6 +162,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_child_started_from_a_worker_thread_outlives_the_thread_and_follows_the_parent_by_its_watchdog():
     """Linux's parent-death signal fires when the starting *thread* exits, so it must not be armed
     there; the watchdog alone then takes the child down when the parent process dies."""
