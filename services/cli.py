@@ -16,10 +16,11 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     import torch
 
     from specserve.shared.generate import generate
+    from specserve.shared.model_store import resolve_or_exit
     from specserve.shared.runner import ModelRunner
     from specserve.shared.service_base import exit_on_load_error
 
-    model_dir = Path(args.model) if args.model else BUNDLED_TARGET
+    model_dir = Path(resolve_or_exit(args.model)) if args.model else BUNDLED_TARGET
     t0 = time.perf_counter()
     runner = exit_on_load_error(lambda: ModelRunner.from_dir(
         model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device))
@@ -57,12 +58,34 @@ def _tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """List the named models, or install some (once; --force again)."""
+    from specserve.shared import model_store
+
+    if args.action == "list":
+        for name, spec in sorted(model_store.NAMED.items()):
+            where = model_store.models_dir() / name
+            state = f"installed: {where}" if model_store.installed(name) else "not installed"
+            print(f"{name}\t{state}\n    {spec.about}")
+        return 0
+    if not args.names:
+        print("error: name the models to install (`specserve models list` names them)", file=sys.stderr)
+        return 2
+    for name in args.names:
+        try:
+            print(model_store.install(name, force=args.force))
+        except model_store.ModelInstallError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     smoke = sub.add_parser("smoke", help="load a model and generate (checks the install)")
-    smoke.add_argument("--model", help="Hugging Face model directory (default: bundled demo target)")
+    smoke.add_argument("--model", help="Hugging Face model directory or a named model (default: bundled demo target)")
     smoke.add_argument("--device", default=os.environ.get("SPECSERVE_DEVICE", "cpu"), help="cpu or cuda")
     smoke.add_argument("--dtype", default=os.environ.get("SPECSERVE_DTYPE", "float32"),
                        choices=["float32", "bfloat16", "float16"])
@@ -71,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--max-tokens", type=int, default=32)
     smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
     smoke.set_defaults(func=cmd_smoke)
+
+    models = sub.add_parser("models", help="named models (`--model NAME`): list them, or install them once "
+                            "into the models cache (~/.cache/specserve/models or $SPECSERVE_MODELS_DIR)")
+    models.add_argument("action", choices=["list", "install"])
+    models.add_argument("names", nargs="*", help="install: the models to install")
+    models.add_argument("--force", action="store_true", help="install again even if installed")
+    models.set_defaults(func=cmd_models)
 
     from specserve.draft.config import DraftConfig
     from specserve.target.config import TargetConfig

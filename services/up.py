@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from specserve.gateway.policy import DEFAULT_POLICY, policy_help
 from specserve.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.auth import ensure_secret
+from specserve.shared.model_store import resolve_or_exit
 from specserve.shared.ports import check_port_free
 from specserve.shared.service_base import MODELS, default_threads
 from specserve.shared.settings import Settings, option
@@ -47,8 +48,10 @@ class UpConfig(Settings):
     port: int = option(8000, "the gateway's HTTP port (0: any free)")
     policy: str = option(DEFAULT_POLICY, f"the speculation policy: {policy_help()}")
     targets: int = option(1, "target replicas to start (the gateway spreads requests over them)")
-    model: str = option(default_factory=lambda: str(MODELS / "target"), help="target model directory")
-    draft_model: str = option(default_factory=lambda: str(MODELS / "draft"), help="draft model directory")
+    model: str = option(default_factory=lambda: str(MODELS / "target"),
+                        help="target model: a directory, or a named model (`specserve models list`)")
+    draft_model: str = option(default_factory=lambda: str(MODELS / "draft"),
+                              help="draft model: a directory, or a named model")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
     dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
     threads: int = option(default_factory=default_threads, help="torch threads of each model service, "
@@ -69,8 +72,28 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     UpConfig.add_flags(parser)
 
 
+def _same_vocabulary(model: str, draft_model: str) -> bool:
+    """Speculation needs a draft with the target's tokenizer; say so in one line when the vocabularies differ."""
+    from specserve.shared.model_config import ModelConfig, ModelLoadError
+
+    try:
+        target, draft = ModelConfig.from_dir(model).vocab_size, ModelConfig.from_dir(draft_model).vocab_size
+    except (ModelLoadError, ValueError, FileNotFoundError):
+        return True  # a bad directory is reported by the service that loads it
+    if target != draft:
+        print(f"error: the draft model's vocabulary ({draft} tokens, {draft_model}) differs from the target's "
+              f"({target}, {model}): speculation needs a draft with the target's tokenizer; pass --draft-model, "
+              "or --policy none to serve without speculation", file=sys.stderr)
+    return target == draft
+
+
 def main(args: argparse.Namespace) -> int:
     config = UpConfig.from_args(args)
+    # named models (`--model smollm2-135m-instruct`) become their directories, installed once, here, so
+    # the services and the gateway are all given the same directory
+    config.model, config.draft_model = resolve_or_exit(config.model), resolve_or_exit(config.draft_model)
+    if config.simulate is None and config.policy != "none" and not _same_vocabulary(config.model, config.draft_model):
+        return 2
     sim: list[str] = []
     if config.simulate is not None:
         from specserve.gateway.profile import default_profile_path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -80,3 +81,13 @@ def test_service_flags_fall_back_to_environment_variables(monkeypatch):
     assert (config.kv_blocks, config.port, config.threads, config.address) == (77, 9123, 1, "127.0.0.1:9123")
     config = DraftConfig.from_args(build_parser().parse_args(["draft", "--unix-socket", "/tmp/d.sock"]))
     assert config.address == "unix:/tmp/d.sock" and config.model.endswith("models/draft")
+
+
+def test_models_lists_the_named_models_and_refuses_an_unknown_one(tmp_path):
+    env = {**os.environ, "SPECSERVE_MODELS_DIR": str(tmp_path)}
+    listed = subprocess.run([*SPECSERVE, "models", "list"], capture_output=True, text=True, timeout=120, env=env)
+    assert listed.returncode == 0 and "smollm2-135m-instruct\tnot installed" in listed.stdout, listed
+    unknown = subprocess.run([*SPECSERVE, "models", "install", "no-such-model"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert unknown.returncode == 1 and unknown.stderr.startswith("error: unknown model name 'no-such-model'"), unknown
+    assert not list(tmp_path.iterdir())  # nothing half made

@@ -6,6 +6,7 @@ import argparse
 
 from specserve.draft.config import DraftConfig
 from specserve.shared.messages import Message, Offload, Release, Reload, Speculate
+from specserve.shared.model_store import resolve_or_exit
 from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
 
 
@@ -38,6 +39,7 @@ def call_tokens(body: Message) -> int | None:
 
 def main(args: argparse.Namespace) -> int:
     config = DraftConfig.from_args(args)
+    config.model = resolve_or_exit(config.model)  # a named model: its directory, installed on first use
     secret = setup_process(config)
     host = build_host(config)
     return serve(host, config, secret)

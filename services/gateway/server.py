@@ -51,6 +51,7 @@ from specserve.gateway.tokenize import Tokenizing
 from specserve.shared import tracing
 from specserve.shared.auth import AuthError, load_secret
 from specserve.shared.lifeline import follow_parent
+from specserve.shared.model_store import resolve_or_exit
 from specserve.shared.ports import check_port_free, port_in_use_as_error
 
 if TYPE_CHECKING:
@@ -344,6 +345,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = GatewayConfig.from_args(args)
+    config.model = resolve_or_exit(config.model)  # a named model: its directory (its tokenizer, its name)
     try:
         policy = make_policy(config.policy, {cls: cls.from_args(args) for cls in option_classes()})
     except ValueError as exc:

