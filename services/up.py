@@ -51,7 +51,8 @@ class UpConfig(Settings):
     model: str = option(default_factory=lambda: str(MODELS / "target"),
                         help="target model: a directory, or a named model (`specserve models list`)")
     draft_model: str = option(default_factory=lambda: str(MODELS / "draft"),
-                              help="draft model: a directory, or a named model")
+                              help="draft model: a directory, a named model, or `ngram` (no model: trees "
+                              "drafted from the request's own prompt and output, for any target)")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
     dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
     threads: int = option(default_factory=default_threads, help="torch threads of each model service, "
@@ -74,8 +75,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def _same_vocabulary(model: str, draft_model: str) -> bool:
     """Speculation needs a draft with the target's tokenizer; say so in one line when the vocabularies differ."""
+    from specserve.draft.ngram import NGRAM
     from specserve.shared.model_config import ModelConfig, ModelLoadError
 
+    if draft_model == NGRAM:
+        return True  # it drafts the target's own token ids
     try:
         target, draft = ModelConfig.from_dir(model).vocab_size, ModelConfig.from_dir(draft_model).vocab_size
     except (ModelLoadError, ValueError, FileNotFoundError):

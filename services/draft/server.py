@@ -12,11 +12,14 @@ from specserve.shared.service_base import ServiceHost, exit_on_load_error, relea
 
 def build_host(config: DraftConfig) -> ServiceHost:
     from specserve.draft.engine import DraftEngine
+    from specserve.draft.ngram import NGRAM, NgramDraftEngine
 
     if config.simulate is not None:  # the model pass replaced by the preset's models (no weights)
         from specserve.draft.simulated import simulated_engine
 
         engine = exit_on_load_error(lambda: simulated_engine(config))
+    elif config.model == NGRAM:  # no model: trees from the request's own tokens
+        engine = NgramDraftEngine(config)
     else:
         engine = exit_on_load_error(lambda: DraftEngine(config))
     handlers = {
