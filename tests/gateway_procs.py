@@ -121,21 +121,26 @@ async def await_health(url: str, ok: Callable[[dict], bool], until: asyncio.Futu
 
 
 def kill(kind: str, address: str) -> int:
-    """SIGKILL the `specserve <kind>` service at address and return once it has died (its sockets are
-    closed by then); returns its pid."""
+    """SIGKILL the `specserve <kind>` service at address and return once it has died, sockets closed
+    (the peers have their EOF by then); returns its pid."""
     pid = service_pid(kind, address)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while _alive(pid):
+    while not _dead(pid):
         assert time.monotonic() < deadline, f"{kind} {pid} survived SIGKILL for 60 s"
         time.sleep(0.01)
     return pid
 
 
-def _alive(pid: int) -> bool:
-    """Still holds open files. A killed multi-threaded process can show its leader as a zombie while its
-    other threads still hold the file table (and its sockets); once they are gone the table is empty."""
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie whose every thread has finished exiting. Neither an empty file table (a dying
+    task closes a socket's last reference after dropping its file table) nor a zombie leader (its other
+    threads may still hold the files) is enough; a thread is listed in /proc/PID/task until its exit,
+    socket releases included, is complete."""
     try:
-        return bool(os.listdir(f"/proc/{pid}/fd"))
+        if len(os.listdir(f"/proc/{pid}/task")) > 1:
+            return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
-        return False
+        return True
