@@ -25,6 +25,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specserve.gateway.profile import Profile
 from specserve.shared import model_store
 from specserve.shared.batch import Chunk
 from specserve.shared.generate import generate
@@ -91,7 +92,11 @@ def test_greedy_generation_equals_transformers(model_dir, hf, prompts):
 def test_up_serves_it_by_name_with_its_chat_template(model_dir, hf, prompts, tmp_path):
     """`specserve up --model smollm2-135m-instruct --policy none`: the official client's chat request gets
     transformers' greedy answer to the chat-templated prompt, under the model's own name."""
-    up = Up("--model", NAME, "--policy", "none", "--profile", str(tmp_path / "profile.json"), timeout_s=600)
+    profile = tmp_path / "profile.json"  # a given profile: `up` skips measuring it (this test needs no B)
+    Profile(budget_tokens=8, baseline_iteration_ms=60.0, knee_ratio=1.2, curve=[(8, 60.0), (24, 80.0)], model=NAME,
+            device="cpu", dtype="float32", created="2026-01-01T00:00:00", batch=8, input_tokens=32,
+            output_tokens=128, reference_ms=60.0).save(profile)
+    up = Up("--model", NAME, "--policy", "none", "--profile", str(profile), timeout_s=600)
     try:
         c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=300)
         assert [m.id for m in c.models.list().data] == [NAME]
