@@ -185,9 +185,10 @@ def warm_up(url: str, out: Path) -> None:
     bench_point(url, out, "warm-up", num_requests=4, max_tokens=8, seed=999)
 
 
-def load_point(url: str, out: Path, label: str, rate: float, duration_s: float, min_requests: int, seed: int) -> dict:
+def load_point(url: str, out: Path, label: str, rate: float, duration_s: float, min_requests: int, seed: int,
+               mix: str = DEFAULT_MIX) -> dict:
     n = max(min_requests, round(rate * duration_s))
-    return bench_point(url, out, label, num_requests=n, request_rate=rate, mix=DEFAULT_MIX, seed=seed)
+    return bench_point(url, out, label, num_requests=n, request_rate=rate, mix=mix, seed=seed)
 
 
 def solo_point(url: str, out: Path, label: str, requests: int) -> dict:
@@ -264,14 +265,15 @@ def run_sweep(args: argparse.Namespace) -> dict:
                 for i, rate in enumerate(rates):
                     bar.set_postfix_str(f"run {run + 1}/{runs} {policy}: {rate:g} req/s")
                     s = load_point(stack.url, out_dir / f"{slug(policy)}-rate{rate:g}-run{run}.jsonl", policy, rate,
-                                   settings["duration_s"], settings["min_requests"], args.seed + 1000 * run + i)
+                                   settings["duration_s"], settings["min_requests"], args.seed + 1000 * run + i,
+                                   args.mix)
                     points.append({"policy": policy, "rate": rate, "run": run, "summary": s})
                     bar.update(1)
     bar.close()
     results = {
         "meta": machine_info() | {"mode": mode, "name": name, "wall_s": round(time.time() - t_start, 1),
                                   "simulated": args.simulate},
-        "settings": settings | {"seed": args.seed, "mix": DEFAULT_MIX,
+        "settings": settings | {"seed": args.seed, "mix": args.mix,
                                 "calibration_rate": args.calibration_rate, "threads": args.threads,
                                 "gateway_args": gateway_args,
                                 "solo": SOLO},
@@ -639,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="names this sweep's results, figures and docs section (default: full or quick)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each model service")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", default=DEFAULT_MIX, help="the load points' mix: CLASS=SHARE:PROMPTS,... (the "
+                    "concurrency-1 point keeps its own)")
     ap.add_argument("--out-dir", default=None, help="default bench/results/sweep-<name>")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to update ('' : none)")
     ap.add_argument("--fig-dir", default=str(ROOT / "docs" / "figures"))

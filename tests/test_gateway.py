@@ -30,7 +30,7 @@ _SHORT = [json.loads(line)["prompt"] for line in (ROOT / "bench/workloads/short.
 PROMPTS = [_SHORT[i] for i in (1, 2, 5, 6, 7, 8, 0)]
 MAX_TOKENS = 40
 POLICIES = ["none", "chain:4", "tree:1,1,3,1,1,1,1,1", "equal-greedy", "global-greedy", "tetris:3,1", "turbospec",
-            "nightjar", "slo-goodput"]
+            "nightjar", "slo-goodput", "joint"]
 
 
 @pytest.fixture(scope="module")

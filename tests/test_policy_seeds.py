@@ -1,5 +1,6 @@
 """The seed papers' policies: TETRIS (selection), TurboSpec (goodput model, MLE acceptance, controller)
-and `slo-goodput` (their combination with AdaServe's selection).
+`slo-goodput` (their combination with AdaServe's selection) and `joint` (TurboSpec's chains for the
+requests at risk of their SLO).
 
 References: the digests in the shared papers folder (tetris.md corrected Algorithm 1 and pitfalls;
 turbospec.md eq. 3-4, §3, §8 and pitfalls; adaserve.md pitfalls). Expected values are computed by
@@ -16,6 +17,7 @@ import pytest
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
 from specserve.gateway.policy.goodput import Acceptance, OnlineLinear, StepTimeModel, best_depth, expected_tokens
+from specserve.gateway.policy.joint import AT_RISK, LOST, SLACK, Joint
 from specserve.gateway.policy.slo_goodput import SloGoodput, hopeless
 from specserve.gateway.policy.tetris import Tetris, tetris_select
 from specserve.gateway.policy.turbospec import TurboSpec
@@ -318,6 +320,45 @@ def test_slo_goodput_off_switch_at_high_load():
     shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
     assert all(s.depth == 0 for s in shapes.values())
     assert p.budget[0] == 64  # roots only
+
+
+# ---------------------------------------------------------------- joint
+
+
+def test_joint_states():
+    p = Joint()
+    assert isinstance(make_policy("joint"), Joint)
+    # A(r) = (elapsed + t) / tpot - decoded
+    assert p.state(req("u", tpot=10.0, decoded=20, elapsed=230.0), 10.0) == AT_RISK  # A = 4
+    assert p.state(req("f", tpot=1000.0, decoded=20, elapsed=100.0), 10.0) == SLACK  # A < 0
+    assert p.state(req("e", tpot=10.0, decoded=20, elapsed=190.0), 10.0) == SLACK  # A = 0: exactly on pace
+    assert p.state(req("x", tpot=1.0, decoded=20, elapsed=10000.0), 10.0) == LOST  # 120 - 10000 < 0
+
+
+def test_joint_drafts_for_the_requests_at_risk_only_while_there_are_any():
+    p = Joint()
+    lat = latency(curve=[(1, 10.0), (64, 11.0)])  # verification nearly free: drafting pays
+    urgent = [req(f"u{i}", tpot=10.0, decoded=20, elapsed=230.0) for i in range(3)]
+    lost = req("x", tpot=1.0, decoded=20, elapsed=10000.0)
+    fine = req("f", tpot=1000.0, decoded=20, elapsed=100.0)
+    shapes = p.shapes(BatchView([fine, lost, *urgent]), lat)
+    k = p.control.current[0]
+    assert k > 0
+    assert shapes == {"u0": Shape(k, 1), "u1": Shape(k, 1), "u2": Shape(k, 1), "x": Shape(0, 1),
+                      "f": Shape(0, 1)}  # chains of k (no extra token) for the three at risk
+    # nobody at risk: the slack ones draft (TurboSpec on them); the lost one still never does
+    shapes = p.shapes(BatchView([fine, lost, req("g", tpot=1000.0)]), lat)
+    k = p.control.current[0]
+    assert shapes == {"f": Shape(k, 1), "g": Shape(k, 1), "x": Shape(0, 1)} and k > 0
+    trees = {rid: chain([0.9] * s.depth) for rid, s in shapes.items()}
+    assert p.select(BatchView([fine, lost]), trees, lat) == {rid: list(range(s.depth + 1)) for rid, s in shapes.items()}
+
+
+def test_joint_off_switch_at_high_load():
+    p = Joint()
+    big = BatchView([req(f"r{i}", tpot=10.0, decoded=20, elapsed=230.0) for i in range(64)])  # all at risk
+    shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
+    assert all(s.depth == 0 for s in shapes.values())
 
 
 # ---------------------------------------------------------------- Nightjar

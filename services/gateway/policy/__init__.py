@@ -16,6 +16,7 @@ from specserve.gateway.plan import BatchView, Decision, RequestView, Shape
 from specserve.gateway.policy.adaserve import AdaServe, EqualGreedy, GlobalGreedy
 from specserve.gateway.policy.base import CandidateTree, Policy
 from specserve.gateway.policy.fixed import Chain, ExpansionTree
+from specserve.gateway.policy.joint import Joint
 from specserve.gateway.policy.nightjar import Nightjar, NightjarOptions, parse_arms
 from specserve.gateway.policy.slo_goodput import SloGoodput
 from specserve.gateway.policy.tetris import Tetris
@@ -75,10 +76,14 @@ def _tetris(arg: str, _opts: Any) -> Policy:
     return Tetris(*parts)
 
 
-def _turbospec(arg: str, opts: Any) -> Policy:
-    if arg:
-        raise ValueError(f"takes no argument (got {arg!r})")
-    return TurboSpec(max_k=min(7, opts.max_depth))
+def _chains(cls: type[TurboSpec]) -> Callable[[str, Any], Policy]:
+    """TurboSpec's controller (chains of at most 7 tokens, or --max-depth if lower)."""
+    def build(arg: str, opts: Any) -> Policy:
+        if arg:
+            raise ValueError(f"takes no argument (got {arg!r})")
+        return cls(max_k=min(7, opts.max_depth))
+
+    return build
 
 
 def _slo_goodput(arg: str, opts: Any) -> Policy:
@@ -107,12 +112,15 @@ register(PolicySpec("global-greedy", "global-greedy", "AdaServe ablation: the th
 register(PolicySpec("tetris", "tetris:K,E", "TETRIS: chains of K+E draft tokens, the batch's best C = min(N K, B - N) "
                     "verified (default 3,1)", _tetris))
 register(PolicySpec("turbospec", "turbospec", "TurboSpec: the chain length (0 = no draft call) of the best "
-                    "predicted goodput, per pass", _turbospec, TreeOptions))
+                    "predicted goodput, per pass", _chains(TurboSpec), TreeOptions))
 register(PolicySpec("nightjar", "nightjar[:DxW,...]", "Nightjar: a batch-size bandit over (d, w) arms (default "
                     "0x1,1x1,2x1,3x1,4x1,2x2,4x2), draft offload under KV pressure", _nightjar, NightjarOptions))
 register(PolicySpec("slo-goodput", "slo-goodput", "AdaServe's SLO-customized selection under the goodput "
                     "model's budget at the running batch, off when drafting does not pay, hopeless "
                     "requests left out of the SLO phase", _slo_goodput, TreeOptions))
+register(PolicySpec("joint", "joint", "chains of the goodput-optimal length (0 = no draft call) for the requests "
+                    "at risk of their TPOT SLO, else for those with slack; lost requests never draft",
+                    _chains(Joint), TreeOptions))
 
 NAMES = [spec.usage for spec in REGISTRY.values()]
 
