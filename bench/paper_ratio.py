@@ -4,6 +4,7 @@ at the rate where that baseline falls to 50 % attainment (AdaServe Figs. 4-5: up
     .venv/bin/python bench/paper_ratio.py bench/results/sweep-sim-7b-x4/sweep.json
     .venv/bin/python bench/paper_ratio.py SWEEP_JSON --policies 'adaserve;slo-goodput' --json out.json
     .venv/bin/python bench/paper_ratio.py LOW/sweep.json HIGH/sweep.json   # two sweeps' rates as one
+    .venv/bin/python bench/paper_ratio.py SWEEP_JSON --envelope joint   # joint / the best other policy, per rate
 
 Method, on the medians over runs of each (policy, rate) point:
 - each baseline's 50 % rate: linear interpolation between the two sweep rates around the first fall
@@ -94,6 +95,41 @@ def merged(sweeps: list[dict]) -> dict:
                     "points": [p for s in sweeps for p in s["points"]]}
 
 
+def envelope(results: dict, policy: str) -> list[dict]:
+    """Per rate: `policy`'s median attainment and goodput over the best other policy's (the highest
+    median of any other, each metric on its own), with the spread (min-max over runs) of both."""
+    t = table(results)
+    if policy not in t:
+        raise SystemExit(f"error: policy {policy!r} is not in the sweep ({', '.join(results['policies'])})")
+    rows = []
+    for rate in sorted(results["settings"]["rates"]):
+        row: dict = {"rate": rate}
+        for key, name in (("attainment", "attainment"), ("goodput_tok_s", "goodput")):
+            med = {p: (t[p][rate][key] or {"median": 0.0})["median"] for p in t if p != policy}
+            best = max(med, key=lambda p: med[p])
+            mine = t[policy][rate][key] or {"median": 0.0, "min": 0.0, "max": 0.0}
+            theirs = t[best][rate][key] or {"median": 0.0, "min": 0.0, "max": 0.0}
+            row[name] = {"policy": mine, "best": best, "best_value": theirs,
+                         "ratio": mine["median"] / theirs["median"] if theirs["median"] else None}
+        rows.append(row)
+    return rows
+
+
+def envelope_markdown(policy: str, rows: list[dict]) -> str:
+    def v(agg: dict, scale: float) -> str:
+        return f"{scale * agg['median']:.0f} ({scale * agg['min']:.0f}-{scale * agg['max']:.0f})"
+
+    lines = [f"| rate req/s | {policy} attainment % | best other | ratio | {policy} goodput tok/s | best other "
+             "| ratio |", "|---:|---:|---|---:|---:|---|---:|"]
+    for r in rows:
+        a, g = r["attainment"], r["goodput"]
+        lines.append(f"| {r['rate']:g} | {v(a['policy'], 100)} | {display(a['best'])} {v(a['best_value'], 100)} | "
+                     f"{a['ratio']:.2f}x | {v(g['policy'], 1)} | {display(g['best'])} {v(g['best_value'], 1)} | "
+                     f"{g['ratio']:.2f}x |" if a["ratio"] is not None and g["ratio"] is not None else
+                     f"| {r['rate']:g} | - | - | - | - | - | - |")
+    return "\n".join(lines)
+
+
 def markdown(r: dict) -> str:
     def x(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}x"
@@ -122,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baselines", default=",".join(BASELINE_PREFIXES),
                     help="policy-name prefixes that are baselines (AdaServe's own: 'none,tree:')")
     ap.add_argument("--json", default=None, help="also write the ratios here")
+    ap.add_argument("--envelope", default=None, metavar="POLICY",
+                    help="also print POLICY / the best other policy at every rate (attainment and goodput)")
     args = ap.parse_args(argv)
     missing = [p for p in args.sweeps if not Path(p).is_file()]
     if missing:
@@ -132,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
     print(markdown(r))
+    if args.envelope:
+        rows = envelope(sweep, args.envelope)
+        print()
+        print(envelope_markdown(args.envelope, rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(r | {"envelope": {"policy": args.envelope, "rows": rows}},
+                                                  indent=1) + "\n")
     return 0
 
 

@@ -3,7 +3,7 @@
 - a request whose SLO no replica can meet is refused at once: 503 with Retry-After, the openai
   client's usual error type, before any byte of a stream; requests beside it are served exactly;
 - the same request allowing best effort (`slo.best_effort`, or `service_tier: "flex"`) is served in the
-  best-effort tier and equals transformers' greedy output;
+  best-effort tier and equals transformers' greedy output; so is a request that asks for no SLO at all;
 - the outcomes are counted per tier in `specserve:admission_total`; no KV block is left reserved;
 - with a KV look-ahead on a pool too small for every worst case, requests are preempted, resume by
   recompute and still equal transformers; `vllm:num_preemptions_total` counts them.
@@ -83,6 +83,31 @@ def test_best_effort_is_served_exactly(up, slo_gateway, reference, ask):
     if "slo" in ask:  # no SLO could be met, so it was served best effort
         counts = admission_counts(slo_gateway.address)
         assert counts.get(("best_effort", "custom")) == 1.0, counts
+    wait_all_free(up)
+
+
+def test_a_request_that_asks_for_no_slo_is_never_refused(up, reference):
+    """The default class is unmeetable here (--slo-class chat=0.01): a request naming its tier is
+    refused, the same request naming none runs best effort and equals transformers."""
+    g = gateway(up, "none", "--budget", "24", "--admission", "slo", "--slo-class", "chat=0.01")
+    try:
+        async def run():
+            c = aclient(g.address)
+            plain = c.completions.create(model="target", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
+            named = c.completions.create(model="target", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"service_tier": "chat"})
+            out = await asyncio.gather(plain, named, return_exceptions=True)
+            await c.close()
+            return out
+
+        plain, named = asyncio.run(run())
+        assert not isinstance(plain, BaseException), plain
+        assert plain.choices[0].text == reference[2]
+        assert isinstance(named, openai.InternalServerError) and named.status_code == 503, named
+        counts = admission_counts(g.address)
+        assert counts.get(("best_effort", "chat")) == 1.0 and counts.get(("refused", "chat")) == 1.0, counts
+    finally:
+        g.stop()
     wait_all_free(up)
 
 

@@ -433,3 +433,14 @@ def test_a_replica_full_of_best_effort_kv_admits_an_slo_arrival():
     p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
     assert [a.rid for a in p.admitted] == ["strict"]
     assert p.preempt == ["be0", "be1"]  # two give 50 blocks; the least decoded go first
+
+
+def test_who_may_run_best_effort():
+    from specserve.gateway.api import allows_best_effort
+    from specserve.gateway.protocol import SloSpec
+    assert allows_best_effort(None, None)  # asked for no SLO: never refused for SLO reasons
+    assert allows_best_effort("flex", None)
+    assert not allows_best_effort("chat", None)  # a named tier is an SLO asked for
+    assert not allows_best_effort(None, SloSpec(tpot_ms=10.0))
+    assert allows_best_effort(None, SloSpec(tpot_ms=10.0, best_effort=True))
+    assert not allows_best_effort("flex", SloSpec(best_effort=False))

@@ -58,3 +58,17 @@ def test_two_sweeps_merge_into_one_rate_axis(paper_ratio):
     assert r["rates"] == [1.0, 2.0, 4.0] and r["rate"] == pytest.approx(2.0 + 2.0 * 0.3 / 0.5)
     with pytest.raises(SystemExit, match="cannot be merged"):
         paper_ratio.merged([low, _sweep({"none": [(0.3, 12.0)]}, rates=(4.0,))])
+
+
+def test_the_envelope_divides_by_the_best_other_policy_per_metric_and_rate(paper_ratio):
+    rows = paper_ratio.envelope(_sweep({
+        "none": [(0.6, 60.0), (0.4, 90.0), (0.2, 20.0)],
+        "chain:4": [(0.9, 90.0), (0.7, 70.0), (0.3, 30.0)],
+        "joint": [(0.9, 100.0), (0.35, 45.0), (0.3, 33.0)],
+    }), "joint")
+    assert [r["attainment"]["best"] for r in rows] == ["chain:4", "chain:4", "chain:4"]
+    assert [r["goodput"]["best"] for r in rows] == ["chain:4", "none", "chain:4"]  # each metric on its own
+    assert [r["attainment"]["ratio"] for r in rows] == pytest.approx([1.0, 0.5, 1.0])
+    assert [r["goodput"]["ratio"] for r in rows] == pytest.approx([100 / 90, 0.5, 1.1])
+    assert "| 2 | 35 (35-35) | chain:4 70 (70-70) | 0.50x | 45 (45-45) | none 90 (90-90) | 0.50x |" in \
+        paper_ratio.envelope_markdown("joint", rows)

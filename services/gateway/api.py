@@ -47,10 +47,12 @@ def resolve_slo(classes: dict[str, SloClass], tier: str | None, slo: SloSpec | N
 
 def allows_best_effort(tier: str | None, slo: SloSpec | None) -> bool:
     """Whether a request may be served without an SLO when admission cannot meet it: `slo.best_effort`
-    if given, else OpenAI's `service_tier: "flex"` (slower, cheaper processing)."""
+    if given, else OpenAI's `service_tier: "flex"` (slower, cheaper processing); a request that asks
+    for no SLO at all (neither `slo` nor `service_tier`) always may, so that SLO-aware admission
+    never refuses what FIFO would serve (it runs best effort while queue room remains)."""
     if slo is not None and slo.best_effort is not None:
         return slo.best_effort
-    return tier == "flex"
+    return tier == "flex" or (tier is None and slo is None)
 
 
 def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: Sampling, slo: SloClass,
