@@ -17,7 +17,7 @@ import pytest
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
 from specserve.gateway.policy.goodput import Acceptance, OnlineLinear, StepTimeModel, best_depth, expected_tokens
-from specserve.gateway.policy.joint import AT_RISK, LOST, SLACK, Joint
+from specserve.gateway.policy.joint import AT_RISK, LOST, SLACK, Joint, pace_ms
 from specserve.gateway.policy.slo_goodput import SloGoodput, hopeless
 from specserve.gateway.policy.tetris import Tetris, tetris_select
 from specserve.gateway.policy.turbospec import TurboSpec
@@ -328,37 +328,57 @@ def test_slo_goodput_off_switch_at_high_load():
 def test_joint_states():
     p = Joint()
     assert isinstance(make_policy("joint"), Joint)
-    # A(r) = (elapsed + t) / tpot - decoded
-    assert p.state(req("u", tpot=10.0, decoded=20, elapsed=230.0), 10.0) == AT_RISK  # A = 4
-    assert p.state(req("f", tpot=1000.0, decoded=20, elapsed=100.0), 10.0) == SLACK  # A < 0
-    assert p.state(req("e", tpot=10.0, decoded=20, elapsed=190.0), 10.0) == SLACK  # A = 0: exactly on pace
-    assert p.state(req("x", tpot=1.0, decoded=20, elapsed=10000.0), 10.0) == LOST  # 120 - 10000 < 0
+    # pace = (tpot * (decoded + remaining) - elapsed) / remaining; remaining = 100
+    u = req("u", tpot=10.0, decoded=20, elapsed=230.0)
+    assert pace_ms(u) == pytest.approx(9.7)
+    assert p.state(u, 10.0) == AT_RISK  # its root alone (10 ms a token) falls behind 9.7
+    assert p.state(u, 9.7) == SLACK
+    assert p.state(req("f", tpot=1000.0), 10.0) == SLACK
+    # lost only when a chain of K_max = 7 accepted whole (8 tokens a step) could not keep 9.7 ms a token
+    assert p.state(u, 77.0) == AT_RISK and p.state(u, 78.0) == LOST
+    assert p.state(req("x", tpot=1.0, decoded=20, elapsed=10000.0), 10.0) == LOST  # past its deadline
 
 
-def test_joint_drafts_for_the_requests_at_risk_only_while_there_are_any():
-    p = Joint()
+TIGHT_CURVE = [(1, 10.0), (8, 12.0), (16, 16.0), (64, 40.0)]  # verification costs: 0.5 ms a token above 8
+
+
+def test_joint_drafts_for_the_at_risk_where_turbospec_would_not_draft_at_all():
+    """8 requests with slack and 3 at risk (pace 12.1 ms): plain passes take 13.5 ms, so the three
+    miss without drafts; chains for all eleven make the pass too long for them, and do not pay in
+    tokens per ms either (TurboSpec: off). Chains for the three alone keep their pace."""
+    lat = latency(curve=TIGHT_CURVE)
+    lat.t_spec_ms = 13.5
+    fine = [req(f"f{i}", tpot=1000.0) for i in range(8)]
+    urgent = [req(f"u{i}", tpot=12.0, decoded=20, elapsed=230.0) for i in range(3)]
+    p, turbo = Joint(), TurboSpec()
+    shapes = p.shapes(BatchView([*fine, *urgent]), lat)
+    k = p.control.current[0]
+    assert k > 0 and shapes == {**{r.rid: Shape(0, 1) for r in fine}, **{r.rid: Shape(k, 1) for r in urgent}}
+    assert all(s.depth == 0 for s in turbo.shapes(BatchView([*fine, *urgent]), lat).values())
+    assert p.value(BatchView([*fine, *urgent]), lat, urgent, k) > p.value(BatchView([*fine, *urgent]), lat,
+                                                                             [*fine, *urgent], k)
+
+
+def test_joint_is_turbospec_when_every_request_keeps_its_pace_and_lost_ones_never_draft():
     lat = latency(curve=[(1, 10.0), (64, 11.0)])  # verification nearly free: drafting pays
-    urgent = [req(f"u{i}", tpot=10.0, decoded=20, elapsed=230.0) for i in range(3)]
+    fine = [req("f", tpot=1000.0), req("g", tpot=1000.0)]
+    p, turbo = Joint(), TurboSpec()
+    assert p.shapes(BatchView(fine), lat) == turbo.shapes(BatchView(fine), lat)
+    assert p.control.current[0] > 0
     lost = req("x", tpot=1.0, decoded=20, elapsed=10000.0)
-    fine = req("f", tpot=1000.0, decoded=20, elapsed=100.0)
-    shapes = p.shapes(BatchView([fine, lost, *urgent]), lat)
-    k = p.control.current[0]
-    assert k > 0
-    assert shapes == {"u0": Shape(k, 1), "u1": Shape(k, 1), "u2": Shape(k, 1), "x": Shape(0, 1),
-                      "f": Shape(0, 1)}  # chains of k (no extra token) for the three at risk
-    # nobody at risk: the slack ones draft (TurboSpec on them); the lost one still never does
-    shapes = p.shapes(BatchView([fine, lost, req("g", tpot=1000.0)]), lat)
-    k = p.control.current[0]
-    assert shapes == {"f": Shape(k, 1), "g": Shape(k, 1), "x": Shape(0, 1)} and k > 0
+    shapes = p.shapes(BatchView([*fine, lost]), lat)
+    assert shapes["x"] == Shape(0, 1) and shapes["f"].depth > 0
     trees = {rid: chain([0.9] * s.depth) for rid, s in shapes.items()}
-    assert p.select(BatchView([fine, lost]), trees, lat) == {rid: list(range(s.depth + 1)) for rid, s in shapes.items()}
+    assert p.select(BatchView([*fine, lost]), trees, lat) == {rid: list(range(s.depth + 1))
+                                                              for rid, s in shapes.items()}  # chains verified whole
 
 
-def test_joint_off_switch_at_high_load():
+def test_joint_off_switch_when_nothing_pays():
     p = Joint()
-    big = BatchView([req(f"r{i}", tpot=10.0, decoded=20, elapsed=230.0) for i in range(64)])  # all at risk
+    big = BatchView([req(f"r{i}") for i in range(64)])
     shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
     assert all(s.depth == 0 for s in shapes.values())
+    assert p.control.thr == 64  # TurboSpec's draft-prefill skip engages
 
 
 # ---------------------------------------------------------------- Nightjar

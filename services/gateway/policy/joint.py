@@ -1,37 +1,43 @@
-"""`joint`: each iteration, who drafts and how deep, chosen together by SLO state and predicted goodput.
+"""`joint`: each iteration, who drafts and how deep, chosen together from SLO state and predicted goodput.
 
-Per replica and iteration (issue 30, part 2; the seeds' parts, nothing new in the models):
+Per replica and iteration (issue 30, part 2), from the seeds' models (goodput.py: the per-request
+acceptance MLE and the three-service step-time model, refitted online):
 
-1. Every decoding request is classed by its TPOT SLO at the predicted iteration time t
-   (LatencyModel.t_spec_ms):
-   - *lost*: it misses its SLO even if every remaining step yields the most a chain of K_max can
-     (`hopeless`, slo_goodput.py). It never drafts; its root still runs (the output continues).
-   - *at risk*: AdaServe's A(r) > 1, i.e. one token this step leaves it behind its SLO.
-   - *slack*: A(r) <= 1: its root alone keeps it on its SLO.
-2. The drafting set is the at-risk requests when there are any, else the slack ones: while someone
-   is at risk, a request with slack verifies its root only, so the pass and the draft call carry
-   only tokens that buy SLOs.
-3. The chain length k for that set is TurboSpec's (this class is TurboSpec with the set narrowed):
-   the k in 0..K_max of the best predicted goodput of the whole pass (GoodputControl, goodput.py:
-   per-request acceptance MLE, the step-time model at the running batch), 0 = no draft call (the
-   off switch), with its draft-prefill skip under load and its probes. The pass's budget is
-   therefore n + the set's chains, chosen with the set at the running batch, not profiled once
-   (AdaServe's fixed B left about one token per request under load).
-4. Every drafted chain is verified whole (the goodput model prices chains, not trees).
-
-Why chains of k and not k + e (slo-goodput): at the simulated 7B cliff the extra token was most
-of slo-goodput's loss to turbospec (docs/benchmarks.md, "The papers' setting").
+1. Every decoding request has a *pace*: the ms per token it may take from now on and still meet
+   its TPOT SLO, (tpot * (decoded + remaining) - elapsed) / remaining. At the predicted iteration
+   time t it is
+   - *lost* when not even a chain of K_max accepted whole every step could keep that pace: it
+     never drafts (its root still runs). Only the best case condemns a request: a version that
+     judged on the estimated acceptance rate wrote requests off that could still make it
+     (docs/benchmarks.md, "The default: joint");
+   - *at risk* when its root alone cannot keep its pace (t > pace);
+   - *slack* otherwise.
+2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
+   goodput-optimal length k in 0..K_max (tokens per ms of the whole pass, with its hysteresis); the
+   narrow one, the at-risk requests alone drafting chains of the k of the best predicted *SLO
+   goodput*: the expected tokens of the requests that keep their pace at the option's step time T
+   (a chain of k yields l(a, k) tokens per T; a request that falls behind its pace counts nothing),
+   over T. The narrow option wins only when its SLO goodput beats the wide one's. So under load,
+   when drafting for everyone would make the pass too long for the requests at risk, the requests
+   with slack keep their roots only and the tokens go to those at risk; when every request keeps
+   its pace this is TurboSpec on the requests not lost.
+3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes; every
+   drafted chain is verified whole (the model prices chains, not trees).
 """
 
 from __future__ import annotations
 
 from specserve.gateway.latency import LatencyModel
 from specserve.gateway.policy.base import BatchView, RequestView
-from specserve.gateway.policy.goodput import expected_tokens
-from specserve.gateway.policy.slo_goodput import hopeless
+from specserve.gateway.policy.goodput import best_depth, expected_tokens
 from specserve.gateway.policy.turbospec import TurboSpec
 
 LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
+
+
+def pace_ms(r: RequestView) -> float:
+    """The ms per token `r` may take over its remaining tokens and still meet its TPOT SLO."""
+    return (r.tpot_ms * (r.decoded + r.remaining) - r.decode_elapsed_ms) / max(r.remaining, 1)
 
 
 class Joint(TurboSpec):
@@ -39,16 +45,51 @@ class Joint(TurboSpec):
 
     def state(self, r: RequestView, t_ms: float) -> str:
         """LOST, AT_RISK or SLACK for a decoding request at a predicted iteration time of `t_ms`."""
-        c = self.control
-        if hopeless(r, t_ms, expected_tokens(c.acceptance.rate_of(r.rid), c.max_k)):
+        pace = pace_ms(r)
+        if pace * (self.control.max_k + 1) < t_ms:
             return LOST
-        return AT_RISK if r.required(t_ms) > 1.0 else SLACK
+        return AT_RISK if pace < t_ms else SLACK
 
-    def candidates(self, batch: BatchView, model: LatencyModel) -> list[RequestView] | None:
-        """The at-risk requests if there are any, else the slack ones; never the lost."""
-        states = [(r, self.state(r, model.t_spec_ms)) for r in batch.requests]
-        at_risk = [r for r, s in states if s == AT_RISK]
-        return at_risk or [r for r, s in states if s == SLACK]
+    def value(self, batch: BatchView, model: LatencyModel, group: list[RequestView], k: int) -> float:
+        """Predicted SLO goodput (tokens per ms) of this pass if the requests in `group` draft k-token chains."""
+        c = self.control
+        ks = {r.rid: min(k, r.remaining - 1) for r in group}
+        drafting = [r for r in group if ks[r.rid] > 0]
+        t = c.model(batch.replica, model).step_ms(
+            max(ks.values(), default=0), len(drafting), 1,
+            len(batch.requests) + sum(ks.values()) + batch.prefill_tokens, sum(r.draft_lag for r in drafting))
+        good = 0.0
+        for r in batch.requests:
+            tokens = expected_tokens(c.acceptance.rate_of(r.rid), ks.get(r.rid, 0))
+            if t <= pace_ms(r) * tokens:
+                good += tokens
+        return good / t
 
+    def choose(self, batch: BatchView, model: LatencyModel) -> tuple[int, list[RequestView]]:
+        """(k, the requests that draft k-token chains): the wider option unless the narrow one's
+        predicted SLO goodput is higher."""
+        c = self.control
+        n = len(batch.requests)
+        t = model.t_spec_ms
+        late = n < c.thr  # load dropped: skipped requests with a short lag may start (catch-up priced)
+        states = {r.rid: self.state(r, t) for r in batch.requests}
+        may = [r for r in batch.requests if r.remaining > 1 and states[r.rid] != LOST
+               and (c.draft_ok.get(r.rid, True) or (late and r.draft_lag <= c.late_lag))]
+        current = c.current.get(batch.replica, 0)
+        wide = {k: c.goodput(batch, model, may, k) for k in range(c.max_k + 1)} if may else {0: 0.0}
+        k, spec = best_depth(wide, current, c.margin), may
+        narrow = [r for r in may if states[r.rid] == AT_RISK]
+        if narrow and len(narrow) < len(may):
+            table = {k: self.value(batch, model, narrow, k) for k in range(c.max_k + 1)}
+            k_narrow = best_depth(table, current, c.margin)
+            if table[k_narrow] > self.value(batch, model, may, k) * (1.0 + c.margin):
+                k, spec = k_narrow, narrow
+        if k > 0:
+            for r in spec:
+                c.draft_ok[r.rid] = True  # a skipped request enabled late
+        elif may:  # drafting could run and does not pay at n: TurboSpec's draft-prefill skip
+            c.thr = min(c.thr, n)
+        c.current[batch.replica] = k
+        return k, spec if k > 0 else may  # at k = 0 nobody drafts; TurboSpec's probe picks among `may`
 
-__all__ = ["AT_RISK", "Joint", "LOST", "SLACK"]
+__all__ = ["AT_RISK", "Joint", "LOST", "SLACK", "pace_ms"]

@@ -95,13 +95,11 @@ class GoodputControl:
         t = sm.step_ms(max(ks, default=0), speculating, 1, n + sum(ks) + batch.prefill_tokens, lag)
         return tokens / t
 
-    def choose(self, batch: BatchView, latency: LatencyModel,
-               among: list[RequestView] | None = None) -> tuple[int, list[RequestView]]:
-        """(k for this replica, the requests that may speculate); `among`: only these may (default: all)."""
+    def choose(self, batch: BatchView, latency: LatencyModel) -> tuple[int, list[RequestView]]:
+        """(k for this replica, the requests that may speculate)."""
         n = len(batch.requests)
-        pool = batch.requests if among is None else among
-        spec = [r for r in pool if self.draft_ok.get(r.rid, True)]
-        late = [r for r in pool if not self.draft_ok.get(r.rid, True) and r.draft_lag <= self.late_lag] \
+        spec = [r for r in batch.requests if self.draft_ok.get(r.rid, True)]
+        late = [r for r in batch.requests if not self.draft_ok.get(r.rid, True) and r.draft_lag <= self.late_lag] \
             if n < self.thr else []  # load dropped: skipped requests with a short lag may start (catch-up priced)
         table = {k: self.goodput(batch, latency, spec + late, k) for k in range(self.max_k + 1)} \
             if spec or late else {0: 0.0}
@@ -175,12 +173,12 @@ class TurboSpec(Policy):
         self.control.admit(view)
         return super().decide(view)
 
-    def candidates(self, batch: BatchView, model: LatencyModel) -> list[RequestView] | None:
-        """The requests that may draft this iteration (None: every one); `joint` narrows it."""
-        return None
+    def choose(self, batch: BatchView, model: LatencyModel) -> tuple[int, list[RequestView]]:
+        """(k for this replica's pass, the requests that draft k-token chains); `joint` overrides it."""
+        return self.control.choose(batch, model)
 
     def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
-        k, spec = self.control.choose(batch, model, self.candidates(batch, model))
+        k, spec = self.choose(batch, model)
         probe = self.control.probe(batch, spec, k)
         if self.control.pause(batch, k):
             spec = []
