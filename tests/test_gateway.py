@@ -1,7 +1,8 @@
 """The gateway end to end: `specserve up` as real processes, driven over HTTP by the official openai client.
 
-One `specserve up` (adaserve) serves the module; other policies run as extra gateways on the same
-draft and target services, started the way `up` starts its own. The first `up` finds no profile
+One `specserve up --policy adaserve` serves the module (its tests read AdaServe's trees); other
+policies, the default `joint` among them, run as extra gateways on the same draft and target
+services, started the way `up` starts its own. The first `up` finds no profile
 and measures one (profile on first start); `--budget 24` then pins B so the tests do not depend
 on this machine's timing.
 """
@@ -36,7 +37,7 @@ POLICIES = ["none", "chain:4", "tree:1,1,3,1,1,1,1,1", "equal-greedy", "global-g
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--profile", str(profile), "--", "--budget", "24")
+    server = Up("--policy", "adaserve", "--profile", str(profile), "--", "--budget", "24")
     assert profile.is_file(), "the gateway did not profile on first start"
     assert json.loads(profile.read_text())["budget_tokens"] >= 8
     yield server

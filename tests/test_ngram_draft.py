@@ -100,7 +100,8 @@ def test_the_engine_speaks_the_draft_protocol_without_a_model():
 
 @pytest.fixture(scope="module")
 def up_ngram(suite_profile):
-    server = Up("--draft-model", "ngram", "--profile", str(suite_profile), "--", "--budget", "24")
+    server = Up("--draft-model", "ngram", "--policy", "adaserve", "--profile", str(suite_profile), "--", "--budget",
+                "24")
     yield server
     server.interrupt()
 

@@ -275,7 +275,7 @@ def test_service_configs_keep_their_defaults_and_variables():
     gateway = GatewayConfig.from_args(parser.parse_args(["gateway", "--slo-class", "gold=20:500",
                                                          "--slo-class", "x=5", "--budget", "32"]), environ={})
     assert (gateway.draft, gateway.target, gateway.port, gateway.policy) == ("127.0.0.1:8101", ["127.0.0.1:8102"],
-                                                                              8000, "adaserve")
+                                                                              8000, "joint")
     two = GatewayConfig.from_args(parser.parse_args(["gateway", "--target", "a:1", "--target", "b:2"]), environ={})
     assert two.target == ["a:1", "b:2"]
     assert GatewayConfig.from_args(parser.parse_args(["gateway"]),

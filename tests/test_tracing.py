@@ -241,7 +241,7 @@ def traced_up():
            "OTEL_BSP_SCHEDULE_DELAY": "200"}  # ms: export soon after a span ends
     for name in ("OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         env.pop(name, None)
-    server = Up("--profile", str(PROFILE), "--", "--budget", "24", env=env)
+    server = Up("--policy", "adaserve", "--profile", str(PROFILE), "--", "--budget", "24", env=env)
     yield server, receiver
     server.interrupt()
     receiver.stop()

@@ -24,7 +24,7 @@ from specserve.gateway.policy.turbospec import TurboSpec
 from specserve.shared.settings import Settings, option
 
 SPECINFER_TREE = [1, 1, 3, 1, 1, 1, 1, 1]
-DEFAULT_POLICY = "adaserve"  # `--policy` of the gateway and of `specserve up` (docs/benchmarks.md: why this one)
+DEFAULT_POLICY = "joint"  # `--policy` of the gateway and of `specserve up` (docs/benchmarks.md, "The default: joint")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -100,7 +100,7 @@ def _tree(arg: str, _opts: Any) -> Policy:
     return ExpansionTree([int(x) for x in arg.split(",")] if arg else SPECINFER_TREE)
 
 
-register(PolicySpec("adaserve", "adaserve", "AdaServe: SLO-customized trees under budget B (the default)",
+register(PolicySpec("adaserve", "adaserve", "AdaServe: SLO-customized trees under budget B",
                     _no_argument(AdaServe), TreeOptions))
 register(PolicySpec("none", "none", "plain continuous batching, no draft calls", _no_argument(lambda: Policy())))
 register(PolicySpec("chain", "chain:K", "K draft tokens in a chain for every request", _chain))
@@ -118,9 +118,9 @@ register(PolicySpec("nightjar", "nightjar[:DxW,...]", "Nightjar: a batch-size ba
 register(PolicySpec("slo-goodput", "slo-goodput", "AdaServe's SLO-customized selection under the goodput "
                     "model's budget at the running batch, off when drafting does not pay, hopeless "
                     "requests left out of the SLO phase", _slo_goodput, TreeOptions))
-register(PolicySpec("joint", "joint", "chains of the goodput-optimal length (0 = no draft call) for the requests "
-                    "at risk of their TPOT SLO, else for those with slack; lost requests never draft",
-                    _chains(Joint), TreeOptions))
+register(PolicySpec("joint", "joint", "chains of the goodput-optimal length (0 = no draft call); only the requests "
+                    "at risk of their TPOT SLO draft when that buys more SLO goodput; lost requests never draft "
+                    "(the default)", _chains(Joint), TreeOptions))
 
 NAMES = [spec.usage for spec in REGISTRY.values()]
 
