@@ -1,0 +1,167 @@
+"""SmolLM2-135M-Instruct at concurrency 1, side by side with transformers, in interleaved rounds.
+
+    .venv/bin/python bench/smollm2_c1.py --rounds 3 [--max-tokens 96] [--out bench/results/smollm2_c1.json]
+
+The named model `smollm2-135m-instruct` (installed on first use) on two prompt sets, chat-templated:
+- `chat`: plain questions (the answer repeats little of the prompt);
+- `edit`: "rewrite this code" requests (the answer repeats much of the prompt), where drafting from
+  the prompt pays.
+Modes, each round running all of them one after another on both sets, one request at a time, greedy,
+up to --max-tokens new tokens (the answer ends at the model's end of turn, the same in every mode),
+float32, one torch thread everywhere:
+- `hf_generate`: transformers `generate`;
+- `hf_prompt_lookup`: transformers `generate(prompt_lookup_num_tokens=K)` (K = --lookup-tokens);
+- `none`, `chain:4`, `adaserve`, `joint` (the default policy): specserve (`specserve up --model
+  smollm2-135m-instruct --draft-model ngram --threads 1`, one stack; each policy is a gateway of
+  its own on the same target and n-gram draft), through the official openai client.
+Reported per set and mode: median over rounds of tokens/s (new tokens / wall of the mode's
+requests) with min-max, the ratio to `hf_generate` taken within each round (median, min-max), and
+for specserve the tokens per target pass (1 + accepted drafts per step, from the responses'
+`specserve.steps`). The outputs of every mode are checked equal to `hf_generate`'s.
+
+Status: run once as a smoke test (1 round, 8 tokens: every output equal); no figures from it yet
+(issue 32's speed targets are not measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CHAT = [
+    "What are three good habits for writing readable Python code?",
+    "Explain in a few sentences what a hash table is.",
+    "Give me a short plan for learning to cook at home.",
+    "Why is the sky blue? Answer briefly.",
+    "Write a haiku about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+]
+_CODE = [
+    "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n",
+    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n",
+    "class Counter:\n    def __init__(self):\n        self.n = 0\n\n    def inc(self):\n        self.n += 1\n"
+    "        return self.n\n",
+]
+EDIT = [f"{task}\n\n```python\n{code}```" for code in _CODE for task in (
+    "Add type hints to this code and return the whole code.",
+    "Add a docstring to every function in this code and return the whole code.")]
+POLICIES = ["none", "chain:4", "adaserve", "joint"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "smollm2_c1.json"))
+    args = ap.parse_args(argv)
+
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specserve.shared.model_store import resolve
+    from tests.gateway_procs import Up, gateway
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateways share it
+    model_dir = resolve("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sets = {name: [_ids(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+                   for p in prompts] for name, prompts in (("chat", CHAT), ("edit", EDIT))}
+
+    def hf_run(ids: list[int], **kw) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens, do_sample=False,
+                              pad_token_id=tok.eos_token_id, **kw)
+        return out[0, len(ids):].tolist()
+
+    profile = Path(args.out).with_suffix(".profile.json")
+    up = Up("--model", "smollm2-135m-instruct", "--draft-model", "ngram", "--policy", "none", "--threads", "1",
+            "--profile", str(profile), timeout_s=900)
+    gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in POLICIES[1:]}
+    urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
+    prompts_of = {"chat": CHAT, "edit": EDIT}
+    rounds = []
+    try:
+        clients = {p: openai.OpenAI(base_url=f"{u}/v1", api_key="unused", max_retries=0, timeout=600)
+                   for p, u in urls.items()}
+        for r in range(args.rounds):
+            row: dict = {}
+            for name, ids_list in sets.items():
+                ref = []
+                for mode in ["hf_generate", "hf_prompt_lookup", *POLICIES]:
+                    t0, outs, steps, n = time.perf_counter(), [], [], 0
+                    for i, ids in enumerate(ids_list):
+                        if mode.startswith("hf"):
+                            kw = {"prompt_lookup_num_tokens": args.lookup_tokens} if mode == "hf_prompt_lookup" else {}
+                            new = hf_run(ids, **kw)
+                            outs.append(tok.decode(new, skip_special_tokens=True))
+                            n += len(new)
+                        else:
+                            resp = clients[mode].chat.completions.create(
+                                model="smollm2-135m-instruct", temperature=0, max_tokens=args.max_tokens,
+                                messages=[{"role": "user", "content": prompts_of[name][i]}],
+                                service_tier="critical")
+                            outs.append(resp.choices[0].message.content)
+                            steps += resp.model_extra["specserve"]["steps"]
+                            n += resp.usage.completion_tokens
+                    wall = time.perf_counter() - t0
+                    if mode == "hf_generate":
+                        ref = outs
+                    same = outs == ref
+                    row[f"{name}/{mode}"] = {"tokens_per_s": n / wall, "identical": same,
+                                             "tokens_per_pass": (sum(1 + a for _, _, a in steps) / len(steps))
+                                             if steps else None}
+                    print(f"round {r + 1} {name:5s} {mode:17s} {n / wall:7.2f} tok/s"
+                          + (f"  {row[f'{name}/{mode}']['tokens_per_pass']:.2f} tok/pass" if steps else "")
+                          + ("" if same else "  OUTPUT DIFFERS"), flush=True)
+            rounds.append(row)
+    finally:
+        for g in gateways.values():
+            g.stop()
+        up.interrupt()
+    summary = {}
+    for key in rounds[0]:
+        tps = [rd[key]["tokens_per_s"] for rd in rounds]
+        ratio = [rd[key]["tokens_per_s"] / rd[key.split("/")[0] + "/hf_generate"]["tokens_per_s"] for rd in rounds]
+        passes = [rd[key]["tokens_per_pass"] for rd in rounds if rd[key]["tokens_per_pass"] is not None]
+        summary[key] = {"tokens_per_s": _med(tps), "vs_hf_generate": _med(ratio),
+                        "tokens_per_pass": _med(passes) if passes else None,
+                        "identical_every_round": all(rd[key]["identical"] for rd in rounds)}
+    out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": 1, "dtype": "float32",
+                    "lookup_tokens": args.lookup_tokens, "cpu_count": os.cpu_count()},
+           "rounds": rounds, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print("\n| set / mode | tokens/s (median, min-max) | vs hf_generate | tokens per pass | identical |")
+    print("|---|---|---|---|---|")
+    for key, s in summary.items():
+        tp = s["tokens_per_pass"]
+        print(f"| {key} | {s['tokens_per_s']['median']:.2f} ({s['tokens_per_s']['min']:.2f}-"
+              f"{s['tokens_per_s']['max']:.2f}) | {s['vs_hf_generate']['median']:.2f}x "
+              f"({s['vs_hf_generate']['min']:.2f}-{s['vs_hf_generate']['max']:.2f}) | "
+              f"{'' if tp is None else format(tp['median'], '.2f')} | {s['identical_every_round']} |")
+    return 0
+
+
+def _ids(out) -> list[int]:
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
+def _med(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
