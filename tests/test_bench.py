@@ -44,6 +44,7 @@ from specserve.bench.workload import (
     load_prompts,
     parse_mix,
 )
+from specserve.gateway.policy import DEFAULT_POLICY
 from specserve.gateway.profile import Profile
 from tests.gateway_procs import Up, gateway
 
@@ -521,7 +522,7 @@ def test_bench_summary(run12):
     assert s["output_tokens"] == 144
     assert s["duration_s"] >= max(r["sent_s"] + r["latency_ms"] / 1e3 for r in records) - min(
         r["sent_s"] for r in records) - 1e-9
-    assert s["label"] == "adaserve" and s["policy"]["name"] == "adaserve"
+    assert s["label"] == DEFAULT_POLICY and s["policy"]["name"] == DEFAULT_POLICY  # the server's, by default
     for cat, n in {"critical": 7, "search": 3, "chat": 2}.items():
         c = s["categories"][cat]
         mine = [r for r in records if r["category"] == cat]

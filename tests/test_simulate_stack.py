@@ -42,7 +42,7 @@ PRESET = "cpu-demo"
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--simulate", PRESET, "--profile", str(profile), "--", "--budget", "24")
+    server = Up("--simulate", PRESET, "--policy", "adaserve", "--profile", str(profile), "--", "--budget", "24")
     assert profile.is_file(), "the gateway did not profile the simulated target on first start"
     yield server
     server.interrupt()
