@@ -167,16 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sweep = merged([json.loads(Path(p).read_text()) for p in args.sweeps])
     r = ratios(sweep, args.policies.split(";") if args.policies else None, tuple(args.baselines.split(",")))
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
     print(markdown(r))
     if args.envelope:
         rows = envelope(sweep, args.envelope)
+        r = r | {"envelope": {"policy": args.envelope, "rows": rows}}
         print()
         print(envelope_markdown(args.envelope, rows))
-        if args.json:
-            Path(args.json).write_text(json.dumps(r | {"envelope": {"policy": args.envelope, "rows": rows}},
-                                                  indent=1) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
     return 0
 
 

@@ -7,9 +7,8 @@ acceptance MLE and the three-service step-time model, refitted online):
    its TPOT SLO, (tpot * (decoded + remaining) - elapsed) / remaining. At the predicted iteration
    time t it is
    - *lost* when not even a chain of K_max accepted whole every step could keep that pace: it
-     never drafts (its root still runs). Only the best case condemns a request: a version that
-     judged on the estimated acceptance rate wrote requests off that could still make it
-     (docs/benchmarks.md, "The default: joint");
+     never drafts (its root still runs). Only this best case condemns a request, never the
+     estimated acceptance rate (why: docs/benchmarks.md, "The default: joint");
    - *at risk* when its root alone cannot keep its pace (t > pace);
    - *slack* otherwise.
 2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
@@ -53,14 +52,11 @@ class Joint(TurboSpec):
     def value(self, batch: BatchView, model: LatencyModel, group: list[RequestView], k: int) -> float:
         """Predicted SLO goodput (tokens per ms) of this pass if the requests in `group` draft k-token chains."""
         c = self.control
-        ks = {r.rid: min(k, r.remaining - 1) for r in group}
-        drafting = [r for r in group if ks[r.rid] > 0]
-        t = c.model(batch.replica, model).step_ms(
-            max(ks.values(), default=0), len(drafting), 1,
-            len(batch.requests) + sum(ks.values()) + batch.prefill_tokens, sum(r.draft_lag for r in drafting))
+        ks, t = c.step_ms(batch, model, group, k)
+        chains = {r.rid: kr for r, kr in zip(group, ks, strict=True)}
         good = 0.0
         for r in batch.requests:
-            tokens = expected_tokens(c.acceptance.rate_of(r.rid), ks.get(r.rid, 0))
+            tokens = expected_tokens(c.acceptance.rate_of(r.rid), chains.get(r.rid, 0))
             if t <= pace_ms(r) * tokens:
                 good += tokens
         return good / t
@@ -69,12 +65,11 @@ class Joint(TurboSpec):
         """(k, the requests that draft k-token chains): the wider option unless the narrow one's
         predicted SLO goodput is higher."""
         c = self.control
-        n = len(batch.requests)
         t = model.t_spec_ms
-        late = n < c.thr  # load dropped: skipped requests with a short lag may start (catch-up priced)
+        ready, late = c.eligible(batch)
+        allowed = {r.rid for r in ready + late}
         states = {r.rid: self.state(r, t) for r in batch.requests}
-        may = [r for r in batch.requests if r.remaining > 1 and states[r.rid] != LOST
-               and (c.draft_ok.get(r.rid, True) or (late and r.draft_lag <= c.late_lag))]
+        may = [r for r in batch.requests if r.rid in allowed and r.remaining > 1 and states[r.rid] != LOST]
         current = c.current.get(batch.replica, 0)
         wide = {k: c.goodput(batch, model, may, k) for k in range(c.max_k + 1)} if may else {0: 0.0}
         k, spec = best_depth(wide, current, c.margin), may
@@ -84,12 +79,9 @@ class Joint(TurboSpec):
             k_narrow = best_depth(table, current, c.margin)
             if table[k_narrow] > self.value(batch, model, may, k) * (1.0 + c.margin):
                 k, spec = k_narrow, narrow
-        if k > 0:
-            for r in spec:
-                c.draft_ok[r.rid] = True  # a skipped request enabled late
-        elif may:  # drafting could run and does not pay at n: TurboSpec's draft-prefill skip
-            c.thr = min(c.thr, n)
-        c.current[batch.replica] = k
+        drafting = {r.rid for r in spec}
+        c.settle(batch, k, [r for r in late if r.rid in drafting], may)
         return k, spec if k > 0 else may  # at k = 0 nobody drafts; TurboSpec's probe picks among `may`
+
 
 __all__ = ["AT_RISK", "Joint", "LOST", "SLACK", "pace_ms"]

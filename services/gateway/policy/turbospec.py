@@ -83,34 +83,50 @@ class GoodputControl:
             m = self.models[replica] = StepTimeModel(latency)
         return m
 
+    def step_ms(self, batch: BatchView, latency: LatencyModel, spec: list[RequestView],
+                k: int) -> tuple[list[int], float]:
+        """The chain each request of `spec` drafts (k, or fewer where its output ends sooner) and the
+        predicted time of this replica's iteration with them, ms."""
+        ks = [min(k, r.remaining - 1) for r in spec]
+        lag = sum(r.draft_lag for r, kr in zip(spec, ks, strict=True) if kr > 0)
+        t = self.model(batch.replica, latency).step_ms(max(ks, default=0), sum(1 for kr in ks if kr > 0), 1,
+                                                       len(batch.requests) + sum(ks) + batch.prefill_tokens, lag)
+        return ks, t
+
     def goodput(self, batch: BatchView, latency: LatencyModel, spec: list[RequestView], k: int) -> float:
         """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains."""
-        sm = self.model(batch.replica, latency)
-        n = len(batch.requests)
-        ks = [min(k, r.remaining - 1) for r in spec]
+        ks, t = self.step_ms(batch, latency, spec, k)
         tokens = sum(expected_tokens(self.acceptance.rate_of(r.rid), kr) for r, kr in zip(spec, ks, strict=True))
-        tokens += n - len(spec)
-        speculating = sum(1 for kr in ks if kr > 0)
-        lag = sum(r.draft_lag for r, kr in zip(spec, ks, strict=True) if kr > 0)
-        t = sm.step_ms(max(ks, default=0), speculating, 1, n + sum(ks) + batch.prefill_tokens, lag)
+        tokens += len(batch.requests) - len(spec)
         return tokens / t
+
+    def eligible(self, batch: BatchView) -> tuple[list[RequestView], list[RequestView]]:
+        """(the requests that may draft, the skipped ones that may start late: load dropped below the
+        skip threshold and their catch-up is short; it is priced in the draft time)."""
+        ready = [r for r in batch.requests if self.draft_ok.get(r.rid, True)]
+        late = [r for r in batch.requests if not self.draft_ok.get(r.rid, True) and r.draft_lag <= self.late_lag] \
+            if len(batch.requests) < self.thr else []
+        return ready, late
+
+    def settle(self, batch: BatchView, k: int, late: list[RequestView], spec: list[RequestView]) -> None:
+        """Record this replica's choice: the late requests among the drafting ones are enabled (k > 0);
+        k = 0 while some request of `spec` could draft sets the draft-prefill skip threshold to n."""
+        if k > 0:
+            for r in late:
+                self.draft_ok[r.rid] = True
+        elif any(r.remaining > 1 for r in spec):  # drafting could run and does not pay at n
+            self.thr = min(self.thr, len(batch.requests))
+        self.current[batch.replica] = k
 
     def choose(self, batch: BatchView, latency: LatencyModel) -> tuple[int, list[RequestView]]:
         """(k for this replica, the requests that may speculate)."""
-        n = len(batch.requests)
-        spec = [r for r in batch.requests if self.draft_ok.get(r.rid, True)]
-        late = [r for r in batch.requests if not self.draft_ok.get(r.rid, True) and r.draft_lag <= self.late_lag] \
-            if n < self.thr else []  # load dropped: skipped requests with a short lag may start (catch-up priced)
+        spec, late = self.eligible(batch)
         table = {k: self.goodput(batch, latency, spec + late, k) for k in range(self.max_k + 1)} \
             if spec or late else {0: 0.0}
         k = best_depth(table, self.current.get(batch.replica, 0), self.margin)
         if k > 0 and late:
-            for r in late:
-                self.draft_ok[r.rid] = True
             spec = spec + late
-        if k == 0 and any(r.remaining > 1 for r in spec):  # drafting could run and does not pay at n
-            self.thr = min(self.thr, n)
-        self.current[batch.replica] = k
+        self.settle(batch, k, late, spec)
         return k, spec
 
     def probe(self, batch: BatchView, spec: list[RequestView], k: int) -> RequestView | None:
