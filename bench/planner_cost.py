@@ -2,7 +2,7 @@
 
 One replica with `running` decoding requests spread over the three default tiers, 4 requests still
 prefilling (forced nodes) and `new` waiting requests offered (the planner takes up to 8 per call);
-the roofline is the bundled pair's profile shape (5 ms + 0.1 ms per token; its numbers do not change
+the cost model is the bundled pair's profile shape (5 ms + 0.1 ms per token; its numbers do not change
 the work the DP does, only which requests fit). The median and min-max of `--repeats` calls per
 point, and the call's share of a reference iteration given by `--iteration-ms`, go to stdout and
 bench/results/planner_cost.json.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specserve.gateway.admission.slo import SloAdmission  # noqa: E402
-from specserve.gateway.latency import LatencyModel  # noqa: E402
+from specserve.gateway.cost import PassCost  # noqa: E402
 from specserve.gateway.plan import (  # noqa: E402
     DraftView,
     Limits,
@@ -39,7 +39,7 @@ MIX = [0, 0, 0, 1, 2]  # 60/20/20, AdaServe's mix
 
 
 def snapshot(running: int, new: int) -> SchedulerView:
-    lat = LatencyModel(64, 6.0, [(t, 5.0 + 0.1 * t) for t in (1, 8, 16, 64, 128, 256, 512)])
+    lat = PassCost(64, 6.0, [(t, 5.0 + 0.1 * t) for t in (1, 8, 16, 64, 128, 256, 512)])
     decoding = []
     for i in range(running):
         name, tpot, ttft = TIERS[MIX[i % len(MIX)]]

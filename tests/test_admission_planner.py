@@ -1,7 +1,7 @@
 """SLOs-Serve's planner pieces (specserve.gateway.admission) on hand-built cases: no processes.
 
-- the roofline: its fit reproduces a two-plane table, and time2bs is its inverse (also split at a
-  knee, where only the memory-bound plane prices small passes);
+- the cost model the planner reads (cost.py): it learns a two-plane table from a wrong start, its
+  margin is the median residual for decode passes and the p90 above, time2bs is its inverse;
 - PB*: Algorithm 2 (corrected) equals its closed form (digest §6) on random instances;
 - the DP equals brute force over every subset on small random instances (tiers, memory, forced nodes);
 - the admission stage: chunk budgets in deadline order that meet the deadlines, soft admission
@@ -22,9 +22,8 @@ import pytest
 from specserve.gateway.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
 from specserve.gateway.admission.budget_model import ReplicaBudget
 from specserve.gateway.admission.dp import Budget, Node, plan
-from specserve.gateway.admission.roofline import Plane, Roofline
-from specserve.gateway.admission.slo import SloAdmission, initial_roofline
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.admission.slo import SloAdmission
+from specserve.gateway.cost import PassCost, PassSample
 from specserve.gateway.plan import (
     DraftView,
     Limits,
@@ -39,68 +38,61 @@ from specserve.gateway.routing import make_router
 from specserve.gateway.scheduler import Scheduler
 
 
-# ---- the roofline ----------------------------------------------------------------------------------
+# ---- the cost model the planner reads (cost.py) ------------------------------------------------------
 def two_planes(tokens: float) -> float:
     """A classical roofline: flat to 111 tokens, then steep (the max of two planes everywhere)."""
     return max(0.01 * tokens + 10.0, 0.1 * tokens)
 
 
-def test_roofline_fit_reproduces_a_two_plane_table():
-    table = [(t, 0, two_planes(t)) for t in (1, 8, 16, 32, 64, 111, 128, 256, 512)]
-    fit = Roofline.fit(table, knee=111, margin=0.5)
-    for t, _, ms in table:
-        assert fit.time_ms(t) == pytest.approx(ms, rel=0.02)
+def sample(tokens: int, ms: float, kv: int = 0) -> PassSample:
+    """An iteration of `ms` whose target service took ms - 1 (0.5 ms round trip, 0.5 ms in the gateway)."""
+    return PassSample(tokens, service_ms=ms - 1.0, call_ms=ms - 0.5, total_ms=ms, schedule_ms=0.5, kv=kv)
 
 
-def test_roofline_refits_from_live_samples_split_at_its_own_knee():
-    live = Roofline((Plane(1.0, 0.0, 0.0),), knee=111, refit_every=64)  # a wrong start
+def linear_cost(k1: float, b: float, budget: int = 16) -> PassCost:
+    """A cost model that has timed nothing yet and prices an iteration at b + k1 * tokens exactly."""
+    return PassCost(budget, b + 8 * k1, [(1, b + k1), (64, b + 64 * k1)])
+
+
+def test_the_cost_model_learns_a_two_plane_table_from_a_wrong_start():
+    cost = PassCost(111, 1.0, [(1, 1.0), (64, 64.0)])  # the profile's guess: 1 ms per token, nothing fixed
     sizes = [1, 8, 16, 32, 64, 111, 128, 256, 512, 24, 48, 96, 200, 300, 400, 450]
-    for i in range(64):  # the last sample is a small pass: the split must not follow it
-        t = sizes[i % len(sizes)] if i < 63 else 8
-        live.observe(t, 0, two_planes(t))
-    assert live.knee == 111
-    for t in (1, 64, 111, 256, 512):
-        assert live.time_ms(t) == pytest.approx(two_planes(t), rel=0.02)
+    for _ in range(20):
+        for t in sizes:
+            cost.observe(sample(t, two_planes(t)))
+    for t in (1, 64, 111, 150, 256, 480):
+        assert cost.iteration_ms(t) == pytest.approx(two_planes(t), rel=0.02)
+    assert cost.error_summary()["iterations"] == 20 * len(sizes)
 
 
-def test_the_memory_bound_plane_takes_the_median_residual_the_compute_bound_one_the_p90():
-    # decode steps of 1-2 tokens at 16 + 0.5 per token, one in five slowed by 3 ms; prefill passes exact
+def test_the_planner_margin_is_the_median_residual_for_decode_passes_and_the_p90_above():
+    # decode steps of 1-2 tokens at 16 + 0.5 per token, one in five slowed by 3 ms; prefill passes +3 ms on one in five
     rng = random.Random(2)
-    steps = [(t, 0, 16.0 + 0.5 * t + (3.0 if i % 5 == 0 else 0.0)) for i, t in enumerate(rng.choice([1, 2])
-                                                                                       for _ in range(100))]
-    prefill = [(t, 0, 10.0 + 0.5 * t + (3.0 if t % 5 == 0 else 0.0)) for t in range(17, 257)]
-    fit = Roofline.fit(steps + prefill, knee=8)
-    assert fit.time_ms(1) < 17.5  # a TPOT is a mean over steps: the slow fifth is not the plan's step
-    assert fit.time_ms(256) >= 10.0 + 0.5 * 256 + 2.0  # a prefill pass keeps the p90's margin
+    cost = PassCost(8, 20.0, [(8, 20.0), (256, 138.0)])
+    for i in range(100):
+        t = rng.choice([1, 2])
+        cost.observe(sample(t, 16.0 + 0.5 * t + (3.0 if i % 5 == 0 else 0.0)))
+    for t in range(17, 257):
+        cost.observe(sample(t, 10.0 + 0.5 * t + (3.0 if t % 5 == 0 else 0.0)))
+    assert cost.planned_ms(1) < 17.5 + 1.0  # a TPOT is a mean over steps: the slow fifth is not the plan's step
+    assert cost.planned_ms(256) >= 10.0 + 0.5 * 256 + 2.0  # a prefill pass keeps the p90's margin
 
 
-def test_the_first_refit_comes_after_16_samples_then_every_64():
-    live = Roofline((Plane(1.0, 0.0, 0.0),), knee=8)  # the profile's guess
-    for i in range(16):
-        live.observe((1, 2, 64)[i % 3], 0, 20.0)
-    first = live.planes
-    assert first != (Plane(1.0, 0.0, 0.0),)
-    for i in range(63):
-        live.observe((1, 2, 64)[i % 3], 0, 30.0)
-    assert live.planes == first
-    live.observe(1, 0, 30.0)
-    assert live.planes != first
-
-
-def test_time2bs_is_the_inverse_of_the_roofline():
-    r = Roofline((Plane(0.02, 1.0, 8.0), Plane(0.25, 1.0, 0.0)))
-    for target in (9.0, 12.0, 20.0, 50.0, 200.0):
-        for steps in (0, 2):
-            n = r.time2bs(target, steps)
-            assert r.time_ms(n, steps) <= target + 1e-9
-            assert r.time_ms(n + 1, steps) > target
-    assert r.time2bs(5.0) < 0  # below the fixed cost nothing fits
-    # split at a knee: up to 8 tokens the flat plane alone; the steep one's line lies above it there
-    split = Roofline((Plane(0.0, 0.0, 18.0), Plane(0.5, 0.0, 28.0)), knee=8)
-    assert split.time_ms(8) == 18.0 and split.time_ms(9) == 32.5
-    for target in (17.0, 18.0, 25.0, 32.5, 40.0, 100.0):
-        n = split.time2bs(target)
-        assert n == max((t for t in range(1, 200) if split.time_ms(t) <= target), default=-1)
+def test_time2bs_is_the_inverse_of_the_planned_iteration():
+    cost = PassCost(8, 20.0, [(8, 20.0), (256, 138.0)])
+    rng = random.Random(4)
+    for _ in range(300):
+        t = rng.choice([1, 2, 3, 8, 24, 64, 128, 256])
+        cost.observe(sample(t, 12.0 + 0.45 * t + rng.uniform(0.0, 2.0), kv=rng.randint(4, 40)))
+    for target in (9.0, 14.0, 20.0, 50.0, 200.0, 400.0):
+        for kv in (0, 20, 60):
+            n = cost.time2bs(target, 0, kv)
+            if n == 0:
+                assert cost.planned_ms(1, 0, kv) > target
+            else:
+                assert cost.planned_ms(n, 0, kv) <= target < cost.planned_ms(n + 1, 0, kv)
+    assert cost.time2bs(5.0) == 0  # below the fixed cost nothing fits
+    assert linear_cost(0.1, 5.0).time2bs(10.0) == 50
 
 
 # ---- PB* -------------------------------------------------------------------------------------------
@@ -168,8 +160,8 @@ def test_dp_equals_brute_force(seed):
     tiers = [TierLoad(rng.choice([20.0, 40.0, 80.0])) for _ in range(ntiers)]
     if rng.random() < 0.4:  # the speculative form
         tiers = [TierLoad(t.tpot_ms, cost=rng.choice([1.0, 3.0, 5.0]), gain=rng.choice([1.0, 1.5, 2.5])) for t in tiers]
-    roof = Roofline((Plane(rng.choice([0.05, 0.1, 0.2]), 0.0, rng.choice([4.0, 8.0, 12.0])),))
-    budget = ReplicaBudget(roof, tiers, min(t.tpot_ms for t in tiers)).as_budget()
+    cost = linear_cost(rng.choice([0.05, 0.1, 0.2]), rng.choice([4.0, 8.0, 12.0]))
+    budget = ReplicaBudget(cost, tiers, min(t.tpot_ms for t in tiers)).as_budget()
     base = [rng.randint(0, 3) for _ in range(ntiers)]
     nodes = []
     t_forced = 0.0
@@ -194,8 +186,7 @@ def test_dp_equals_brute_force(seed):
 
 
 def test_dp_moves_a_missed_forced_deadline_and_still_plans():
-    roof = Roofline((Plane(0.1, 0.0, 5.0),))  # 10 ms batches hold 50 tokens
-    budget = ReplicaBudget(roof, [TierLoad(10.0)], 10.0).as_budget()
+    budget = ReplicaBudget(linear_cost(0.1, 5.0), [TierLoad(10.0)], 10.0).as_budget()
     late = Node("late", 0, 400, 20.0, 0, True)  # 400 tokens due in 20 ms: impossible
     fresh = Node("new", 0, 10, 5000.0, 1)
     res = plan([late, fresh], [0], 10, budget)
@@ -204,8 +195,7 @@ def test_dp_moves_a_missed_forced_deadline_and_still_plans():
 
 
 def test_dp_admits_by_deadline_under_a_tight_budget():
-    roof = Roofline((Plane(0.1, 0.0, 5.0),))  # 10 ms batches hold 50 tokens, no decoders yet
-    budget = ReplicaBudget(roof, [TierLoad(10.0)], 10.0).as_budget()
+    budget = ReplicaBudget(linear_cost(0.1, 5.0), [TierLoad(10.0)], 10.0).as_budget()
     # 100 ms give 10 batches = 500 tokens minus the decoders' tokens; two 300-token prompts due at 100 ms
     nodes = [Node("a", 0, 300, 100.0, 1), Node("b", 0, 300, 100.0, 1), Node("c", 0, 100, 1000.0, 1)]
     res = plan(nodes, [0], 10, budget)
@@ -213,9 +203,9 @@ def test_dp_admits_by_deadline_under_a_tight_budget():
 
 
 # ---- the admission stage -----------------------------------------------------------------------------
-def latency() -> LatencyModel:
+def latency() -> PassCost:
     # the profiled curve: 5 ms + 0.1 ms per token, so a 10 ms batch holds 50 tokens
-    return LatencyModel(16, 5.8, [(t, 5.0 + 0.1 * t) for t in (1, 8, 16, 64, 128)])
+    return PassCost(16, 5.8, [(t, 5.0 + 0.1 * t) for t in (1, 8, 16, 64, 128)])
 
 
 def rview(waiting, prefilling=(), decoding=(), n_replicas=1, total=1000):
@@ -290,9 +280,9 @@ CPU_CURVE = [(8, 26.993), (16, 34.29), (24, 40.992), (32, 41.679), (48, 50.657),
              (128, 95.313), (192, 125.673), (256, 161.398)]  # bench/results/sweep-full/profile.json
 
 
-def cpu_view(waiting, decoding=()):
-    lat = LatencyModel(8, CPU_BASELINE_MS, list(CPU_CURVE))
-    reps = [ReplicaView(0, True, 4096, sum(r.kv_blocks for r in decoding), len(decoding), lat)]
+def cpu_view(waiting, decoding=(), cost=None):
+    cost = cost or PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    reps = [ReplicaView(0, True, 4096, sum(r.kv_blocks for r in decoding), len(decoding), cost)]
     return SchedulerView(list(waiting), [], list(decoding), reps, DraftView(False, False), Limits(64, 256, 8, 8))
 
 
@@ -300,98 +290,86 @@ def critical(rid, prompt=60):
     return WaitingView(rid, prompt, 128, 12, "critical", CPU_BASELINE_MS, 1000.0, 0.0)
 
 
+def prompt_pass_ms(rng, t):
+    """A pass with a prompt chunk: the profile's curve plus the gateway's few ms."""
+    return float(np.interp(t, *zip(*CPU_CURVE, strict=True))) + rng.uniform(0.0, 3.0)
+
+
 def test_a_cpu_like_profile_admits_a_lone_critical_request_from_the_start():
-    # the curve's shortest point (8 tokens, 27.0 ms) is above the critical class's 18.6 ms: a roofline
+    # the curve's shortest point (8 tokens, 27.0 ms) is above the critical class's 18.6 ms: a model
     # through it refused every critical request, though live lone decode steps take 16-17 ms
-    roof = initial_roofline(cpu_view([]).replicas[0].latency)
-    assert roof.time2bs(CPU_BASELINE_MS) == 8  # the baseline is the decode pass at 8 tokens
-    assert roof.time_ms(256) >= 150.0  # large passes stay priced by the curve
-    p = SloAdmission().propose(cpu_view([critical("c")]), set(), None)
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    assert cost.time2bs(CPU_BASELINE_MS) == 8  # the baseline is the decode iteration at 8 tokens
+    assert cost.planned_ms(256) >= 140.0  # large passes stay priced by the curve's slope
+    p = SloAdmission().propose(cpu_view([critical("c")], cost=cost), set(), None)
     assert [a.rid for a in p.admit] == ["c"] and p.reject == {}
 
 
-def test_the_live_refit_keeps_room_for_a_lone_critical_decoder():
+def test_the_live_cost_keeps_room_for_a_lone_critical_decoder():
     rng = random.Random(5)
-    adm = SloAdmission()
-    roof = adm.roofline(0, cpu_view([]).replicas[0].latency)
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
     for i in range(16 + 64 * 3):  # iterations as the real replica timed them
-        if i % 4 == 3:  # a pass with a prompt chunk: the profile's curve plus the gateway's few ms
+        if i % 4 == 3:
             t = rng.choice([17, 24, 40, 64, 128, 256])
-            ms = float(np.interp(t, *zip(*CPU_CURVE, strict=True))) + rng.uniform(0.0, 3.0)
+            cost.observe(sample(t, prompt_pass_ms(rng, t)))
         else:  # one or two decoders: 16-17 ms, one step in ten slowed by the machine's other work
             t = rng.choice([1, 2])
-            ms = rng.uniform(16.0, 17.0) + (rng.uniform(2.5, 4.0) if rng.random() < 0.1 else 0.0)
-        roof.observe(t, 0, ms)
-    assert roof.time2bs(CPU_BASELINE_MS) >= 2  # a critical decoder and prompt tokens beside it
-    p = adm.propose(cpu_view([critical("c")]), set(), None)
+            cost.observe(sample(t, rng.uniform(16.0, 17.0) + (rng.uniform(2.5, 4.0) if rng.random() < 0.1 else 0.0)))
+    assert cost.time2bs(CPU_BASELINE_MS) >= 2  # a critical decoder and prompt tokens beside it
+    adm = SloAdmission()
+    p = adm.propose(cpu_view([critical("c")], cost=cost), set(), None)
     assert [a.rid for a in p.admit] == ["c"]
     search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0, 12)
-    p = adm.propose(cpu_view([critical("c2")], [search]), set(), None)  # arrives with one other running
+    p = adm.propose(cpu_view([critical("c2")], [search], cost=cost), set(), None)  # arrives with one other running
     assert [a.rid for a in p.admit] == ["c2"]
 
 
-def test_the_refit_prices_the_context_held_a_lone_short_request_fits_beside_a_long_one_not():
+def test_the_cost_prices_the_context_held_a_lone_short_request_fits_beside_a_long_one_not():
     # decode steps cost 11 ms + 1.5 per decoder + 0.08 per KV block held: short-prompt requests hold
     # 16 blocks, a 1,300-token search prompt 95 (the CPU replica: 11-18 ms against 21-24 ms a token)
     rng = random.Random(7)
-    adm = SloAdmission()
-    roof = adm.roofline(0, cpu_view([]).replicas[0].latency)
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
     for i in range(16 + 64 * 3):
         if i % 4 == 3:
             t = rng.choice([17, 24, 40, 64, 128, 256])
-            roof.observe(t, 0, float(np.interp(t, *zip(*CPU_CURVE, strict=True))) + rng.uniform(0.0, 3.0), 95)
+            cost.observe(sample(t, prompt_pass_ms(rng, t), 95))
         else:
             n, kv = rng.choice([(1, 16), (2, 32), (3, 48), (1, 95), (2, 111)])
-            roof.observe(n, 0, 11.0 + 1.5 * n + 0.08 * kv + rng.uniform(-0.5, 0.5), kv)
-    assert roof.planes[0].k3 == pytest.approx(0.08, abs=0.01)
-    p = adm.propose(cpu_view([critical("alone")]), set(), None)
+            cost.observe(sample(n, 11.0 + 1.5 * n + 0.08 * kv + rng.uniform(-0.5, 0.5), kv))
+    assert cost.kv_ms_per_block == pytest.approx(0.08, abs=0.02)
+    p = SloAdmission().propose(cpu_view([critical("alone")], cost=cost), set(), None)
     assert [a.rid for a in p.admit] == ["alone"]
     search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0, 95)
-    p = adm.propose(cpu_view([critical("beside")], [search]), set(), None)
+    p = SloAdmission().propose(cpu_view([critical("beside")], [search], cost=cost), set(), None)
     assert p.admit == [] and "beside" in p.reject  # 2 decoders at 111 blocks: 22.9 ms > 18.6
 
 
-def test_a_refit_through_two_kv_clusters_keeps_a_fixed_cost():
-    # what a stalled CI run refitted from: lone 1-token decode steps of a request holding 11 blocks and
-    # of one holding 12, and two prompt passes; least squares put 6 ms on each block held and nothing
-    # on the weights' read (b < 0, clamped to 0), so a pass with no context cost nothing
-    live = Roofline((Plane(0.0, 0.0, 20.0),), knee=24, first_refit=16)
+def test_the_context_term_stays_within_the_blocks_timed():
+    # what a stalled CI run once fitted: lone 1-token decode steps of a request holding 11 blocks and of
+    # one holding 12; a slope through the two put 6 ms on each block, so a pass with no context cost
+    # nothing and one beside a long prompt could not hold a token
+    cost = PassCost(24, 20.0)
     rng = random.Random(3)
     for i in range(16):
         kv = 11 if i < 8 else 12
-        live.observe(1, 0, (21.0 if kv == 11 else 25.0) + rng.uniform(-0.3, 0.3), kv)
-    live.observe(70, 0, 60.0, 11)
-    live.observe(40, 0, 45.0, 12)
-    low = live.planes[0]
-    assert low.b >= 15.0, low  # the fixed cost stays: the KV column was dropped, not the intercept
-    assert live.time2bs(30.0, 0, 11) >= 1 and live.time2bs(1.0, 0, 0) < 1
+        cost.observe(sample(1, (21.0 if kv == 11 else 25.0) + rng.uniform(-0.3, 0.3), kv))
+    cost.observe(sample(70, 60.0, 11))
+    cost.observe(sample(40, 45.0, 12))
+    assert cost.iteration_ms(1, kv=0) == pytest.approx(cost.iteration_ms(1, kv=11))  # not below the least seen
+    assert cost.iteration_ms(1, kv=135) == pytest.approx(cost.iteration_ms(1, kv=12))  # nor above the most
+    assert cost.time2bs(30.0, 0, 11) >= 1 and cost.time2bs(1.0, 0, 0) < 1
 
 
 def test_an_idle_replica_takes_a_waiting_best_effort_request_whatever_its_model_says():
+    wrong = PassCost(24, 1e5)  # prices every pass at 100 s
+    view = cpu_view([WaitingView("be", 70, 20, 11, "chat", 0.01, 5000.0, 0.0, True)], cost=wrong)
     adm = SloAdmission()
-    view = cpu_view([WaitingView("be", 70, 20, 11, "chat", 0.01, 5000.0, 0.0, True)])
-    adm.rooflines[0] = Roofline((Plane(0.0, 0.0, 0.0, 6.0), Plane(0.0, 0.0, 0.0, 10.9)), knee=24)  # the bad refit
     p = adm.propose(view, {"be"}, None)
     assert [a.rid for a in p.admit] == ["be"] and p.reject == {} and "be" in adm.best_effort
     busy = cpu_view([WaitingView("be", 70, 20, 11, "chat", 0.01, 5000.0, 0.0, True)],
-                    [RequestView("c", "critical", CPU_BASELINE_MS, 1000.0, 5, 90.0, 100, [], 0, 0, 12)])
-    adm2 = SloAdmission()
-    adm2.rooflines[0] = Roofline((Plane(0.0, 0.0, 0.0, 6.0), Plane(0.0, 0.0, 0.0, 10.9)), knee=24)
-    p = adm2.propose(busy, {"be"}, None)
+                    [RequestView("c", "critical", CPU_BASELINE_MS, 1000.0, 5, 90.0, 100, [], 0, 0, 12)], cost=wrong)
+    p = SloAdmission().propose(busy, {"be"}, None)
     assert p.admit == [] and "be" in p.defer  # a busy replica still asks its model
-
-
-def test_the_kv_term_is_not_carried_past_the_blocks_the_fit_saw():
-    rows = [(t, 0, 20.0 + 0.4 * t + 1.2 * kv + (t % 7) * 0.1, kv) for t in (16, 64, 128, 256) for kv in (8, 17, 28)]
-    fit = Roofline.fit(rows, knee=8)
-    high = fit.planes[-1]
-    assert high.k3 == pytest.approx(1.2, abs=0.05) and high.kv_seen == 28
-    assert fit.time_ms(128, 0, 135) == pytest.approx(fit.time_ms(128, 0, 28))
-    # a refit on the real replica put 1.17 ms on each block from passes holding at most 28; carried
-    # to a 1,704-token prompt's 135 blocks it priced a pass of one token at 158 ms
-    live = Roofline((Plane(1.4806, 0.0, 12.203, 0.02958, 28), Plane(0.47022, 0.0, 3.9071, 1.1734, 28)), knee=8)
-    assert live.planes[1].time_ms(64, 0, 135) == pytest.approx(0.47022 * 64 + 3.9071 + 1.1734 * 28)
-    assert live.time_ms(64, 0, 135) == live.time_ms(64, 0, 28)
 
 
 # ---- preemption order --------------------------------------------------------------------------------

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
+from specserve.gateway.cost import PassCost
 from specserve.gateway.discovery import Resolver, TargetDiscovery, read_hosts, split_address
-from specserve.gateway.latency import LatencyModel
 from specserve.gateway.pool import ServicePool, TargetReplica
 
 
-def latency() -> LatencyModel:
-    return LatencyModel(24, 10.0, [])
+def latency() -> PassCost:
+    return PassCost(24, 10.0, [])
 
 
 def test_hosts_file_lists_every_address_of_a_name(tmp_path):

@@ -13,8 +13,8 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specserve.gateway.cost import PassCost
 from specserve.gateway.engine import Engine, EngineLimits
-from specserve.gateway.latency import LatencyModel
 from specserve.gateway.metrics import GatewayMetrics
 from specserve.gateway.plan import Decision, Residency, SchedulerView, Shape
 from specserve.gateway.policy.fixed import Chain
@@ -80,7 +80,7 @@ async def serve(policy: Steered, services, prompts, stops, *, sync: bool, overla
                 draft_misses: bool = False, abort: int | None = None, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """abort: the index of a request to abort once its first tokens arrive (its output is cut there)."""
     target, draft = services
-    pool = ServicePool([TargetReplica(0, target.address, LatencyModel(16, 10.0))], DraftService(draft.address))
+    pool = ServicePool([TargetReplica(0, target.address, PassCost(16, 10.0))], DraftService(draft.address))
     engine = Engine(policy, Scheduler(policy, RoundRobin(), sync_draft=sync), pool, GatewayMetrics("t"),
                     EngineLimits(), overlap=overlap, draft_misses=draft_misses)
     await engine.start()

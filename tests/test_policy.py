@@ -1,4 +1,4 @@
-"""Speculation policies (specserve.gateway.policy) and the LatencyModel they read.
+"""Speculation policies (specserve.gateway.policy) and the PassCost they read.
 
 References: the AdaServe digest (shared/papers/adaserve.md): eq. 8-9 (§3.4), Algorithm 2 with its
 errata (§3.3, §3.5), the Figure 2 example, and the pitfalls of §8. The budget B counts roots and is
@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.policy import (
     NAMES,
     BatchView,
@@ -28,14 +28,14 @@ from specserve.gateway.policy import (
 from specserve.gateway.policy.adaserve import AdaServe, EqualGreedy, GlobalGreedy
 from specserve.gateway.policy.fixed import Chain, ExpansionTree
 
-T_SPEC = 10.0  # every test's LatencyModel predicts a 10 ms iteration (seeded from the baseline)
+T_SPEC = 10.0  # every test's PassCost predicts a 10 ms iteration (seeded from the baseline)
 
 
 # ---------------------------------------------------------------- helpers
 
 
-def model(budget: int, t_spec: float = T_SPEC) -> LatencyModel:
-    m = LatencyModel(budget_tokens=budget, baseline_iteration_ms=t_spec)
+def model(budget: int, t_spec: float = T_SPEC) -> PassCost:
+    m = PassCost(budget_tokens=budget, baseline_iteration_ms=t_spec)
     assert m.t_spec_ms == t_spec
     return m
 
@@ -93,7 +93,7 @@ def ref_global(trees: dict[str, CandidateTree], chosen: dict[str, set[int]], bud
         chosen[best[1]].add(best[2])
 
 
-def ref_adaserve(batch: BatchView, trees: dict[str, CandidateTree], m: LatencyModel, n_max: int) -> dict:
+def ref_adaserve(batch: BatchView, trees: dict[str, CandidateTree], m: PassCost, n_max: int) -> dict:
     """Algorithm 2 (errata applied), written out without heaps."""
     chosen = {rid: {0} for rid in trees}
     left = batch.tree_budget(m) - len(trees)
@@ -667,40 +667,3 @@ def test_none_policy():
     assert pol.describe() == {"name": "none"}
 
 
-# ---------------------------------------------------------------- LatencyModel
-
-
-def test_predict_target_ms():
-    m = LatencyModel(budget_tokens=64, baseline_iteration_ms=9.0, curve=[(1, 10.0), (64, 20.0), (256, 40.0)])
-    assert m.predict_target_ms(0) == 10.0  # flat below the curve
-    assert m.predict_target_ms(1) == 10.0
-    assert m.predict_target_ms(32) == pytest.approx(10.0 + 10.0 * 31 / 63)
-    assert m.predict_target_ms(64) == pytest.approx(20.0)
-    assert m.predict_target_ms(160) == pytest.approx(30.0)
-    assert m.predict_target_ms(256) == pytest.approx(40.0)
-    assert m.predict_target_ms(448) == pytest.approx(60.0)  # extrapolates the last segment
-    assert LatencyModel(8, 9.0).predict_target_ms(100) == 9.0  # no curve: the baseline
-    one = LatencyModel(8, 9.0, curve=[(16, 12.0)])
-    assert one.predict_target_ms(1) == 12.0 and one.predict_target_ms(100) == 12.0
-
-
-def test_latency_observe_smoothing():
-    m = LatencyModel(budget_tokens=64, baseline_iteration_ms=10.0, smoothing=0.25)
-    assert m.t_spec_ms == 10.0 and m.draft_ms == 0.0 and m.target_ms == 0.0
-    m.observe(30.0, 0.0, 16.0)  # 10 + 0.25 * 20
-    assert m.t_spec_ms == pytest.approx(15.0)
-    assert m.target_ms == 16.0  # the first observation is taken as is
-    assert m.draft_ms == 0.0  # no speculation: unchanged
-    m.observe(7.0, 8.0, 24.0)
-    assert m.t_spec_ms == pytest.approx(15.0 + 0.25 * (7.0 - 15.0))
-    assert m.target_ms == pytest.approx(18.0)
-    assert m.draft_ms == 8.0
-    m.observe(13.0, 12.0, 18.0)
-    assert m.t_spec_ms == pytest.approx(13.0)
-    assert m.draft_ms == pytest.approx(9.0)
-    m.observe(13.0, 0.0, 18.0)
-    assert m.draft_ms == pytest.approx(9.0)
-    assert LatencyModel(64, 10.0, t_spec_ms=4.0).t_spec_ms == 4.0  # an explicit seed is kept
-    d = LatencyModel(64, 10.0)
-    d.observe(20.0, 0.0, 20.0)
-    assert d.t_spec_ms == pytest.approx(12.0)  # default smoothing 0.2

@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import OnlineLinear, PassCost
 from specserve.gateway.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
-from specserve.gateway.policy.goodput import Acceptance, OnlineLinear, StepTimeModel, best_depth, expected_tokens
+from specserve.gateway.policy.goodput import Acceptance, best_depth, expected_tokens
 from specserve.gateway.policy.joint import AT_RISK, LOST, SLACK, Joint, pace_ms
 from specserve.gateway.policy.slo_goodput import SloGoodput, hopeless
 from specserve.gateway.policy.tetris import Tetris, tetris_select
@@ -27,8 +27,8 @@ from specserve.gateway.record import DraftStep, IterationRecord, ReplicaStep, Re
 CURVE = [(8, 10.0), (16, 14.0), (32, 22.0)]
 
 
-def latency(budget: int = 32, baseline: float = 10.0, curve=CURVE) -> LatencyModel:
-    return LatencyModel(budget_tokens=budget, baseline_iteration_ms=baseline, curve=list(curve))
+def latency(budget: int = 32, baseline: float = 10.0, curve=CURVE) -> PassCost:
+    return PassCost(budget_tokens=budget, baseline_iteration_ms=baseline, curve=list(curve))
 
 
 def req(rid: str, *, tpot: float = 50.0, decoded: int = 10, elapsed: float = 100.0, remaining: int = 100,
@@ -123,27 +123,27 @@ def test_expected_tokens_formula():
 
 
 def test_goodput_hand_computed():
-    sm = StepTimeModel(latency(baseline=10.0))
-    # target line from the curve: 6 + 0.5 t; draft prior: 0.5 + 1.5 d + (1.5 / 16) d n w + 0.05 lag
+    sm = latency(baseline=10.0)
+    # nothing timed yet: the baseline at 8 tokens, the curve's slope 0.5 around it (the line 6 + 0.5 t);
+    # draft prior: 0.5 + 1.5 d + (1.5 / 16) d n w + 0.05 lag
     assert sm.target_ms(6) == pytest.approx(9.0)
     assert sm.draft_ms(2, 2, 1, 0) == pytest.approx(0.5 + 3.0 + 0.375)
     sm.r_t, sm.r_d, sm.gateway = 1.0, 0.5, 2.0
     # k = 0 over 2 requests: 1 + (6 + 0.5 * 2) + 2 = 10 ms, no draft call
-    assert sm.step_ms(0, 2, 1, 2) == pytest.approx(10.0)
+    assert sm.iteration_ms(2, 0, 2) == pytest.approx(10.0)
     # k = 2: target 6 + 0.5 * 6 = 9, draft 3.875 + R_d 0.5 -> 1 + 9 + 2 + 4.375 = 16.375 ms
-    assert sm.step_ms(2, 2, 1, 6) == pytest.approx(16.375)
+    assert sm.iteration_ms(6, 2, 2, 1) == pytest.approx(16.375)
     p = TurboSpec()
-    p.control.models[0] = sm
     b = BatchView([req("a"), req("b")])
     spec = b.requests
     # a = 0.6 (the prior): G(0) = 2 / 10; G(2) = 2 * 1.96 / 16.375
-    assert p.control.goodput(b, latency(), spec, 0) == pytest.approx(0.2)
-    assert p.control.goodput(b, latency(), spec, 2) == pytest.approx(3.92 / 16.375)
+    assert p.control.goodput(b, sm, spec, 0) == pytest.approx(0.2)
+    assert p.control.goodput(b, sm, spec, 2) == pytest.approx(3.92 / 16.375)
     # prefill tokens in the same pass count in the target's tokens: k = 0 -> 1 + (6 + 0.5 * 12) + 2
-    assert p.control.goodput(BatchView(spec, prefill_tokens=10), latency(), spec, 0) == pytest.approx(2 / 15)
+    assert p.control.goodput(BatchView(spec, prefill_tokens=10), sm, spec, 0) == pytest.approx(2 / 15)
     # a draft lag is caught up in the call: +0.05 ms per token
     lagged = [req("a", lag=20), req("b")]
-    assert p.control.goodput(BatchView(lagged), latency(), lagged, 2) == pytest.approx(3.92 / 17.375)
+    assert p.control.goodput(BatchView(lagged), sm, lagged, 2) == pytest.approx(3.92 / 17.375)
 
 
 def test_best_depth_keeps_current_within_margin():
@@ -233,10 +233,12 @@ def test_turbospec_learns_the_draft_cost_online_and_switches_off():
         trees = {rid: chain([0.5] * s.depth) for rid, s in shapes.items()}
         p.select(b, trees, lat)
         acc = [RequestStep(rid, 0, depth=k, verified=k + 1, accepted=0, emitted=1) for rid in shapes]
-        p.observe(iteration(step, nodes=2 * (k + 1), target_ms=10.0, spec=2 if k else 0,
-                            draft_ms=40.0 * k + 1, steps=acc))
+        record = iteration(step, nodes=2 * (k + 1), target_ms=10.0, spec=2 if k else 0, draft_ms=40.0 * k + 1,
+                           steps=acc)
+        lat.observe_record(record, 0)  # as the engine feeds the replica's cost model
+        p.observe(record)
     assert p.shapes(b, lat)["a"].depth == 0
-    assert p.control.models[0].draft_ms(2, 2, 1, 0) > 40.0  # the draft fit learned the real cost
+    assert lat.draft_ms(2, 2, 1, 0) > 40.0  # the draft fit learned the real cost
     assert p.control.acceptance.rate_of("b") < p.control.acceptance.prior  # every step rejected at once
 
 
@@ -346,7 +348,7 @@ def test_joint_drafts_for_the_at_risk_where_turbospec_would_not_draft_at_all():
     """8 requests with slack and 3 at risk (pace 12.1 ms): plain passes take 13.5 ms, so the three
     miss without drafts; chains for all eleven make the pass too long for them, and do not pay in
     tokens per ms either (TurboSpec: off). Chains for the three alone keep their pace."""
-    lat = latency(curve=TIGHT_CURVE)
+    lat = latency(baseline=12.0, curve=TIGHT_CURVE)
     lat.t_spec_ms = 13.5
     fine = [req(f"f{i}", tpot=1000.0) for i in range(8)]
     urgent = [req(f"u{i}", tpot=12.0, decoded=20, elapsed=230.0) for i in range(3)]
@@ -491,13 +493,13 @@ def test_turbospec_probe_takes_the_least_draft_lag():
 
 
 def test_target_time_is_measured_per_token_count_and_interpolated():
-    sm = StepTimeModel(latency())  # line 6 + 0.5 t
+    sm = latency()  # line 6 + 0.5 t
     for _ in range(3):
-        sm.observe(iteration(1, nodes=1, target_ms=14.0), 0, 0, 1, 0)
-        sm.observe(iteration(2, nodes=5, target_ms=30.0), 0, 0, 1, 0)
+        sm.observe_record(iteration(1, nodes=1, target_ms=14.0), 0)
+        sm.observe_record(iteration(2, nodes=5, target_ms=30.0), 0)
     assert sm.target_ms(1) == pytest.approx(14.0)  # measured, although the line says 6.5
     assert sm.target_ms(3) == pytest.approx(22.0)  # between 1 and 5
-    line = sm.target.predict
+    line = sm.line.predict
     assert sm.target_ms(9) == pytest.approx(30.0 + line([1.0, 9.0]) - line([1.0, 5.0]))  # the line, through 5
 
 

@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
+from specserve.gateway.cost import PassCost
 from specserve.gateway.executor import Executor
-from specserve.gateway.latency import LatencyModel
 from specserve.gateway.pool import ServicePool, TargetReplica
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_client import PrefillItem, TargetClient
@@ -185,8 +185,8 @@ def test_executor_tells_remote_errors_from_dead_services_and_deadlines():
     target = ServiceProcess("target", threads=1)
     try:
         async def run():
-            replica = TargetReplica(0, target.address, LatencyModel(8, 10.0))
-            dead = TargetReplica(1, f"127.0.0.1:{free_port()}", LatencyModel(8, 10.0))
+            replica = TargetReplica(0, target.address, PassCost(8, 10.0))
+            dead = TargetReplica(1, f"127.0.0.1:{free_port()}", PassCost(8, 10.0))
             pool = ServicePool([replica, dead], None)
             await replica.connect()
             executor = Executor(pool, call_timeout_s=30)

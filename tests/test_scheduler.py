@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.plan import (
     Admit,
     Decision,
@@ -32,7 +32,7 @@ from specserve.gateway.scheduler import Scheduler
 
 def replica(i: int, *, up: bool = True, total: int = 100, reserved: int = 0, running: int = 0,
             budget: int = 16) -> ReplicaView:
-    return ReplicaView(i, up, total, reserved, running, LatencyModel(budget, 10.0))
+    return ReplicaView(i, up, total, reserved, running, PassCost(budget, 10.0))
 
 
 def waiting(rid: str, *, prompt: int = 10, blocks: int = 10) -> WaitingView:

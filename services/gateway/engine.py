@@ -97,7 +97,7 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.pool.connect_all()
-        self.metrics.set_budget(self.pool.targets[0].latency.budget_tokens)
+        self.metrics.set_budget(self.pool.targets[0].cost.budget_tokens)
         self._task = asyncio.create_task(self._loop(), name="engine")
 
     async def close(self) -> None:
@@ -381,6 +381,7 @@ class Engine:
             return trees
         result = await self.executor.speculate(items)
         record.draft.requests, record.draft.call_ms = len(items), result.ms
+        record.draft.lag = sum(len(item.new_tokens) for item in items)
         if result.value is None:
             self._draft_failed(result.failure, [r for r in decoding if plan.shapes[r.rid].depth > 0], record)
             return trees
@@ -492,7 +493,7 @@ class Engine:
                     continue
                 group = {r.rid: trees.get(r.rid) or CandidateTree.root_only(decoding_of[r.rid].output[-1])
                          for r in batch.requests if r.rid in decoding_of}
-                model = self.pool.targets[batch.replica].latency
+                model = self.pool.targets[batch.replica].cost
                 selected.update(self.policy.select(batch, group, model))
         by_replica: dict[int, TargetPass] = {}
 
@@ -654,7 +655,7 @@ class Engine:
             return
         self.metrics.on_iteration(record)
         for replica in self.pool.targets:
-            replica.latency.observe_record(record, replica.index)
+            replica.cost.observe_record(record, replica.index, replica.reserved_blocks)
         self.policy.observe(record)
         if self.scheduler.admission is not None:
             self.scheduler.admission.observe(record)

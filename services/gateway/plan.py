@@ -4,7 +4,7 @@ These are plain data, shared by the scheduler (scheduler.py), the policies (poli
 engine. Nothing here does I/O or reads a clock: every time is carried in the snapshot.
 
 - `SchedulerView`: the snapshot. Waiting requests, running requests (still prefilling or decoding),
-  the target replicas (up, KV ledger, latency model), the draft's state, the limits, and the
+  the target replicas (up, KV ledger, cost model), the draft's state, the limits, and the
   scheduler's own FIFO `Proposal` for admission and prefill chunks.
 - `Decision`: what a policy answers through its one decision hook, `Policy.decide(view)`.
 - `IterationPlan`: the decision after the scheduler enforced the hard limits; every deviation from
@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 
 
 class Residency(enum.Enum):
@@ -95,7 +95,7 @@ class ReplicaView:
     total_blocks: int  # its KV pool, blocks
     reserved_blocks: int  # blocks reserved by the requests bound to it
     running: int  # requests bound to it
-    latency: LatencyModel  # its budget B, profiled curve and live estimates
+    cost: PassCost  # its budget B, profiled curve and live estimates
 
     @property
     def free_blocks(self) -> int:
@@ -174,7 +174,7 @@ class BatchView:
     draft_available: bool = True  # False while the draft is down or offloaded (shapes are then ignored)
     replica: int = 0
 
-    def tree_budget(self, model: LatencyModel) -> int:
+    def tree_budget(self, model: PassCost) -> int:
         """The budget left for trees, roots included: B minus the co-scheduled prefill tokens,
         never below one root per request."""
         return max(len(self.requests), model.budget_tokens - self.prefill_tokens)

@@ -2,7 +2,7 @@
 health, reconnect and the releases it is owed.
 
 - `TargetReplica`: one target service. Its client, its KV ledger (pool size, blocks reserved by the
-  requests bound to it, blocks free after its last call), its own `LatencyModel`, the requests
+  requests bound to it, blocks free after its last call), its own `PassCost`, the requests
   bound to it for their whole life, and the releases it is owed.
 - `DraftService`: the one draft service that serves every replica (request ids are unique across
   replicas). Its client, whether its weights are offloaded, and the releases it is owed.
@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Callable
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.plan import DraftView, ReplicaView
 from specserve.shared.service_client import DraftClient, TargetClient
 
@@ -84,10 +84,10 @@ class _Service:
 
 
 class TargetReplica(_Service):
-    def __init__(self, index: int, address: str, latency: LatencyModel):
+    def __init__(self, index: int, address: str, cost: PassCost):
         super().__init__(address)
         self.index = index
-        self.latency = latency
+        self.cost = cost
         self.client: TargetClient | None = None
         self.total_blocks = 0  # its KV pool, blocks
         self.block_size = 16  # tokens per block
@@ -125,7 +125,7 @@ class TargetReplica(_Service):
 
     def view(self) -> ReplicaView:
         return ReplicaView(self.index, self.up and not self.retired, self.total_blocks, self.reserved_blocks,
-                           len(self.requests), self.latency)
+                           len(self.requests), self.cost)
 
 
 class DraftService(_Service):
@@ -164,10 +164,10 @@ class ServicePool:
     """The target replicas and the draft, and their reconnects."""
 
     def __init__(self, targets: list[TargetReplica], draft: DraftService | None,
-                 new_latency: Callable[[], LatencyModel] | None = None):
+                 new_cost: Callable[[], PassCost] | None = None):
         self.targets = targets
         self.draft = draft  # None when the policy never speculates
-        self.new_latency = new_latency  # a new replica's latency model (needed for set_addresses)
+        self.new_cost = new_cost  # a new replica's cost model (needed for set_addresses)
         self._pending: list[str] | None = None  # an address set from discovery, applied in reconnect
 
     def set_addresses(self, addresses: list[str]) -> None:
@@ -184,8 +184,8 @@ class ServicePool:
         for address in addresses:
             t = by_address.get(address)
             if t is None:
-                assert self.new_latency is not None, "a pool that is given addresses needs new_latency"
-                self.targets.append(TargetReplica(len(self.targets), address, self.new_latency()))
+                assert self.new_cost is not None, "a pool that is given addresses needs new_cost"
+                self.targets.append(TargetReplica(len(self.targets), address, self.new_cost()))
                 log.info("target replica %d added at %s", len(self.targets) - 1, address)
             elif t.retired:
                 t.retired = False

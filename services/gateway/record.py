@@ -44,6 +44,7 @@ class ReplicaStep:
 @dataclass(slots=True)
 class DraftStep:
     requests: int = 0  # entries with d > 0 in the Speculate call
+    lag: int = 0  # committed tokens those entries carried for the draft to catch up
     call_ms: float = 0.0  # the Speculate call as the gateway saw it (on the critical path)
     service_ms: float = 0.0  # inside the draft service (the reply's total_ms)
     catchup_ms: float = 0.0  # appending committed tokens to the draft KV, inside the service

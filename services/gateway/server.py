@@ -26,10 +26,10 @@ from specserve.gateway import spans
 from specserve.gateway.admission.slo import SloAdmission
 from specserve.gateway.api import Generation, ModelInfo, allows_best_effort, build_request, resolve_slo
 from specserve.gateway.config import GatewayConfig
+from specserve.gateway.cost import PassCost
 from specserve.gateway.discovery import Resolver, TargetDiscovery
 from specserve.gateway.discovery import stop as stop_discovery
 from specserve.gateway.engine import Engine, EngineLimits, ServiceUnavailable
-from specserve.gateway.latency import LatencyModel
 from specserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specserve.gateway.metrics import GatewayMetrics
 from specserve.gateway.policy import Policy, make_policy, option_classes
@@ -135,11 +135,13 @@ class Gateway:
             "root": self.config.model, "max_model_len": self.info.max_model_len}]})
 
     async def slo_classes(self, _request: web.Request) -> web.Response:
-        lat = self.engine.pool.targets[0].latency
+        targets = self.engine.pool.targets
+        cost = targets[0].cost
         return web.json_response({
             "classes": {n: {"tpot_ms": c.tpot_ms, "ttft_ms": c.ttft_ms} for n, c in self.classes.items()},
-            "budget_tokens": lat.budget_tokens, "baseline_iteration_ms": lat.baseline_iteration_ms,
-            "policy": self.engine.policy.describe(), "profile": str(self.profile_path)})
+            "budget_tokens": cost.budget_tokens, "baseline_iteration_ms": cost.baseline_iteration_ms,
+            "policy": self.engine.policy.describe(), "profile": str(self.profile_path),
+            "cost_error": {str(t.index): t.cost.error_summary() for t in targets}})
 
     async def health(self, _request: web.Request) -> web.Response:
         e = self.engine
@@ -240,8 +242,8 @@ def framed(encode: Callable[[str], bytes]) -> Callable[[str], bytes]:
 
 
 # ---- process -------------------------------------------------------------------------------------
-async def load_latency(config: GatewayConfig, vocab_size: int,
-                       target: str) -> tuple[Callable[[], LatencyModel], Path]:
+async def load_cost(config: GatewayConfig, vocab_size: int,
+                       target: str) -> tuple[Callable[[], PassCost], Path]:
     """The profile (budget B, baseline latency, curve); measured against the target now if missing."""
     from specserve.gateway import profile as profiling
     from specserve.shared.service_client import TargetClient
@@ -262,7 +264,7 @@ async def load_latency(config: GatewayConfig, vocab_size: int,
         print(f"profile saved to {path}: B = {prof.budget_tokens} tokens, baseline iteration "
               f"{prof.baseline_iteration_ms:.2f} ms", file=sys.stderr, flush=True)
     budget = config.budget if config.budget else prof.budget_tokens
-    return (lambda: LatencyModel(budget, prof.baseline_iteration_ms, list(prof.curve))), path
+    return (lambda: PassCost(budget, prof.baseline_iteration_ms, list(prof.curve))), path
 
 
 def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInfo]:
@@ -291,15 +293,15 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
         if not found:
             raise ConnectionError(f"the target names {config.target} resolve to no address")
         addresses = found
-    new_latency, profile_path = await load_latency(config, info.vocab_size, addresses[0])
-    latency = new_latency()
-    classes = default_classes(latency.baseline_iteration_ms)
+    new_cost, profile_path = await load_cost(config, info.vocab_size, addresses[0])
+    cost = new_cost()
+    classes = default_classes(cost.baseline_iteration_ms)
     for spec in config.slo_classes:
         cls = parse_class(spec)
         classes[cls.name] = cls
-    targets = [TargetReplica(i, address, new_latency()) for i, address in enumerate(addresses)]
+    targets = [TargetReplica(i, address, new_cost()) for i, address in enumerate(addresses)]
     draft = DraftService(await resolver.first(config.draft)) if policy.uses_draft else None
-    pool = ServicePool(targets, draft, new_latency)
+    pool = ServicePool(targets, draft, new_cost)
     admission = SloAdmission(route_all=config.router == "slo") if config.admission == "slo" else None
     scheduler = Scheduler(policy, make_router(config.router), sync_draft=config.draft_sync == "eager",
                           admission=admission)
@@ -327,8 +329,8 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     print(f"ready gateway http://{config.host}:{port}", flush=True)
-    log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, latency.budget_tokens,
-             latency.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
+    log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, cost.budget_tokens,
+             cost.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

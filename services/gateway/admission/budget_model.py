@@ -1,4 +1,4 @@
-"""One replica's PB* for the DP: the roofline, the tiers' measured cost and gain, memoised per call.
+"""One replica's PB* for the DP: its cost model's time2bs, the tiers' measured cost and gain, memoised per call.
 
 Our engine puts every decoding request in every target pass (continuous batching), so in the
 digest's terms every decoder is due in every batch, whatever its TPOT: a looser tier does not free
@@ -14,13 +14,13 @@ from collections.abc import Sequence
 
 from specserve.gateway.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
 from specserve.gateway.admission.dp import Budget
-from specserve.gateway.admission.roofline import Roofline
+from specserve.gateway.cost import PassCost
 
 
 class ReplicaBudget:
-    def __init__(self, roofline: Roofline, tiers: Sequence[TierLoad], idle_ms: float, spec_steps: int = 0,
+    def __init__(self, cost: PassCost, tiers: Sequence[TierLoad], idle_ms: float, spec_steps: int = 0,
                  kv_blocks: int = 0):
-        self.roofline = roofline
+        self.cost = cost
         self.kv_blocks = kv_blocks  # KV blocks the replica's requests will hold: the context its passes attend to
         self.tiers = list(tiers)
         self.idle_ms = idle_ms  # batch length when nothing decodes: the tightest TPOT offered
@@ -31,12 +31,12 @@ class ReplicaBudget:
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
         """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
-        return ReplicaBudget(self.roofline, self.tiers, self.idle_ms, self.spec_steps, kv_blocks)
+        return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks)
 
     def cap(self, length_ms: float) -> int:
         c = self._caps.get(length_ms)
         if c is None:
-            c = self._caps[length_ms] = self.roofline.time2bs(length_ms, self.spec_steps, self.kv_blocks)
+            c = self._caps[length_ms] = self.cost.time2bs(length_ms, self.spec_steps, self.kv_blocks)
         return c
 
     def shape(self, decoders: tuple[int, ...]) -> BatchShape:

@@ -19,8 +19,8 @@ every batch but never sets the batch length.
 Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
 theirs, and the rest goes to prompts in prefill-deadline order.
 
-The per-replica roofline starts from the profile (its baseline for passes of up to B tokens, its
-curve above; `initial_roofline`) and is refitted from the iteration records; each tier's cost
+Batch lengths come from each replica's `PassCost` (cost.py: the gateway's one cost model, the same
+the speculation policy prices its choices with, fed by the engine); each tier's cost
 (nodes per pass) and gain (tokens per pass) are moving averages of what the speculation policy in use
 really did. No I/O, no clock.
 """
@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from specserve.gateway.admission.budget import TierLoad
 from specserve.gateway.admission.budget_model import ReplicaBudget
 from specserve.gateway.admission.dp import Node, plan
-from specserve.gateway.admission.roofline import Plane, Roofline
-from specserve.gateway.latency import LatencyModel
 from specserve.gateway.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
 from specserve.gateway.record import IterationRecord
 
@@ -68,21 +66,12 @@ class SloAdmission:
         self.max_new = max_new  # new requests offered per iteration (the DP's complexity budget, digest)
         self.memory_buckets = memory_buckets
         self.smoothing = smoothing
-        self.rooflines: dict[int, Roofline] = {}
         self.stats: dict[float, TierStats] = {}  # by TPOT, ms
         self.tier_of: dict[str, float] = {}  # rid -> its TPOT, ms (for observe)
         self.best_effort: set[str] = set()  # rids admitted in the best-effort tier
         self.spec_steps = 0.0  # moving average of the deepest beam per iteration
         self.last = AdmissionCounts()
-        self.kv_held: dict[int, int] = {}  # per replica: KV blocks its requests hold in the planned iteration
         self._next = 0  # rotating first replica (SLO-aware routing)
-
-    # ---- the per-replica model -----------------------------------------------------------------
-    def roofline(self, index: int, latency: LatencyModel) -> Roofline:
-        r = self.rooflines.get(index)
-        if r is None:
-            r = self.rooflines[index] = initial_roofline(latency)
-        return r
 
     def observe(self, record: IterationRecord) -> None:
         a = self.smoothing
@@ -96,10 +85,6 @@ class SloAdmission:
             st.cost += a * (s.verified - st.cost)
             st.gain += a * (max(s.emitted, 1) - st.gain)
         self.spec_steps += a * (depth - self.spec_steps)
-        for rep in record.replicas:
-            tokens = rep.prefill_tokens + rep.tree_nodes
-            if rep.failure is None and rep.replica in self.rooflines and tokens:
-                self.rooflines[rep.replica].observe(tokens, depth, record.total_ms, self.kv_held.get(rep.replica, 0))
 
     # ---- the proposal --------------------------------------------------------------------------
     def propose(self, view: SchedulerView, best_effort_ok: set[str], first_replica: int | None) -> Proposal:
@@ -116,11 +101,11 @@ class SloAdmission:
         up = [rep for rep in view.replicas if rep.up]
         budgets = {}
         for rep in up:
-            roof = self.roofline(rep.index, rep.latency)
+            cost = rep.cost
             # with nothing decoding, batches last the tightest TPOT this replica can hold a token in
             # (a request asking for less must not stall everyone else's prefill)
-            idle = min((t for t in tiers if roof.time2bs(t, 0, rep.reserved_blocks) >= 1), default=tiers[-1])
-            budgets[rep.index] = ReplicaBudget(roof, loads, idle, round(self.spec_steps), rep.reserved_blocks)
+            idle = min((t for t in tiers if cost.time2bs(t, 0, rep.reserved_blocks) >= 1), default=tiers[-1])
+            budgets[rep.index] = ReplicaBudget(cost, loads, idle, round(self.spec_steps), rep.reserved_blocks)
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
             if r.replica in base:
@@ -208,7 +193,6 @@ class SloAdmission:
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
 
         chunks, per_replica = self._chunks(view, budgets, base, held, offered)
-        self.kv_held = {r: total[r] - free[r] for r in free}  # what this iteration's passes attend to
         for rid in preempt:
             self.best_effort.discard(rid)
             self.tier_of.pop(rid, None)
@@ -290,28 +274,4 @@ def retry_after(view: SchedulerView) -> float:
     return min(60.0, max(1.0, soonest))
 
 
-def initial_roofline(latency: LatencyModel) -> Roofline:
-    """The planner's start, until the live refit (roofline.py) replaces it a few dozen iterations in.
-
-    Memory-bound plane (passes of at most B tokens): anchored on the profile's baseline, the measured
-    decode iteration at batch B (its minimum), with the curve's slope below B where it has points
-    there. Not the curve's own B-token point: that is the median of verify passes measured in
-    rounds while the contexts grew, 45% above the baseline on the CPU profile (27.0 against
-    18.6 ms), and live decode iterations of one or two requests are faster still (16-17 ms), so a
-    plane through it let no plan hold a decoder of the class set at 1.0x the baseline.
-    Compute-bound plane (above B): the curve's points from B up, with the round trips the profile
-    does not see (the baseline minus the fitted pass at B, when positive) added to its fixed cost."""
-    b_tokens = max(1, latency.budget_tokens)
-    baseline = latency.baseline_iteration_ms
-    curve = latency.curve or [(b_tokens, baseline)]
-    fitted = Roofline.fit([(t, 0, ms) for t, ms in curve], knee=b_tokens)
-    low = fitted.planes[0] if sum(1 for t, _ in curve if t <= b_tokens) >= 2 else Plane(0.0, 0.0, 0.0)
-    planes = [Plane(low.k1, 0.0, max(0.0, baseline - low.k1 * b_tokens))]
-    if len(fitted.planes) > 1:
-        high = fitted.planes[1]
-        overhead = max(0.0, baseline - high.time_ms(b_tokens, 0))
-        planes.append(Plane(high.k1, high.k2, high.b + overhead))
-    return Roofline(tuple(planes), b_tokens)
-
-
-__all__ = ["AdmissionCounts", "SloAdmission", "initial_roofline", "retry_after"]
+__all__ = ["AdmissionCounts", "SloAdmission", "retry_after"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.policy.base import BatchView, Policy, Selected, Shape, Trees
 from specserve.gateway.policy.selection import Selection
 
@@ -27,7 +27,7 @@ class _BudgetedTrees(Policy):
         self.max_width = max_width  # W_max
         self.max_added = max_added  # n_max: most nodes the SLO phase adds to one request
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         n = len(batch.requests)
         budget = batch.tree_budget(model)
         if n == 0 or budget <= n:  # the roots use the whole budget: skip drafting (digest, pitfalls)
@@ -44,7 +44,7 @@ class _BudgetedTrees(Policy):
 class AdaServe(_BudgetedTrees):
     name = "adaserve"
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         sel = Selection(candidates)
         left = batch.tree_budget(model) - len(candidates)  # roots are charged first
         views = sorted((r for r in batch.requests if r.rid in candidates),
@@ -63,7 +63,7 @@ class AdaServe(_BudgetedTrees):
 class GlobalGreedy(_BudgetedTrees):
     name = "global-greedy"
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         sel = Selection(candidates)
         sel.take_global(batch.tree_budget(model) - len(candidates))
         return sel.result()
@@ -72,7 +72,7 @@ class GlobalGreedy(_BudgetedTrees):
 class EqualGreedy(_BudgetedTrees):
     name = "equal-greedy"
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         sel = Selection(candidates)
         n = len(candidates)
         share = (batch.tree_budget(model) - n) // n if n else 0

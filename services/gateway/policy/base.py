@@ -14,7 +14,7 @@ Each gateway iteration the scheduler (scheduler.py) asks the policy:
    their roots alone.
 
 After the iteration, `observe(record)` gets the one `IterationRecord` (composition, per-request
-shapes and acceptance, the time split) that metrics and the latency models read too. The
+shapes and acceptance, the time split) that metrics and the cost model read too. The
 scheduler enforces the hard limits on whatever a policy decides. Nothing here does I/O.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.plan import BatchView, Decision, RequestView, Residency, SchedulerView, Shape
 from specserve.gateway.record import IterationRecord
 
@@ -79,14 +79,14 @@ class Policy:
         if self.uses_draft and view.draft.usable:
             for batch in view.batches(p.prefill_tokens):
                 if batch.requests:
-                    shapes.update(self.shapes(batch, view.replicas[batch.replica].latency))
+                    shapes.update(self.shapes(batch, view.replicas[batch.replica].cost))
         return Decision(admit=p.admit, defer=p.defer, chunks=None, shapes=shapes, residency=Residency.KEEP)
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         """The speculation shape of every decoding request of one replica (d = 0: no draft tokens)."""
         return {r.rid: Shape(0, 1) for r in batch.requests}
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         return {rid: [0] for rid in candidates}
 
     def observe(self, record: IterationRecord) -> None:

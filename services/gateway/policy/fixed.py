@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.policy.base import BatchView, Policy, Selected, Shape, Trees
 
 
@@ -17,10 +17,10 @@ class Chain(Policy):
         self.k = k
         self.name = f"chain:{k}"
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         return {r.rid: Shape(min(self.k, r.remaining - 1), 1) for r in batch.requests}
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         return {rid: list(range(len(tree.tokens))) for rid, tree in candidates.items()}
 
     def describe(self) -> dict:
@@ -45,11 +45,11 @@ class ExpansionTree(Policy):
         self.widths = widths
         self.name = "tree:" + ",".join(map(str, widths))
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         depth, width = len(self.widths), max(self.widths)
         return {r.rid: Shape(min(depth, r.remaining - 1), width) for r in batch.requests}
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         out = {}
         for rid, tree in candidates.items():
             nodes, layer = [0], [0]

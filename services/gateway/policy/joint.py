@@ -26,7 +26,7 @@ acceptance MLE and the three-service step-time model, refitted online):
 
 from __future__ import annotations
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.policy.base import BatchView, RequestView
 from specserve.gateway.policy.goodput import best_depth, expected_tokens
 from specserve.gateway.policy.turbospec import TurboSpec
@@ -49,7 +49,7 @@ class Joint(TurboSpec):
             return LOST
         return AT_RISK if pace < t_ms else SLACK
 
-    def value(self, batch: BatchView, model: LatencyModel, group: list[RequestView], k: int) -> float:
+    def value(self, batch: BatchView, model: PassCost, group: list[RequestView], k: int) -> float:
         """Predicted SLO goodput (tokens per ms) of this pass if the requests in `group` draft k-token chains."""
         c = self.control
         ks, t = c.step_ms(batch, model, group, k)
@@ -61,7 +61,7 @@ class Joint(TurboSpec):
                 good += tokens
         return good / t
 
-    def choose(self, batch: BatchView, model: LatencyModel) -> tuple[int, list[RequestView]]:
+    def choose(self, batch: BatchView, model: PassCost) -> tuple[int, list[RequestView]]:
         """(k, the requests that draft k-token chains): the wider option unless the narrow one's
         predicted SLO goodput is higher."""
         c = self.control

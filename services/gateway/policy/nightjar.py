@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.plan import Residency, SchedulerView, Shape
 from specserve.gateway.policy.base import BatchView, Decision, Policy, Selected, Trees
 from specserve.gateway.record import IterationRecord
@@ -234,7 +234,7 @@ class Nightjar(Policy):
         decision.residency = residency
         return decision
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         n = len(batch.requests)
         warm = [r for r in batch.requests if r.rid not in self.cold and r.remaining > 1]
         if not warm:
@@ -247,13 +247,13 @@ class Nightjar(Policy):
         self.residence.chose(d)
         if batch.prefill_tokens:
             nodes = n * (1 + d * w)
-            self.prefill_share[batch.replica] = max(0.0, model.predict_target_ms(nodes + batch.prefill_tokens)
-                                                    - model.predict_target_ms(nodes))
+            self.prefill_share[batch.replica] = max(0.0, model.target_ms(nodes + batch.prefill_tokens)
+                                                    - model.target_ms(nodes))
         chosen = {r.rid for r in warm}
         return {r.rid: Shape(min(d, r.remaining - 1), w) if r.rid in chosen and d > 0 else Shape(0, 1)
                 for r in batch.requests}
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         return {rid: list(range(len(tree.tokens))) for rid, tree in candidates.items()}
 
     def observe(self, record: IterationRecord) -> None:

@@ -17,7 +17,7 @@ Built from the seed papers' parts:
 
 from __future__ import annotations
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.plan import SchedulerView
 from specserve.gateway.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
 from specserve.gateway.policy.goodput import expected_tokens
@@ -52,7 +52,7 @@ class SloGoodput(Policy):
         self.budget = {}
         return super().decide(view)
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         k, spec = self.control.choose(batch, model)
         probe = self.control.probe(batch, spec, k)
         if self.control.pause(batch, k):
@@ -66,10 +66,9 @@ class SloGoodput(Policy):
         if probe is not None:
             shapes[probe.rid] = Shape(1, 1)
             self.budget[batch.replica] += 1
-        self.control.plan(batch.replica, shapes, batch)
         return shapes
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         sel = Selection(candidates)
         left = self.budget.get(batch.replica, len(candidates)) - len(candidates)  # roots are charged first
         views = sorted((r for r in batch.requests if r.rid in candidates),

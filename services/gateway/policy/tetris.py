@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.policy.base import BatchView, CandidateTree, Policy, Selected, Shape, Trees
 
 
@@ -43,14 +43,14 @@ class Tetris(Policy):
         self.k, self.extra = k, extra
         self.name = f"tetris:{k},{extra}"
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         return {r.rid: Shape(min(self.k + self.extra, r.remaining - 1), 1) for r in batch.requests}
 
-    def capacity(self, batch: BatchView, model: LatencyModel, n: int) -> int:
+    def capacity(self, batch: BatchView, model: PassCost, n: int) -> int:
         """C: draft tokens the target verifies in this replica's pass (roots excluded)."""
         return max(0, min(n * self.k, batch.tree_budget(model) - n))
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         rids = list(candidates)
         rows = [_chain_probs(candidates[rid]) for rid in rids]
         z = tetris_select(rows, self.capacity(batch, model, len(rids)))

@@ -3,7 +3,7 @@
 The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
 
 - predicts goodput G(k) = sum_i l(a_i, k_i) / T(k) for k in 0..K_max from the goodput model
-  (goodput.py: the MLE acceptance rate per request, the three-service step time), and changes k
+  (goodput.py: the MLE acceptance rate per request; cost.py: the replica's iteration time), and changes k
   only when the best predicts a gain above `margin` over the current one (digest pitfalls);
 - skips the draft "prefill" under load: a request that starts decoding while more requests run
   than the smallest batch at which k = 0 was chosen (`thr`) never speculates, so the draft never
@@ -24,20 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specserve.gateway.latency import LatencyModel
+from specserve.gateway.cost import PassCost
 from specserve.gateway.plan import SchedulerView
 from specserve.gateway.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
-from specserve.gateway.policy.goodput import Acceptance, StepTimeModel, best_depth, expected_tokens
+from specserve.gateway.policy.goodput import Acceptance, best_depth, expected_tokens
 from specserve.gateway.record import IterationRecord
-
-
-@dataclass(slots=True)
-class _Planned:
-    """What the draft call carries for one replica's batch this iteration (for refitting)."""
-
-    depth: int = 0
-    width: int = 1
-    lag: int = 0
 
 
 @dataclass(slots=True)
@@ -48,7 +39,6 @@ class GoodputControl:
     skip_reset: int = 32  # skipped draft prefills before the threshold resets
     late_lag: int = 256  # most draft lag (tokens) of a skipped request enabled late
     acceptance: Acceptance = field(default_factory=Acceptance)
-    models: dict[int, StepTimeModel] = field(default_factory=dict)  # per replica
     current: dict[int, int] = field(default_factory=dict)  # per replica: the k in force
     off_steps: dict[int, int] = field(default_factory=dict)  # per replica: iterations at k = 0 since a probe
     on_steps: dict[int, int] = field(default_factory=dict)  # per replica: iterations at k > 0 since a pause
@@ -56,7 +46,6 @@ class GoodputControl:
     thr: float = math.inf  # draft-prefill skip threshold (running requests)
     skips: int = 0
     draft_ok: dict[str, bool] = field(default_factory=dict)  # rid -> may it speculate
-    planned: dict[int, _Planned] = field(default_factory=dict)
     proposed: dict[str, int] = field(default_factory=dict)  # rid -> draft tokens verified (chain depth)
 
     # ---- per iteration -----------------------------------------------------------------------------
@@ -75,27 +64,20 @@ class GoodputControl:
         for rid in [rid for rid in self.draft_ok if rid not in live]:
             del self.draft_ok[rid]
         self.acceptance.forget(live)
-        self.planned = {}
 
-    def model(self, replica: int, latency: LatencyModel) -> StepTimeModel:
-        m = self.models.get(replica)
-        if m is None:
-            m = self.models[replica] = StepTimeModel(latency)
-        return m
-
-    def step_ms(self, batch: BatchView, latency: LatencyModel, spec: list[RequestView],
+    def step_ms(self, batch: BatchView, cost: PassCost, spec: list[RequestView],
                 k: int) -> tuple[list[int], float]:
         """The chain each request of `spec` drafts (k, or fewer where its output ends sooner) and the
         predicted time of this replica's iteration with them, ms."""
         ks = [min(k, r.remaining - 1) for r in spec]
         lag = sum(r.draft_lag for r, kr in zip(spec, ks, strict=True) if kr > 0)
-        t = self.model(batch.replica, latency).step_ms(max(ks, default=0), sum(1 for kr in ks if kr > 0), 1,
-                                                       len(batch.requests) + sum(ks) + batch.prefill_tokens, lag)
+        t = cost.iteration_ms(len(batch.requests) + sum(ks) + batch.prefill_tokens, max(ks, default=0),
+                              sum(1 for kr in ks if kr > 0), 1, lag, sum(r.kv_blocks for r in batch.requests))
         return ks, t
 
-    def goodput(self, batch: BatchView, latency: LatencyModel, spec: list[RequestView], k: int) -> float:
+    def goodput(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int) -> float:
         """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains."""
-        ks, t = self.step_ms(batch, latency, spec, k)
+        ks, t = self.step_ms(batch, cost, spec, k)
         tokens = sum(expected_tokens(self.acceptance.rate_of(r.rid), kr) for r, kr in zip(spec, ks, strict=True))
         tokens += len(batch.requests) - len(spec)
         return tokens / t
@@ -118,10 +100,10 @@ class GoodputControl:
             self.thr = min(self.thr, len(batch.requests))
         self.current[batch.replica] = k
 
-    def choose(self, batch: BatchView, latency: LatencyModel) -> tuple[int, list[RequestView]]:
+    def choose(self, batch: BatchView, cost: PassCost) -> tuple[int, list[RequestView]]:
         """(k for this replica, the requests that may speculate)."""
         spec, late = self.eligible(batch)
-        table = {k: self.goodput(batch, latency, spec + late, k) for k in range(self.max_k + 1)} \
+        table = {k: self.goodput(batch, cost, spec + late, k) for k in range(self.max_k + 1)} \
             if spec or late else {0: 0.0}
         k = best_depth(table, self.current.get(batch.replica, 0), self.margin)
         if k > 0 and late:
@@ -152,13 +134,6 @@ class GoodputControl:
         self.on_steps[batch.replica] = 0 if on >= self.probe_every else on
         return on >= self.probe_every
 
-    def plan(self, replica: int, shapes: dict[str, Shape], batch: BatchView) -> None:
-        lag = {r.rid: r.draft_lag for r in batch.requests}
-        drafting = [(rid, s) for rid, s in shapes.items() if s.depth > 0]
-        self.planned[replica] = _Planned(max((s.depth for _, s in drafting), default=0),
-                                         max((s.width for _, s in drafting), default=1),
-                                         sum(lag.get(rid, 0) for rid, _ in drafting))
-
     def selected(self, candidates: Trees, selected: Selected) -> None:
         """Remember each request's verified draft depth: the acceptance MLE's `proposed`."""
         for rid, nodes in selected.items():
@@ -170,10 +145,6 @@ class GoodputControl:
             k = self.proposed.pop(s.rid, 0)
             if k > 0 and s.error is None and s.verified > 0:
                 self.acceptance.observe(s.rid, k, s.accepted)
-        for replica, planned in self.planned.items():
-            m = self.models.get(replica)
-            if m is not None:
-                m.observe(record, replica, planned.depth, planned.width, planned.lag)
 
 
 class TurboSpec(Policy):
@@ -189,11 +160,11 @@ class TurboSpec(Policy):
         self.control.admit(view)
         return super().decide(view)
 
-    def choose(self, batch: BatchView, model: LatencyModel) -> tuple[int, list[RequestView]]:
+    def choose(self, batch: BatchView, model: PassCost) -> tuple[int, list[RequestView]]:
         """(k for this replica's pass, the requests that draft k-token chains); `joint` overrides it."""
         return self.control.choose(batch, model)
 
-    def shapes(self, batch: BatchView, model: LatencyModel) -> dict[str, Shape]:
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         k, spec = self.choose(batch, model)
         probe = self.control.probe(batch, spec, k)
         if self.control.pause(batch, k):
@@ -203,10 +174,9 @@ class TurboSpec(Policy):
                   for r in batch.requests}
         if probe is not None:
             shapes[probe.rid] = Shape(1, 1)
-        self.control.plan(batch.replica, shapes, batch)
         return shapes
 
-    def select(self, batch: BatchView, candidates: Trees, model: LatencyModel) -> Selected:
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         selected = {rid: list(range(len(tree.tokens))) for rid, tree in candidates.items()}
         self.control.selected(candidates, selected)
         return selected

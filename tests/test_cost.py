@@ -1,0 +1,77 @@
+"""PassCost (services/gateway/cost.py), the gateway's one cost model, on hand-built records: no processes.
+
+- what it reads from an IterationRecord (the replica's pass, the KV held, the draft call's shape);
+- every iteration is priced before it is fitted, and the relative error of those predictions is kept;
+- the moving average of iterations (AdaServe's t_spec) and the fixed costs of the three-service path;
+- the planner (admission/) and the speculation policies price the same iteration the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.gateway.cost import PassCost, PassSample, sample_of
+from specserve.gateway.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+
+
+def record(*, nodes: int, service_ms: float, total_ms: float, replica: int = 0, depth: int = 0, spec: int = 0,
+           lag: int = 0, draft_ms: float = 0.0) -> IterationRecord:
+    r = IterationRecord(1, requests=[RequestStep("a", replica, depth=depth, width=2 if depth else 1, verified=nodes)])
+    r.replicas = [ReplicaStep(replica, tree_nodes=nodes, call_ms=service_ms + 1.0, service_ms=service_ms)]
+    if spec:
+        r.draft = DraftStep(requests=spec, lag=lag, call_ms=draft_ms + 0.5, service_ms=draft_ms)
+    r.target_phase_ms = service_ms + 1.0
+    r.total_ms = total_ms
+    return r
+
+
+def test_a_record_is_read_as_one_replicas_sample():
+    s = sample_of(record(nodes=6, service_ms=10.0, total_ms=20.0, depth=3, spec=2, lag=7, draft_ms=4.0), 0, kv=33)
+    assert s == PassSample(6, 10.0, 11.0, 20.0, 20.0 - 4.5 - 11.0, kv=33, decoded=True, depth=3, spec=2, width=2,
+                           lag=7, draft_service_ms=4.0, draft_call_ms=4.5)
+    assert sample_of(record(nodes=6, service_ms=10.0, total_ms=20.0), 1) is None  # no pass on replica 1
+
+
+def test_each_iteration_is_priced_before_it_is_fitted():
+    cost = PassCost(8, 10.0)  # no curve: flat at the baseline
+    assert cost.error_summary() == {"iterations": 0}
+    cost.observe_record(record(nodes=8, service_ms=15.0, total_ms=20.0), 0)
+    assert cost.error_summary()["median"] == pytest.approx(0.5)  # priced at 10 ms, took 20
+    for _ in range(30):
+        cost.observe_record(record(nodes=8, service_ms=15.0, total_ms=20.0), 0)
+    # the service time, the round trip (1 ms) and the gateway's share (total - call = 4 ms) now add up
+    assert cost.iteration_ms(8) == pytest.approx(20.0, rel=0.01)
+    assert cost.error_summary()["iterations"] == 31
+    assert cost.error_summary()["p90"] < 0.6
+
+
+def test_t_spec_is_a_moving_average_of_the_iterations_that_decoded():
+    cost = PassCost(64, 10.0, smoothing=0.25)
+    cost.observe(PassSample(4, 10.0, 11.0, 30.0, 1.0))  # 10 + 0.25 * 20
+    assert cost.t_spec_ms == pytest.approx(15.0)
+    cost.observe(PassSample(4, 10.0, 11.0, 100.0, 1.0, decoded=False))  # prefill only: says nothing of t_spec
+    assert cost.t_spec_ms == pytest.approx(15.0)
+    assert PassCost(64, 10.0, t_spec_ms=4.0).t_spec_ms == 4.0  # an explicit seed is kept
+
+
+def test_the_draft_term_is_fitted_from_the_draft_call_and_priced_only_when_someone_drafts():
+    cost = PassCost(8, 10.0)
+    for _ in range(50):
+        cost.observe_record(record(nodes=6, service_ms=10.0, total_ms=40.0, depth=4, spec=2, draft_ms=24.0), 0)
+    assert cost.draft_ms(4, 2, 2, 0) == pytest.approx(24.0, rel=0.05)
+    assert cost.iteration_ms(6, 4, 2, 2) - cost.iteration_ms(6) == pytest.approx(24.5, rel=0.05)  # + its round trip
+    assert cost.iteration_ms(6, 4, 0, 2) == cost.iteration_ms(6)  # nobody drafts: no call
+
+
+def test_the_planner_and_the_policy_price_one_iteration_the_same():
+    from specserve.gateway.policy import BatchView, RequestView
+    from specserve.gateway.policy.turbospec import GoodputControl
+
+    cost = PassCost(8, 10.0, [(1, 8.0), (64, 40.0)])
+    for n in (1, 2, 4, 8, 16):
+        for _ in range(5):
+            cost.observe_record(record(nodes=n, service_ms=8.0 + 0.5 * n, total_ms=10.0 + 0.5 * n), 0)
+    batch = BatchView([RequestView(f"r{i}", "t", 50.0, 1000.0, 3, 90.0, 100) for i in range(4)])
+    _, policy_ms = GoodputControl().step_ms(batch, cost, batch.requests, 0)
+    assert policy_ms == pytest.approx(cost.iteration_ms(4))
+    assert cost.planned_ms(4) >= policy_ms  # the planner adds its margin to the same prediction
