@@ -4,6 +4,7 @@
     python bench/admission.py overload   # target 1b: FIFO and SLO admission side by side at 2x the knee
     python bench/admission.py capacity --admission slo --targets 4 --simulate llama2-7b-a100 --router slo
     python bench/admission.py burst      # target 3: 3x the sustainable rate for 10 s, then back down
+    python bench/admission.py spike --requests 150   # issue 30's burst: N critical requests at once
     python bench/admission.py report     # docs/benchmarks.md's generated section from the results
 
 Every subcommand writes bench/results/admission/<name>.json (per-request JSONL records stay in
@@ -139,8 +140,9 @@ def run_point(stack: Stack, label: str, seed: int, poll: bool = False, **fields)
     """One load point against a running stack: the bench's summary trimmed, the outcomes, the
     gateway's CPU share over the point, and (with `poll`) the gateway's queue over time."""
     runs = RESULTS / "runs"
+    fields = {"mix": MIX} | fields
     cfg = BenchConfig(url=stack.url, out=str(runs / f"{label}.jsonl"), label=label, ignore_eos=True,
-                      progress=False, mix=MIX, seed=seed, timeout_s=900.0, **fields)
+                      progress=False, seed=seed, timeout_s=900.0, **fields)
     pid = stack.gateway.proc.pid
     cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
     summary, records, samples = asyncio.run(_run(cfg, poll))
@@ -382,6 +384,26 @@ def cmd_burst(args: argparse.Namespace) -> None:
                    "burstiness": args.burstiness, "runs": runs})
 
 
+SPIKE_MIX = "critical=1:short"
+
+
+def cmd_spike(args: argparse.Namespace) -> None:
+    """`--requests` critical requests sent at once (short prompts), FIFO and SLO admission in turn per
+    run on fresh stacks: how each ended, how fast the refusals came, and every service's blocks after."""
+    runs = []
+    for run in range(args.runs):
+        order = ("fifo", "slo") if run % 2 == 0 else ("slo", "fifo")
+        for admission in order:
+            with stack_for(args, admission) as stack:
+                p = run_point(stack, f"{_tagged('spike', args)}-{admission}-run{run}", args.seed + 100 * run,
+                              poll=True, num_requests=args.requests, mix=SPIKE_MIX)
+                p["blocks"] = blocks_free(stack)
+            runs.append({"admission": admission, "run": run} | p)
+            print(f"  blocks: {p['blocks']}", file=sys.stderr)
+    save(_tagged("spike", args), {"setting": setting(args) | {"mix": SPIKE_MIX}, "requests": args.requests,
+                                  "runs": runs})
+
+
 def drain(queue: list[list[float]], burst_start: float, burst_end: float) -> dict:
     """From (t, waiting, running) samples: the queue's peak, and the seconds after the burst's end until
     nothing waits and no more run than at most before the burst (None: not within the run)."""
@@ -450,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--runs", type=int, default=1)
     p.set_defaults(fn=cmd_burst)
+    p = sub.add_parser("spike", help="issue 30's burst: N critical requests at once")
+    common(p, 0.0)
+    p.add_argument("--requests", type=int, default=150)
+    p.add_argument("--runs", type=int, default=1)
+    p.set_defaults(fn=cmd_spike)
     p = sub.add_parser("report", help="regenerate docs/benchmarks.md's section from the results")
     p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
     p.set_defaults(fn=cmd_report)
@@ -459,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name} must be >= {0 if name == 'fine' else 1}")
     for name in ("rate", "start_rate", "duration_s"):
         v = getattr(args, name, None)
-        if v is not None and not (v > 0 and math.isfinite(v)) and not (name == "duration_s" and args.cmd == "burst"):
+        unused = name == "duration_s" and args.cmd in ("burst", "spike")
+        if v is not None and not (v > 0 and math.isfinite(v)) and not unused:
             ap.error(f"--{name.replace('_', '-')} must be a positive number")
     try:
         args.fn(args)

@@ -1,7 +1,8 @@
 """SLO-aware admission (`--admission slo`) through real processes and the official openai client.
 
 - a request whose SLO no replica can meet is refused at once: 503 with Retry-After, the openai
-  client's usual error type, before any byte of a stream; requests beside it are served exactly;
+  client's usual error type, before any byte of a stream; requests beside it are served exactly; one
+  whose TTFT is below even its own prompt's prefill is refused on arrival, before the next iteration;
 - the same request allowing best effort (`slo.best_effort`, or `service_tier: "flex"`) is served in the
   best-effort tier and equals transformers' greedy output; so is a request that asks for no SLO at all;
 - the outcomes are counted per tier in `specserve:admission_total`; no KV block is left reserved;
@@ -65,6 +66,27 @@ def test_unmeetable_slo_is_refused_at_once_and_others_are_served(up, slo_gateway
     assert [a.choices[0].text, b.choices[0].text] == reference[:2]
     counts = admission_counts(slo_gateway.address)
     assert counts.get(("refused", "custom")) == 1.0, counts
+    wait_all_free(up)
+
+
+def test_an_unreachable_first_token_is_refused_on_arrival(up, slo_gateway):
+    """A TTFT below even the prefill of its own prompt on every replica is refused in `submit`, before
+    the planner's next iteration: the 503 names the TTFT bound; a loose TPOT does not save it."""
+    async def run():
+        c = aclient(slo_gateway.address)
+        try:
+            return await c.completions.create(model="target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                              temperature=0, extra_body={"slo": {"ttft_ms": 0.001, "tpot_ms": 1e5}})
+        except openai.APIStatusError as e:
+            return e
+        finally:
+            await c.close()
+
+    refused = asyncio.run(run())
+    assert isinstance(refused, openai.InternalServerError) and refused.status_code == 503, refused
+    assert int(refused.response.headers["retry-after"]) >= 1
+    assert "TTFT SLO" in refused.response.json()["error"]["message"], refused.response.json()
+    assert admission_counts(slo_gateway.address).get(("refused", "custom")) == 1.0
     wait_all_free(up)
 
 

@@ -248,6 +248,17 @@ def test_overload_refuses_with_retry_after_and_best_effort_waits():
     assert adm.last.refused == {"chat": 1} and adm.last.declined == {"chat": 2}
 
 
+def test_the_first_token_bound_shares_every_replicas_prefill_passes():
+    from specserve.gateway.admission.slo import first_token_bound_ms
+
+    one = linear_cost(0.1, 5.0)  # a 256-token pass: 30.6 ms, so 256 / 30.6 prompt tokens per ms
+    rate = 256 / 30.6
+    assert first_token_bound_ms(100, 0, [one], 256) == pytest.approx(100 / rate)
+    assert first_token_bound_ms(100, 900, [one], 256) == pytest.approx(1000 / rate)  # the prompts due before it
+    assert first_token_bound_ms(100, 900, [one, linear_cost(0.1, 5.0)], 256) == pytest.approx(500 / rate)
+    assert first_token_bound_ms(100, 0, [], 256) == math.inf  # no replica: nothing can be met
+
+
 def test_a_declined_request_goes_to_the_next_replica():
     adm = SloAdmission(route_all=True)
     dec = [d(f"r{i}", replica=0) for i in range(50)]  # replica 0 is full, replica 1 idle

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from specserve.gateway import spans
+from specserve.gateway.admission.slo import first_token_bound_ms
 from specserve.gateway.ahead import Guess, assumed_path, next_tree, reroot
 from specserve.gateway.executor import Executor, Failure, TargetPass
 from specserve.gateway.metrics import ADMISSION_OUTCOMES, GatewayMetrics
@@ -136,6 +137,8 @@ class Engine:
             self.metrics.on_error("queue_full")
             raise ServiceUnavailable(f"the server is busy: {len(self.waiting)} requests are waiting",
                                      self.retry_after_s())
+        if self.scheduler.admission is not None and not req.best_effort_ok:
+            self._refuse_a_lost_first_token(req)
         req.kv_blocks = self.reserve_blocks_for(len(req.prompt), req.max_tokens)
         if tracing.ENABLED:
             req.trace = spans.current()  # the request span (the handler's), for the iterations' links
@@ -143,6 +146,21 @@ class Engine:
         self.waiting.append(req)
         self.metrics.on_queued()
         self._wake.set()
+
+    def _refuse_a_lost_first_token(self, req: GenRequest) -> None:
+        """SLO-aware admission: 503 on arrival when no plan can meet the request's TTFT, counting the
+        prompt tokens due before it (those waiting with a TTFT deadline no later, those prefilling)."""
+        deadline = req.arrival + req.slo.ttft_ms / 1e3
+        ahead = sum(len(r.context) - r.prefilled for r in self.waiting
+                    if not r.best_effort_ok and r.arrival + r.slo.ttft_ms / 1e3 <= deadline)
+        ahead += sum(len(r.context) - r.prefilled for r in self.running if not r.decoding)
+        costs = [t.cost for t in self.pool.targets if t.up and not t.retired]
+        bound = first_token_bound_ms(len(req.prompt), ahead, costs, self.limits.max_prefill_tokens)
+        if bound > req.slo.ttft_ms:
+            self.metrics.on_admission("refused", {req.slo.name: 1})
+            raise ServiceUnavailable(f"no target replica can meet this request's TTFT SLO now ({req.slo.ttft_ms:g} ms; "
+                                     f"at least {bound:.0f} ms with {ahead} prompt tokens due before it)",
+                                     self.retry_after_s())
 
     def retry_after_s(self) -> float:
         """When the waiting queue should have room again: the queue ahead, served at the pace requests

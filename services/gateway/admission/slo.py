@@ -11,7 +11,8 @@ admission (digest §8):
    admitted when a replica can take it with no TTFT bound at the loosest TPOT, and always by a
    replica with nothing to run (work conserving: whatever the model says, an idle replica is spare);
 3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
-   request on any replica is expected to finish).
+   request on any replica is expected to finish). One that cannot meet its TTFT even with every
+   replica's passes given to the prompts due before it (`first_token_bound_ms`) is refused on arrival.
 
 A best-effort request, once admitted, is planned as a decoder with no TPOT: it costs its tokens in
 every batch but never sets the batch length.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from specserve.gateway.admission.budget import TierLoad
 from specserve.gateway.admission.budget_model import ReplicaBudget
 from specserve.gateway.admission.dp import Node, plan
+from specserve.gateway.cost import PassCost
 from specserve.gateway.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
 from specserve.gateway.record import IterationRecord
 
@@ -268,10 +270,21 @@ class SloAdmission:
         where[tier] = where.get(tier, 0) + 1
 
 
+def first_token_bound_ms(prompt_tokens: int, tokens_ahead: int, costs: list[PassCost], chunk: int) -> float:
+    """The earliest a new request's first token can come, ms: its prompt and `tokens_ahead` prompt tokens
+    due before it, prefilled in `chunk`-token passes by every replica at once with nothing else in them
+    (each replica's cost model, no margin, no decode work). No plan that serves the prompts due before
+    it first can do better, so a request whose TTFT SLO is below this is refused on arrival
+    (`Engine.submit`) instead of at the planner's next iterations: a burst's requests arrive faster than
+    iterations run on a CPU."""
+    rate = sum(chunk / c.iteration_ms(chunk) for c in costs)  # prompt tokens per ms
+    return (prompt_tokens + tokens_ahead) / rate if rate > 0 else math.inf
+
+
 def retry_after(view: SchedulerView) -> float:
     """Seconds until the soonest running request is expected to finish (1 to 60)."""
     soonest = min((r.remaining * r.tpot_ms / 1e3 for r in view.decoding), default=1.0)
     return min(60.0, max(1.0, soonest))
 
 
-__all__ = ["AdmissionCounts", "SloAdmission", "retry_after"]
+__all__ = ["AdmissionCounts", "SloAdmission", "first_token_bound_ms", "retry_after"]
