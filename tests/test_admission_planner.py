@@ -259,14 +259,33 @@ def test_the_first_token_bound_shares_every_replicas_prefill_passes():
     assert first_token_bound_ms(100, 0, [], 256) == math.inf  # no replica: nothing can be met
 
 
+@pytest.mark.parametrize("tpot", [100.0, 1e5, 2e6])
+def test_a_loose_tpot_does_not_stretch_the_batch_past_the_ttft(tpot):
+    """An idle replica and a TPOT of up to 2000 s with a 5 s TTFT: admitted. Batches are no longer than
+    the engine's largest pass, so a loose TPOT does not plan one 100 s batch before the first token."""
+    p = SloAdmission(route_all=False).propose(rview([w("a", tpot=tpot, ttft=5000.0)]), set(), None)
+    assert [a.rid for a in p.admit] == ["a"] and not p.reject
+
+
 def test_a_declined_request_goes_to_the_next_replica():
     adm = SloAdmission(route_all=True)
     dec = [d(f"r{i}", replica=0) for i in range(50)]  # replica 0 is full, replica 1 idle
-    p = adm.propose(rview([w("a")], (), dec, n_replicas=2), set(), 0)
+    p = adm.propose(rview([w("a")], (), dec, n_replicas=2), set(), {"a": 0})
     assert [(a.rid, a.replica) for a in p.admit] == [("a", 1)]
     only_first = SloAdmission(route_all=False)
-    p = only_first.propose(rview([w("a")], (), dec, n_replicas=2), set(), 0)
+    p = only_first.propose(rview([w("a")], (), dec, n_replicas=2), set(), {"a": 0})
     assert p.admit == [] and "a" in p.reject
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-loaded", "slo"])
+def test_one_iterations_arrivals_spread_over_the_replicas_as_the_router_picks(router):
+    """Four arrivals in one plan on two idle replicas: each asks its router pick first, so they split
+    2 / 2 (they all fit on either; asking one replica for all four would pack them there)."""
+    sched = Scheduler(Policy(), make_router(router), admission=SloAdmission(route_all=router == "slo"))
+    view = rview([w(f"n{i}") for i in range(4)], (), [], n_replicas=2)
+    admitted = sched.plan(view, 1).admitted
+    assert len(admitted) == 4
+    assert sorted(a.replica for a in admitted) == [0, 0, 1, 1], admitted
 
 
 def test_scheduler_turns_the_planners_refusal_into_a_rejection():

@@ -73,10 +73,16 @@ class Scheduler:
         return Proposal(admit, defer, chunks, per_replica)
 
     def _slo_proposal(self, view: SchedulerView, admission: SloAdmission) -> Proposal:
-        first = None
-        if not admission.route_all and view.waiting:  # the router picks the one replica that is asked
-            head = view.waiting[0]
-            first = copy.copy(self.router).pick(_ledgers(view), head.kv_blocks, view.limits.max_running)
+        """The planner asks each waiting request's router pick first (a trial run, as FIFO's)."""
+        ledgers = _ledgers(view)
+        router = copy.copy(self.router)
+        first: dict[str, int] = {}
+        for w in view.waiting:
+            replica = router.pick(ledgers, w.kv_blocks, view.limits.max_running)
+            if replica is not None:
+                ledgers[replica].take(w.kv_blocks)
+                router.picked(replica)
+                first[w.rid] = replica
         return admission.propose(view, {w.rid for w in view.waiting if w.best_effort}, first)
 
     def _fifo_chunks(self, view: SchedulerView, admitted: list[Admit]) -> tuple[dict[str, int], list[int]]:

@@ -83,11 +83,12 @@ class BatchShape:
 
 
 def batch_shape(counts: Sequence[int], tiers: Sequence[TierLoad], time2bs: Callable[[float], int],
-                idle_ms: float) -> BatchShape:
+                idle_ms: float, longest_ms: float = math.inf) -> BatchShape:
     """§7 with measured cost and gain: T = min over paced tiers in use of TPOT_l · gain_l (`idle_ms`
-    when none decodes); each batch holds time2bs(T) tokens, of which the decoders take Σ n_l · cost_l."""
-    length = min((t.tpot_ms * t.gain for n, t in zip(counts, tiers, strict=True) if n > 0 and t.paced),
-                 default=idle_ms)
+    when none decodes), at most `longest_ms` (the longest pass the engine runs); each batch holds
+    time2bs(T) tokens, of which the decoders take Σ n_l · cost_l."""
+    length = min(min((t.tpot_ms * t.gain for n, t in zip(counts, tiers, strict=True) if n > 0 and t.paced),
+                     default=idle_ms), longest_ms)
     decode = sum(n * t.cost for n, t in zip(counts, tiers, strict=True))
     return BatchShape(length, int(time2bs(length) - math.ceil(decode - EPS)))
 

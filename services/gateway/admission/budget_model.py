@@ -5,11 +5,15 @@ digest's terms every decoder is due in every batch, whatever its TPOT: a looser 
 budget by skipping batches, it only lengthens the batch it may ride. Plain decoding (every tier
 costs and yields one token per pass) is therefore the closed form of Algorithm 2 with every TPOT_r
 = t0, i.e. B·(time2bs(t0) − n); with speculation it is the §7 form with the measured per-tier cost
-and gain (budget.py). The batch length with nothing decoding is `idle_ms`.
+and gain (budget.py). The batch length with nothing decoding is `idle_ms`; no batch is longer than
+`longest_ms`, the planned time of the largest pass the engine runs (its prefill cap beside its
+decoders): a loose TPOT (say 100 s) does not make one pass of 100 s, the engine runs many short ones,
+so a prompt's TTFT is met within a fraction of that TPOT.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from specserve.gateway.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
@@ -19,8 +23,9 @@ from specserve.gateway.cost import PassCost
 
 class ReplicaBudget:
     def __init__(self, cost: PassCost, tiers: Sequence[TierLoad], idle_ms: float, spec_steps: int = 0,
-                 kv_blocks: int = 0):
+                 kv_blocks: int = 0, longest_ms: float = math.inf):
         self.cost = cost
+        self.longest_ms = longest_ms
         self.kv_blocks = kv_blocks  # KV blocks the replica's requests will hold: the context its passes attend to
         self.tiers = list(tiers)
         self.idle_ms = idle_ms  # batch length when nothing decodes: the tightest TPOT offered
@@ -31,7 +36,7 @@ class ReplicaBudget:
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
         """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
-        return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks)
+        return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks, self.longest_ms)
 
     def cap(self, length_ms: float) -> int:
         c = self._caps.get(length_ms)
@@ -42,7 +47,7 @@ class ReplicaBudget:
     def shape(self, decoders: tuple[int, ...]) -> BatchShape:
         s = self._shapes.get(decoders)
         if s is None:
-            s = self._shapes[decoders] = batch_shape(decoders, self.tiers, self.cap, self.idle_ms)
+            s = self._shapes[decoders] = batch_shape(decoders, self.tiers, self.cap, self.idle_ms, self.longest_ms)
         return s
 
     def window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
@@ -51,8 +56,8 @@ class ReplicaBudget:
         if not self.plain:
             s = self.shape(decoders)
             return s.budget(ms) if s.feasible else None
-        t0 = min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0 and t.paced),
-                 default=self.idle_ms)
+        t0 = min(min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0 and t.paced),
+                     default=self.idle_ms), self.longest_ms)
         return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0), t0)
 
     def sustainable(self, decoders: tuple[int, ...]) -> bool:

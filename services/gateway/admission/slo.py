@@ -5,8 +5,10 @@ decoding requests (a constant per tier), its requests still prefilling (forced n
 requests offered to it, and admits the largest set whose TTFT and TPOT SLOs can all be met. Soft
 admission (digest §8):
 
-1. a request the replica declines is offered to the next replicas (`--router slo`: every replica, in
-   a rotating order; with `round-robin` / `least-loaded` only the router's pick is asked);
+1. each new request is offered first to the replica the router picks for it (so one iteration's
+   arrivals spread as under FIFO); one that replica declines is offered to the others with
+   `--router slo` (every replica, in a rotating order); with `round-robin` / `least-loaded` only the
+   router's pick is asked;
 2. then, if it allows best effort (`service_tier: "flex"`), it waits in the best-effort tier and is
    admitted when a replica can take it with no TTFT bound at the loosest TPOT, and always by a
    replica with nothing to run (work conserving: whatever the model says, an idle replica is spare);
@@ -29,7 +31,7 @@ really did. No I/O, no clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from specserve.gateway.admission.budget import TierLoad
@@ -89,8 +91,9 @@ class SloAdmission:
         self.spec_steps += a * (depth - self.spec_steps)
 
     # ---- the proposal --------------------------------------------------------------------------
-    def propose(self, view: SchedulerView, best_effort_ok: set[str], first_replica: int | None) -> Proposal:
-        """Admissions, deferrals, rejections and prompt chunks for this iteration."""
+    def propose(self, view: SchedulerView, best_effort_ok: set[str], first: Mapping[str, int] | None) -> Proposal:
+        """Admissions, deferrals, rejections and prompt chunks for this iteration. `first`: the replica the
+        router picks for each waiting request, asked first (absent: this plan's rotating first replica)."""
         self._prune(view)
         tpot_of = {r.rid: self.tier_of.setdefault(r.rid, r.tpot_ms) for r in view.decoding}
         tpot_of.update({p.rid: self.tier_of.get(p.rid, p.tpot_ms) for p in view.prefilling})
@@ -107,7 +110,11 @@ class SloAdmission:
             # with nothing decoding, batches last the tightest TPOT this replica can hold a token in
             # (a request asking for less must not stall everyone else's prefill)
             idle = min((t for t in tiers if cost.time2bs(t, 0, rep.reserved_blocks) >= 1), default=tiers[-1])
-            budgets[rep.index] = ReplicaBudget(cost, loads, idle, round(self.spec_steps), rep.reserved_blocks)
+            decoders = sum(1 for r in view.decoding if r.replica == rep.index)
+            longest = cost.planned_ms(view.limits.max_prefill_tokens + decoders, round(self.spec_steps),
+                                      rep.reserved_blocks)
+            budgets[rep.index] = ReplicaBudget(cost, loads, idle, round(self.spec_steps), rep.reserved_blocks,
+                                               longest)
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
             if r.replica in base:
@@ -170,19 +177,28 @@ class SloAdmission:
 
         order = [rep.index for rep in up]
         if order:
-            start = first_replica if first_replica in order else order[self._next % len(order)]
-            k = order.index(start)
+            k = self._next % len(order)
             order = order[k:] + order[:k]
             self._next += 1
-        hops = order if self.route_all else order[:1]
-        declined = list(offered)
-        for replica in hops:
-            declined = offer(replica, declined, best_effort=False)
+        home = {w.rid: first[w.rid] if first and first.get(w.rid) in order else order[0]
+                for w in offered} if order else {}
+
+        def route(cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
+            """Each candidate asks its own replica first (the router's pick); with `route_all`, those it
+            declines ask every other replica in turn. Returns the declined, in arrival order."""
+            took: set[str] = set()
+            for replica in order:
+                mine = [w for w in cands if home[w.rid] == replica]
+                took |= {w.rid for w in mine} - {w.rid for w in offer(replica, mine, best_effort)}
+            for replica in order if self.route_all else ():
+                others = [w for w in cands if home[w.rid] != replica and w.rid not in took]
+                took |= {w.rid for w in others} - {w.rid for w in offer(replica, others, best_effort)}
+            return [w for w in cands if w.rid not in took]
+
+        declined = route(list(offered), best_effort=False)
         for w in declined:
             self._count(self.last.declined, w.tier)
-        still = [w for w in declined if w.rid in best_effort_ok]
-        for replica in hops:
-            still = offer(replica, still, best_effort=True)
+        still = route([w for w in declined if w.rid in best_effort_ok], best_effort=True)
         waits = {w.rid for w in still}
         admitted = {a.rid for a in admit}
         for w in declined:
