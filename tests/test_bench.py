@@ -470,7 +470,10 @@ def up(tmp_path_factory):
     Profile(budget_tokens=24, baseline_iteration_ms=40.0, knee_ratio=1.2, curve=[(8, 30.0), (24, 40.0), (48, 70.0)],
             model="target", device="cpu", dtype="float32", created="2025-01-01T00:00:00", batch=8, input_tokens=32,
             output_tokens=128, reference_ms=30.0).save(profile)
-    server = Up("--profile", str(profile), "--", "--slo-class", "critical=1", "--slo-class", "chat=1000000")
+    # FIFO admission: the bench's accounting needs a request served that misses its SLO (critical = 1 ms),
+    # which SLO admission (the default) would refuse instead
+    server = Up("--profile", str(profile), "--", "--slo-class", "critical=1", "--slo-class", "chat=1000000",
+                "--admission", "fifo")
     yield server
     server.interrupt()
 

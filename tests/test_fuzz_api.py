@@ -251,7 +251,7 @@ def check(status: int, ctype: str, body: bytes, headers: dict, path: str, sent: 
         assert err["message"] and err["type"] == ("invalid_request_error" if status < 500 else "service_unavailable")
         assert err["param"] is None or isinstance(err["param"], str), where
         if status == 503:
-            assert "Retry-After" in headers, where
+            assert "retry-after" in {k.lower() for k in headers}, where
         return
     if ctype.startswith("text/event-stream"):
         events = [line[len("data: "):] for line in body.decode().split("\n") if line.startswith("data: ")]

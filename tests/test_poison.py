@@ -47,7 +47,10 @@ POISON = [
     ("seed -1", C, completion(temperature=0.8, seed=-1), 200, None),
     ("seed -2**63", C, completion(temperature=0.8, seed=-(2**63)), 200, None),
     ("seed 2**64-1", C, completion(temperature=2, seed=2**64 - 1), 200, None),
-    ("slo tpot 1e-300", C, completion(temperature=0, slo={"tpot_ms": 1e-300, "ttft_ms": 1e-300}), 200, None),
+    # no replica can promise it: SLO admission (the default) refuses it at once, beside the streams
+    ("slo tpot 1e-300", C, completion(temperature=0, slo={"tpot_ms": 1e-300, "ttft_ms": 1e-300}), 503, None),
+    ("slo tpot 1e-300, best effort", C,
+     completion(temperature=0, slo={"tpot_ms": 1e-300, "ttft_ms": 1e-300, "best_effort": True}), 200, None),
     ("prompt NUL and a surrogate pair", C, b'{"model": "target", "prompt": "\\u0000\\ud83d\\ude00", "max_tokens": 4}',
      200, None),
     ("top_k 1e30 (a float)", C, completion(top_k=1e30), 400, "top_k"),
@@ -120,6 +123,8 @@ def test_poison_hurts_no_stream(up, reference):
             assert answered < last_stream_end, f"{name} did not run beside the streams; the test proves little"
         else:
             err = resp.json()["error"]
-            assert err["type"] == "invalid_request_error" and err["message"], (name, err)
+            kind = "service_unavailable" if status == 503 else "invalid_request_error"
+            assert err["type"] == kind and err["message"], (name, err)
             assert err["param"] == param, (name, err)
+            assert status != 503 or int(resp.headers["retry-after"]) >= 1, name
     wait_all_free(up)

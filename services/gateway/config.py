@@ -48,9 +48,10 @@ class GatewayConfig(Settings):
                                 default_text="the profile's")
     max_running: int = option(64, "most requests bound to one target replica at once")
     max_prefill_tokens: int = option(256, "most prompt tokens in one replica's pass (chunked prefill)")
-    admission: str = option("fifo", "fifo: admit in arrival order while KV and max_running allow; slo: SLOs-Serve's "
-                            "planner admits only what can meet its TTFT and TPOT SLOs (declined: the next replica, "
-                            "then best effort for service_tier flex, else 503 with Retry-After)",
+    admission: str = option("slo", "slo: SLOs-Serve's planner admits only what can meet its TTFT and TPOT SLOs "
+                            "(declined: the next replica with --router slo, then best effort for a request that "
+                            "allows it or asks for no SLO, else 503 with Retry-After); fifo: admit in arrival order "
+                            "while KV and max_running allow",
                             choices=("fifo", "slo"))
     kv_lookahead_tokens: int = option(0, "0: a request reserves KV for prompt + max_tokens when admitted; N > 0: "
                                       "for its context + N output tokens, grown by N as it goes; when its replica is "
