@@ -335,6 +335,44 @@ def test_a_cpu_like_profile_admits_a_lone_critical_request_from_the_start():
     assert [a.rid for a in p.admit] == ["c"] and p.reject == {}
 
 
+SIM_7B_CURVE = [(8, 55.363), (16, 57.443), (24, 56.723), (32, 56.856), (48, 58.492), (64, 59.661)]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_tier_that_needs_speculation_is_planned_with_the_policys_prior(steps):
+    """The simulated 7B preset (x4): the critical class is 1.0x the 53 ms baseline, below a pass with a
+    draft call. Planned as plain decoding it is refused even on an idle replica (it was, every one, in
+    the default's first sweep); with the policy's prior (a one-token chain: 2 nodes, 1.76 tokens per
+    pass) it is admitted, and a policy that never drafts still has it refused."""
+    def propose(prior):
+        adm = SloAdmission()
+        adm.spec_steps, adm.spec_prior = steps, prior
+        crit = WaitingView("c", 60, 128, 12, "critical", 52.974, 1000.0, 0.0)
+        return adm.propose(cpu_view([crit], cost=PassCost(128, 52.974, list(SIM_7B_CURVE))), set(), None)
+
+    assert [a.rid for a in propose((2.0, 1.76)).admit] == ["c"]
+    assert "c" in propose((1.0, 1.0)).reject
+
+
+def test_a_lone_prompt_is_prefilled_in_the_largest_chunks_when_nothing_decodes():
+    """The tightest class holds one token per pass (52.95 ms for 1, 53.0 for 2, against 52.974): with
+    nothing decoding, batches that short would prefill a 60-token prompt in 60 passes (3.2 s > its 1 s
+    TTFT). No TPOT bounds a pass then, so it goes in the largest chunks and is admitted."""
+    cost = linear_cost(0.05, 52.9)
+    assert cost.time2bs(52.974) == 1
+    crit = WaitingView("c", 60, 128, 12, "critical", 52.974, 1000.0, 0.0)
+    p = SloAdmission().propose(cpu_view([crit], cost=cost), set(), None)
+    assert [a.rid for a in p.admit] == ["c"] and p.chunks == {"c": 60}
+
+
+def test_speculating_policies_offer_a_prior_and_plain_batching_none():
+    from specserve.gateway.policy import make_policy
+
+    assert make_policy("none").spec_prior() == (1.0, 1.0)
+    nodes, tokens = make_policy("joint").spec_prior()
+    assert nodes == 2.0 and 1.0 < tokens < 2.0  # one draft token at the prior acceptance rate
+
+
 def test_the_live_cost_keeps_room_for_a_lone_critical_decoder():
     rng = random.Random(5)
     cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))

@@ -73,7 +73,8 @@ class Scheduler:
         return Proposal(admit, defer, chunks, per_replica)
 
     def _slo_proposal(self, view: SchedulerView, admission: SloAdmission) -> Proposal:
-        """The planner asks each waiting request's router pick first (a trial run, as FIFO's)."""
+        """The planner asks each waiting request's router pick first (a trial run, as FIFO's), knowing
+        what the speculation policy can give a tier that needs it (`Policy.spec_prior`)."""
         ledgers = _ledgers(view)
         router = copy.copy(self.router)
         first: dict[str, int] = {}
@@ -83,6 +84,7 @@ class Scheduler:
                 ledgers[replica].take(w.kv_blocks)
                 router.picked(replica)
                 first[w.rid] = replica
+        admission.spec_prior = self.policy.spec_prior()
         return admission.propose(view, {w.rid for w in view.waiting if w.best_effort}, first)
 
     def _fifo_chunks(self, view: SchedulerView, admitted: list[Admit]) -> tuple[dict[str, int], list[int]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from specserve.gateway.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
+from specserve.gateway.admission.budget import EPS, BatchShape, TierLoad, batch_shape, pb_closed_form
 from specserve.gateway.admission.dp import Budget
 from specserve.gateway.cost import PassCost
 
@@ -28,37 +28,45 @@ class ReplicaBudget:
         self.longest_ms = longest_ms
         self.kv_blocks = kv_blocks  # KV blocks the replica's requests will hold: the context its passes attend to
         self.tiers = list(tiers)
-        self.idle_ms = idle_ms  # batch length when nothing decodes: the tightest TPOT offered
+        self.idle_ms = idle_ms  # batch length when nothing decodes (the longest pass, when finite)
         self.spec_steps = spec_steps
         self.plain = all(t.cost == 1.0 and t.gain == 1.0 for t in self.tiers)
         self._shapes: dict[tuple[int, ...], BatchShape] = {}
-        self._caps: dict[float, int] = {}
+        self._caps: dict[tuple[float, int], int] = {}
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
         """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
         return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks, self.longest_ms)
 
-    def cap(self, length_ms: float) -> int:
-        c = self._caps.get(length_ms)
+    def cap(self, length_ms: float, spec_steps: int | None = None) -> int:
+        """Tokens one pass of `length_ms` holds, with the draft call of `spec_steps` (default: the
+        replica's moving average; 0 when nothing decodes, so nothing drafts)."""
+        steps = self.spec_steps if spec_steps is None else spec_steps
+        c = self._caps.get((length_ms, steps))
         if c is None:
-            c = self._caps[length_ms] = self.cost.time2bs(length_ms, self.spec_steps, self.kv_blocks)
+            c = self._caps[(length_ms, steps)] = self.cost.time2bs(length_ms, steps, self.kv_blocks)
         return c
 
     def shape(self, decoders: tuple[int, ...]) -> BatchShape:
         s = self._shapes.get(decoders)
         if s is None:
-            s = self._shapes[decoders] = batch_shape(decoders, self.tiers, self.cap, self.idle_ms, self.longest_ms)
+            steps = self.spec_steps if any(decoders) else 0
+            s = self._shapes[decoders] = batch_shape(decoders, self.tiers, lambda ms: self.cap(ms, steps),
+                                                     self.idle_ms, self.longest_ms)
         return s
 
     def window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
         if ms <= 0:
             return 0
+        if not any(decoders):  # no TPOT sets the batch: the best of the tiers' lengths and the longest pass
+            lengths = {min(t.tpot_ms * t.gain, self.longest_ms) for t in self.tiers if t.paced} | {self.idle_ms}
+            return max(int(math.floor(ms / n + EPS)) * self.cap(n, 0) for n in lengths if math.isfinite(n))
         if not self.plain:
             s = self.shape(decoders)
             return s.budget(ms) if s.feasible else None
         t0 = min(min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0 and t.paced),
                      default=self.idle_ms), self.longest_ms)
-        return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0), t0)
+        return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0, self.spec_steps if any(decoders) else 0), t0)
 
     def sustainable(self, decoders: tuple[int, ...]) -> bool:
         return self.shape(decoders).feasible

@@ -74,6 +74,7 @@ class SloAdmission:
         self.tier_of: dict[str, float] = {}  # rid -> its TPOT, ms (for observe)
         self.best_effort: set[str] = set()  # rids admitted in the best-effort tier
         self.spec_steps = 0.0  # moving average of the deepest beam per iteration
+        self.spec_prior = (1.0, 1.0)  # (nodes, tokens) per pass the policy can give a tier that needs it
         self.last = AdmissionCounts()
         self._next = 0  # rotating first replica (SLO-aware routing)
 
@@ -101,20 +102,19 @@ class SloAdmission:
         be_tpot = BEST_EFFORT_TPOT_MS
         tiers = sorted(tpots | {be_tpot})
         index = {t: i for i, t in enumerate(tiers)}
-        loads = [self._load(t) for t in tiers]
-
         up = [rep for rep in view.replicas if rep.up]
+        steps = round(self.spec_steps)
+        needs = {t for t in tiers if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
+        loads = [self._load(t, t in needs) for t in tiers]
+
         budgets = {}
         for rep in up:
             cost = rep.cost
-            # with nothing decoding, batches last the tightest TPOT this replica can hold a token in
-            # (a request asking for less must not stall everyone else's prefill)
-            idle = min((t for t in tiers if cost.time2bs(t, 0, rep.reserved_blocks) >= 1), default=tiers[-1])
             decoders = sum(1 for r in view.decoding if r.replica == rep.index)
-            longest = cost.planned_ms(view.limits.max_prefill_tokens + decoders, round(self.spec_steps),
-                                      rep.reserved_blocks)
-            budgets[rep.index] = ReplicaBudget(cost, loads, idle, round(self.spec_steps), rep.reserved_blocks,
-                                               longest)
+            longest = cost.planned_ms(view.limits.max_prefill_tokens + decoders, steps, rep.reserved_blocks)
+            # with nothing decoding no TPOT bounds a pass: prompts go in the largest chunks (a batch as
+            # short as the tightest tier's held a single token, and a lone prompt missed its TTFT)
+            budgets[rep.index] = ReplicaBudget(cost, loads, longest, steps, rep.reserved_blocks, longest)
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
             if r.replica in base:
@@ -265,13 +265,19 @@ class SloAdmission:
                     per_replica[replica] += take
         return chunks, per_replica
 
-    def _load(self, tpot: float) -> TierLoad:
+    def _load(self, tpot: float, needs_speculation: bool) -> TierLoad:
+        """A tier's measured cost and gain; for one whose batch cannot hold two tokens without
+        speculation, at least the policy's prior (its requests are the ones the policy drafts for, so
+        what the tier measured while it had slack does not say what it gets when at risk)."""
         if tpot >= BEST_EFFORT_TPOT_MS:
             return TierLoad(tpot, paced=False)
         st = self.stats.get(tpot)
-        if st is None or (st.cost <= 1.0 + 1e-6 and st.gain <= 1.0 + 1e-6):
+        cost, gain = (st.cost, st.gain) if st is not None else (1.0, 1.0)
+        if needs_speculation and self.spec_prior[1] > gain:
+            cost, gain = self.spec_prior
+        if cost <= 1.0 + 1e-6 and gain <= 1.0 + 1e-6:
             return TierLoad(tpot)
-        return TierLoad(tpot, max(st.cost, 1.0), max(st.gain, 1.0))
+        return TierLoad(tpot, max(cost, 1.0), max(gain, 1.0))
 
     def _prune(self, view: SchedulerView) -> None:
         """Forget requests that are gone (the scheduler never hears of a finish)."""

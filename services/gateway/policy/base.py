@@ -92,6 +92,11 @@ class Policy:
     def observe(self, record: IterationRecord) -> None:
         """Called after every iteration that ran a target pass."""
 
+    def spec_prior(self) -> tuple[float, float]:
+        """(tree nodes, tokens) per pass this policy can give a request whose TPOT needs speculation: SLO
+        admission's prior for such a tier until it has measured more (1, 1: it never speculates)."""
+        return 1.0, 1.0
+
     def describe(self) -> dict:
         return {"name": self.name}
 

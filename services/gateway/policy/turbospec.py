@@ -184,6 +184,10 @@ class TurboSpec(Policy):
     def observe(self, record: IterationRecord) -> None:
         self.control.observe(record)
 
+    def spec_prior(self) -> tuple[float, float]:
+        """The cheapest chain, one draft token, at the acceptance rate estimated now."""
+        return 2.0, expected_tokens(self.control.acceptance.rate, 1)
+
     def describe(self) -> dict:
         c = self.control
         return {"name": self.name, "max_k": c.max_k, "margin": c.margin, "probe_every": c.probe_every}
