@@ -105,7 +105,8 @@ class SloAdmission:
         up = [rep for rep in view.replicas if rep.up]
         steps = round(self.spec_steps)
         needs = {t for t in tiers if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
-        loads = [self._load(t, t in needs) for t in tiers]
+        measuring = set(tpot_of.values())  # tiers with requests running now: what they get is measured
+        loads = [self._load(t, t in needs and t not in measuring) for t in tiers]
 
         budgets = {}
         for rep in up:
@@ -265,15 +266,15 @@ class SloAdmission:
                     per_replica[replica] += take
         return chunks, per_replica
 
-    def _load(self, tpot: float, needs_speculation: bool) -> TierLoad:
-        """A tier's measured cost and gain; for one whose batch cannot hold two tokens without
-        speculation, at least the policy's prior (its requests are the ones the policy drafts for, so
-        what the tier measured while it had slack does not say what it gets when at risk)."""
+    def _load(self, tpot: float, prior: bool) -> TierLoad:
+        """A tier's measured cost and gain; with `prior` (its batch cannot hold two tokens without
+        speculation, and none of its requests runs now to measure what the policy gives it), at least
+        the policy's prior: what it measured earlier, at another load, does not say what it gets now."""
         if tpot >= BEST_EFFORT_TPOT_MS:
             return TierLoad(tpot, paced=False)
         st = self.stats.get(tpot)
         cost, gain = (st.cost, st.gain) if st is not None else (1.0, 1.0)
-        if needs_speculation and self.spec_prior[1] > gain:
+        if prior and self.spec_prior[1] > gain:
             cost, gain = self.spec_prior
         if cost <= 1.0 + 1e-6 and gain <= 1.0 + 1e-6:
             return TierLoad(tpot)
