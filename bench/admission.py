@@ -2,6 +2,7 @@
 
     python bench/admission.py knee       # target 1a: FIFO attainment vs rate on one real CPU replica
     python bench/admission.py overload   # target 1b: FIFO and SLO admission side by side at 2x the knee
+    python bench/admission.py overload --rate 2.25 --mix flex=1:short --tag flex   # traffic with no SLO
     python bench/admission.py capacity --admission slo --targets 4 --simulate llama2-7b-a100 --router slo
     python bench/admission.py burst      # target 3: 3x the sustainable rate for 10 s, then back down
     python bench/admission.py spike --requests 150   # issue 30's burst: N critical requests at once
@@ -208,7 +209,8 @@ def gateway_args(args: argparse.Namespace, admission: str) -> list[str]:
 
 def setting(args: argparse.Namespace) -> dict:
     return {"simulate": args.simulate, "targets": args.targets, "router": args.router, "policy": args.policy,
-            "gateway_args": args.gateway_args.split(), "mix": MIX, "profile": str(profile_for(args))}
+            "gateway_args": args.gateway_args.split(), "mix": getattr(args, "mix", MIX),
+            "profile": str(profile_for(args))}
 
 
 def save(name: str, result: dict) -> Path:
@@ -277,7 +279,7 @@ def cmd_overload(args: argparse.Namespace) -> None:
         for admission in order:
             with stack_for(args, admission) as stack:
                 p = run_point(stack, f"{_tagged('overload', args)}-{admission}-run{run}", args.seed + 100 * run,
-                              num_requests=n_for(rate, args.duration_s), request_rate=rate)
+                              num_requests=n_for(rate, args.duration_s), request_rate=rate, mix=args.mix)
                 p["blocks"] = blocks_free(stack)
             runs.append({"admission": admission, "run": run} | p)
     save(_tagged("overload", args), {"setting": setting(args), "rate": rate, "duration_s": args.duration_s,
@@ -450,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     common(p, 45.0)
     p.add_argument("--rate", type=float, default=None, help="default: 2x knee.json's knee")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--mix", default=MIX, help="the bench's --mix (e.g. flex=1:short: no request with an SLO)")
     p.set_defaults(fn=cmd_overload)
     p = sub.add_parser("capacity", help="target 2: the highest rate with >= 90%% attainment")
     common(p, 30.0)

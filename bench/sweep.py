@@ -11,7 +11,8 @@ Method (AdaServe §5 scaled to this machine, see docs/benchmarks.md):
    chat = 1.0x / 2.4x / 8x the baseline).
 2. chain:K for the best K (full sweep only): each K in --chain-ks serves one load point at
    --calibration-rate; the K with the highest goodput is the chain policy of the sweep.
-3. For each run and each policy (the order rotates by run, so drift hits all policies alike), the
+3. For each run and each policy (`NAME@slo`: with SLO-aware admission, the default system being
+   `joint@slo`; a plain name: FIFO admission; the order rotates by run, so drift hits all policies alike), the
    target, draft and gateway are started fresh, warmed up, and then:
    - in the first run, a concurrency-1 point: the first short prompts in order, 64 tokens each,
      critical tier (the prompts and length bench/hf_peer.py uses);
@@ -108,7 +109,7 @@ class Stack:
             raise errors[0]
         replicas = [arg for k in kinds for arg in ("--target", started[k].address)]
         self.gateway = ServiceProcess("gateway", "--draft", started["draft"].address, *replicas,
-                                      "--policy", policy, "--profile", str(profile), *gateway_args)
+                                      *policy_args(policy, gateway_args), "--profile", str(profile), *gateway_args)
         self.procs.append(self.gateway)
         self.url = self.gateway.address
 
@@ -194,6 +195,16 @@ def load_point(url: str, out: Path, label: str, rate: float, duration_s: float, 
 def solo_point(url: str, out: Path, label: str, requests: int) -> dict:
     return bench_point(url, out, label, num_requests=requests, max_tokens=SOLO["max_tokens"],
                        mix=SOLO["mix"], sequential_prompts=True, max_concurrency=1)
+
+
+def policy_args(policy: str, gateway_args: list[str]) -> list[str]:
+    """A sweep's policy as gateway flags: `NAME@slo` (or `@fifo`) names the admission too; a plain name
+    runs with FIFO admission (every figure taken before SLO admission became the default, 2026-11-25),
+    unless `gateway_args` names one. The default system is `joint@slo`."""
+    name, _, admission = policy.partition("@")
+    if "--admission" in gateway_args:
+        return ["--policy", name] if not admission else ["--policy", name, "--admission", admission]
+    return ["--policy", name, "--admission", admission or "fifo"]
 
 
 def slug(policy: str) -> str:

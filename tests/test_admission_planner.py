@@ -354,34 +354,6 @@ def test_a_tier_that_needs_speculation_is_planned_with_the_policys_prior(steps):
     assert "c" in propose((1.0, 1.0)).reject
 
 
-def test_a_lone_prompt_is_prefilled_in_the_largest_chunks_when_nothing_decodes():
-    """The tightest class holds one token per pass (52.95 ms for 1, 53.0 for 2, against 52.974): with
-    nothing decoding, batches that short would prefill a 60-token prompt in 60 passes (3.2 s > its 1 s
-    TTFT). No TPOT bounds a pass then, so it goes in the largest chunks and is admitted."""
-    cost = linear_cost(0.05, 52.9)
-    assert cost.time2bs(52.974) == 1
-    crit = WaitingView("c", 60, 128, 12, "critical", 52.974, 1000.0, 0.0)
-    p = SloAdmission().propose(cpu_view([crit], cost=cost), set(), None)
-    assert [a.rid for a in p.admit] == ["c"] and p.chunks == {"c": 60}
-
-
-def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
-    """The critical tier measured 1.05 tokens per pass under load: while its requests run, that is what
-    it gets, and a new one is refused; with none running the policy's prior stands in again (a tier
-    refused once is not refused for good on what it measured at another load)."""
-    from specserve.gateway.admission.slo import TierStats
-
-    def propose(decoding):
-        adm = SloAdmission()
-        adm.spec_steps, adm.spec_prior = 1, (2.0, 1.76)
-        adm.stats[52.974] = TierStats(cost=1.1, gain=1.05)
-        crit = WaitingView("c", 60, 128, 12, "critical", 52.974, 1000.0, 0.0)
-        return adm.propose(cpu_view([crit], decoding, cost=PassCost(128, 52.974, list(SIM_7B_CURVE))), set(), None)
-
-    assert "c" in propose([d("running", tpot=52.974)]).reject
-    assert [a.rid for a in propose([]).admit] == ["c"]
-
-
 def test_speculating_policies_offer_a_prior_and_plain_batching_none():
     from specserve.gateway.policy import make_policy
 

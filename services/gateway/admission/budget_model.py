@@ -5,7 +5,7 @@ digest's terms every decoder is due in every batch, whatever its TPOT: a looser 
 budget by skipping batches, it only lengthens the batch it may ride. Plain decoding (every tier
 costs and yields one token per pass) is therefore the closed form of Algorithm 2 with every TPOT_r
 = t0, i.e. B·(time2bs(t0) − n); with speculation it is the §7 form with the measured per-tier cost
-and gain (budget.py). The batch length with nothing decoding is `idle_ms`; no batch is longer than
+and gain (budget.py). The batch length with nothing decoding is `idle_ms`, and no batch is longer than
 `longest_ms`, the planned time of the largest pass the engine runs (its prefill cap beside its
 decoders): a loose TPOT (say 100 s) does not make one pass of 100 s, the engine runs many short ones,
 so a prompt's TTFT is met within a fraction of that TPOT.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from specserve.gateway.admission.budget import EPS, BatchShape, TierLoad, batch_shape, pb_closed_form
+from specserve.gateway.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
 from specserve.gateway.admission.dp import Budget
 from specserve.gateway.cost import PassCost
 
@@ -28,7 +28,7 @@ class ReplicaBudget:
         self.longest_ms = longest_ms
         self.kv_blocks = kv_blocks  # KV blocks the replica's requests will hold: the context its passes attend to
         self.tiers = list(tiers)
-        self.idle_ms = idle_ms  # batch length when nothing decodes (the longest pass, when finite)
+        self.idle_ms = idle_ms  # batch length when nothing decodes
         self.spec_steps = spec_steps
         self.plain = all(t.cost == 1.0 and t.gain == 1.0 for t in self.tiers)
         self._shapes: dict[tuple[int, ...], BatchShape] = {}
@@ -58,9 +58,6 @@ class ReplicaBudget:
     def window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
         if ms <= 0:
             return 0
-        if not any(decoders):  # no TPOT sets the batch: the best of the tiers' lengths and the longest pass
-            lengths = {min(t.tpot_ms * t.gain, self.longest_ms) for t in self.tiers if t.paced} | {self.idle_ms}
-            return max(int(math.floor(ms / n + EPS)) * self.cap(n, 0) for n in lengths if math.isfinite(n))
         if not self.plain:
             s = self.shape(decoders)
             return s.budget(ms) if s.feasible else None

@@ -113,9 +113,13 @@ class SloAdmission:
             cost = rep.cost
             decoders = sum(1 for r in view.decoding if r.replica == rep.index)
             longest = cost.planned_ms(view.limits.max_prefill_tokens + decoders, steps, rep.reserved_blocks)
-            # with nothing decoding no TPOT bounds a pass: prompts go in the largest chunks (a batch as
-            # short as the tightest tier's held a single token, and a lone prompt missed its TTFT)
-            budgets[rep.index] = ReplicaBudget(cost, loads, longest, steps, rep.reserved_blocks, longest)
+            # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
+            # a pass gives it, the speculation prior included) that holds a token without a draft call:
+            # the prompts admitted now decode at that pace once prefilled (planning them in the largest
+            # chunks admitted a burst's requests that then missed their TTFT)
+            idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
+                        if cost.time2bs(n, 0, rep.reserved_blocks) >= 1), default=longest)
+            budgets[rep.index] = ReplicaBudget(cost, loads, idle, steps, rep.reserved_blocks, longest)
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
             if r.replica in base:
