@@ -73,12 +73,12 @@ class Scheduler:
         return Proposal(admit, defer, chunks, per_replica)
 
     def _slo_proposal(self, view: SchedulerView, admission: SloAdmission) -> Proposal:
-        """The planner asks each waiting request's router pick first (a trial run, as FIFO's), knowing
-        what the speculation policy can give a tier that needs it (`Policy.spec_prior`)."""
+        """The planner asks each request it is offered its router pick first (a trial run, as FIFO's),
+        knowing what the speculation policy can give a tier that needs it (`Policy.spec_prior`)."""
         ledgers = _ledgers(view)
         router = copy.copy(self.router)
         first: dict[str, int] = {}
-        for w in view.waiting:
+        for w in view.waiting[:admission.max_new]:  # the planner offers no more this iteration
             replica = router.pick(ledgers, w.kv_blocks, view.limits.max_running)
             if replica is not None:
                 ledgers[replica].take(w.kv_blocks)

@@ -47,10 +47,14 @@ class ReplicaBudget:
             c = self._caps[(length_ms, steps)] = self.cost.time2bs(length_ms, steps, self.kv_blocks)
         return c
 
+    def _steps(self, decoders: tuple[int, ...]) -> int:
+        """The draft call's depth in a pass with these decoders: none when nothing decodes."""
+        return self.spec_steps if any(decoders) else 0
+
     def shape(self, decoders: tuple[int, ...]) -> BatchShape:
         s = self._shapes.get(decoders)
         if s is None:
-            steps = self.spec_steps if any(decoders) else 0
+            steps = self._steps(decoders)
             s = self._shapes[decoders] = batch_shape(decoders, self.tiers, lambda ms: self.cap(ms, steps),
                                                      self.idle_ms, self.longest_ms)
         return s
@@ -63,7 +67,7 @@ class ReplicaBudget:
             return s.budget(ms) if s.feasible else None
         t0 = min(min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0 and t.paced),
                      default=self.idle_ms), self.longest_ms)
-        return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0, self.spec_steps if any(decoders) else 0), t0)
+        return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0, self._steps(decoders)), t0)
 
     def sustainable(self, decoders: tuple[int, ...]) -> bool:
         return self.shape(decoders).feasible

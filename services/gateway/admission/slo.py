@@ -108,11 +108,15 @@ class SloAdmission:
         measuring = set(tpot_of.values())  # tiers with requests running now: what they get is measured
         loads = [self._load(t, t in needs and t not in measuring) for t in tiers]
 
+        base = {rep.index: [0] * len(tiers) for rep in up}
+        for r in view.decoding:
+            if r.replica in base:
+                base[r.replica][index[tpot_of[r.rid]]] += 1
         budgets = {}
         for rep in up:
             cost = rep.cost
-            decoders = sum(1 for r in view.decoding if r.replica == rep.index)
-            longest = cost.planned_ms(view.limits.max_prefill_tokens + decoders, steps, rep.reserved_blocks)
+            longest = cost.planned_ms(view.limits.max_prefill_tokens + sum(base[rep.index]), steps,
+                                      rep.reserved_blocks)
             # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
             # a pass gives it, the speculation prior included) that holds a token without a draft call:
             # the prompts admitted now decode at that pace once prefilled (planning them in the largest
@@ -120,10 +124,6 @@ class SloAdmission:
             idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
                         if cost.time2bs(n, 0, rep.reserved_blocks) >= 1), default=longest)
             budgets[rep.index] = ReplicaBudget(cost, loads, idle, steps, rep.reserved_blocks, longest)
-        base = {rep.index: [0] * len(tiers) for rep in up}
-        for r in view.decoding:
-            if r.replica in base:
-                base[r.replica][index[tpot_of[r.rid]]] += 1
         held = {rep.index: [Node(p.rid, index[tpot_of[p.rid]], p.prompt_tokens - p.prefilled,
                                  p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
                 for rep in up}  # forced nodes: admitted before, and those admitted in this plan
