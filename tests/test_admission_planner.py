@@ -253,7 +253,8 @@ def test_the_first_token_bound_shares_every_replicas_prefill_passes():
 
     one = linear_cost(0.1, 5.0)  # a 256-token pass: 30.6 ms, so 256 / 30.6 prompt tokens per ms
     rate = 256 / 30.6
-    assert first_token_bound_ms(100, 0, [one], 256) == pytest.approx(100 / rate)
+    assert first_token_bound_ms(100, 0, [one], 256) == pytest.approx(one.iteration_ms(100))  # one 100-token pass
+    assert first_token_bound_ms(200, 56, [one], 256) == pytest.approx(256 / rate)
     assert first_token_bound_ms(100, 900, [one], 256) == pytest.approx(1000 / rate)  # the prompts due before it
     assert first_token_bound_ms(100, 900, [one, linear_cost(0.1, 5.0)], 256) == pytest.approx(500 / rate)
     assert first_token_bound_ms(100, 0, [], 256) == math.inf  # no replica: nothing can be met

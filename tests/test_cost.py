@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specserve.gateway.cost import PassCost, PassSample, sample_of
@@ -75,3 +77,29 @@ def test_the_planner_and_the_policy_price_one_iteration_the_same():
     _, policy_ms = GoodputControl().step_ms(batch, cost, batch.requests, 0)
     assert policy_ms == pytest.approx(cost.iteration_ms(4))
     assert cost.planned_ms(4) >= policy_ms  # the planner adds its margin to the same prediction
+
+
+def test_one_stalled_pass_does_not_set_a_counts_time_for_good():
+    # a 256-token chunk timed once, stalled (the machine busy elsewhere), then only short passes: at
+    # concurrency 1 that count is never timed again, and the arrival check prices prompts from it
+    cost = PassCost(8, 18.6, [(8, 27.0), (256, 161.0)])
+    for n, ms in ((46, 57.0), (154, 65.0)):
+        cost.observe(PassSample(n, ms, ms + 1.0, ms + 2.0, 0.5))
+    cost.observe(PassSample(256, 7600.0, 7601.0, 7602.0, 0.5))
+    assert cost.target_ms(256) <= 3 * (65.0 + 0.6 * 102)  # at most 3x its price before that pass
+    for _ in range(10):  # a slower machine is still learnt, a few passes later
+        cost.observe(PassSample(256, 1000.0, 1001.0, 1002.0, 0.5))
+    assert cost.target_ms(256) == pytest.approx(1000.0, rel=0.1)
+
+
+def test_short_passes_alone_do_not_tilt_the_slope_the_table_is_extended_with():
+    # concurrency 1: decode steps of 1-5 tokens, noisy, then a prompt larger than any timed pass
+    rng = random.Random(3)
+    cost = PassCost(8, 18.6, [(8, 27.0), (64, 61.0), (256, 161.0)])
+    cost.observe(PassSample(60, 40.0, 41.0, 42.0, 0.5))
+    for _ in range(500):
+        n = rng.randint(1, 5)
+        ms = 14.0 + 1.5 * n + rng.expovariate(1 / 3)
+        cost.observe(PassSample(n, ms, ms + 1.0, ms + 2.0, 0.5))
+    slope = (cost.target_ms(256) - cost.target_ms(60)) / (256 - 60)
+    assert 0.3 < slope < 0.8  # the profile's 0.53 ms per token, not what 1-5 token passes suggest

@@ -12,9 +12,12 @@ depth d and width w for `spec` requests that catch up `lag` committed tokens:
 
 - `target(tokens, kv)`: the target service's time. At a token count it has timed, the moving
   average of those passes; between timed counts, interpolated; beyond them, a line c0 + c1 * tokens
-  (fitted from the profile's curve, refitted online) moved to pass through the nearest timed count.
-  A line alone is wrong at small counts on a CPU, where a 1-token pass takes a cheap matrix-vector
-  path. The context term k_kv * (kv - kv at that count) corrects for the KV held; k_kv is fitted on
+  (fitted from the profile's curve, refitted online with the profile as a prior that keeps the weight
+  of LINE_PRIOR_PASSES passes) moved to pass through the nearest timed count. A line alone is wrong at
+  small counts on a CPU, where a 1-token pass takes a cheap matrix-vector path. A pass at or above
+  the least timed count enters the table (and the line) at most OUTLIER_FACTOR times what it was
+  priced at: a count timed once (a 256-token chunk at concurrency 1) would otherwise keep one stalled
+  pass's time for good. The context term k_kv * (kv - kv at that count) corrects for the KV held; k_kv is fitted on
   the variation at one token count (so the token count, which grows with the batch as the KV does,
   cannot take its place) and is not carried beyond the least and most blocks seen (a slope through
   two clusters a block apart once priced a pass with no context at nothing).
@@ -50,16 +53,27 @@ DRAFT_STEP_SHARE = 0.15  # the draft's prior: one beam step costs this share of 
 MAX_PASS_TOKENS = 1 << 20  # time2bs never answers more
 LOW_QUANTILE, HIGH_QUANTILE = 0.5, 0.9  # the planner's margin for passes of <= B tokens and above
 ERROR_WINDOW = 20_000  # iterations whose prediction error `error_summary` reports
+LINE_PRIOR_PASSES = 20.0  # the profile's line weighs as this many passes (the data's weight tops out near 50)
+OUTLIER_FACTOR = 3.0  # a pass enters the table at most this many times the time it was priced at
 
 
 class OnlineLinear:
     """y = theta . x, a ridge regression toward `prior` with exponential forgetting (closed form, small n)."""
 
-    def __init__(self, prior: list[float], prior_weight: float = 1.0, decay: float = 0.98):
+    def __init__(self, prior: list[float], prior_weight: float = 1.0, decay: float = 0.98,
+                 prior_points: list[list[float]] | None = None):
+        """prior_points: the prior weighs as `prior_weight` observations spread over these x (which do not
+        decay), instead of `prior_weight` on each coefficient: a slope's prior then means as much as the
+        range it was measured over, whatever the units of x."""
         self.prior = list(prior)
         self.prior_weight = prior_weight
         self.decay = decay
         n = len(prior)
+        if prior_points:
+            x = np.asarray(prior_points, dtype=np.float64)
+            self.precision = prior_weight * (x.T @ x) / len(x)
+        else:
+            self.precision = prior_weight * np.eye(n)
         self.xtx = np.zeros((n, n))
         self.xty = np.zeros(n)
         self.theta = list(prior)
@@ -68,9 +82,7 @@ class OnlineLinear:
         v = np.asarray(x, dtype=np.float64)
         self.xtx = self.xtx * self.decay + weight * np.outer(v, v)
         self.xty = self.xty * self.decay + weight * v * y
-        lam = self.prior_weight
-        a = self.xtx + lam * np.eye(len(v))
-        theta = np.linalg.solve(a, self.xty + lam * np.asarray(self.prior))
+        theta = np.linalg.solve(self.xtx + self.precision, self.xty + self.precision @ np.asarray(self.prior))
         self.theta = [max(0.0, float(t)) for t in theta]  # no coefficient is negative time
 
     def predict(self, x: list[float]) -> float:
@@ -128,8 +140,10 @@ class PassCost:
         self.smoothing = smoothing  # weight of the newest iteration in every moving average
         self.t_spec_ms = t_spec_ms if t_spec_ms > 0 else baseline_iteration_ms  # moving average of iterations
         c0, c1 = _line(self.curve, baseline_iteration_ms)
-        # the line's prior weighs like a few dozen passes; the draft's, from a share of the baseline per step
-        self.line = OnlineLinear([c0, c1], prior_weight=50.0)
+        # the line's prior weighs like LINE_PRIOR_PASSES passes spread over the profile's curve, and never
+        # decays: passes of a few tokens alone (concurrency 1) cannot tilt the slope it extrapolates with
+        self.line = OnlineLinear([c0, c1], prior_weight=LINE_PRIOR_PASSES,
+                                 prior_points=[[1.0, float(n)] for n, _ in self.curve] if len(self.curve) > 1 else None)
         self.seen: dict[int, tuple[float, float]] = {}  # tokens -> moving averages of (service ms, kv blocks)
         self._keys: list[int] = []
         self.kv_slope = [0.0, 0.0]  # decayed sums of d_kv * d_ms and d_kv ** 2 at one token count
@@ -247,6 +261,8 @@ class PassCost:
 
     def _observe_target(self, tokens: int, kv: float, ms: float) -> None:
         a = self.smoothing
+        if tokens >= (self._keys[0] if self._keys else ANCHOR_TOKENS):  # below the table the line is no reference
+            ms = min(ms, OUTLIER_FACTOR * self.target_ms(tokens, int(kv)))  # one stalled pass cannot set a count's time
         self.line.observe([1.0, float(tokens)], ms)
         old = self.seen.get(tokens)
         if old is None:
