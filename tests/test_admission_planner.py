@@ -480,3 +480,22 @@ def test_who_may_run_best_effort():
     assert not allows_best_effort(None, SloSpec(tpot_ms=10.0))
     assert allows_best_effort(None, SloSpec(tpot_ms=10.0, best_effort=True))
     assert not allows_best_effort("flex", SloSpec(best_effort=False))
+
+
+def test_decoders_ahead_of_their_tpot_let_longer_batches_admit_a_long_prompt():
+    # 45 decoders of a 10 ms tier: a 10 ms batch holds 50 tokens, 5 left for prompts, 500 in 1 s
+    def dec(rid, elapsed):  # 50 tokens decoded in `elapsed` ms, 100 to go: pace (1500 - elapsed) / 100
+        return RequestView(rid, "chat", 10.0, 1000.0, 50, elapsed, 100, [], 0, 0)
+
+    long = w("long", 800, tpot=50.0)
+    on_pace = [dec(f"r{i}", 500.0) for i in range(45)]
+    p = SloAdmission().propose(rview([long], (), on_pace), set(), None)
+    assert "long" in p.reject
+    # 250 ms ahead (a TPOT is a mean over a request's tokens): 12.5 ms a token from now on, so 12.5 ms
+    # batches of 75 tokens, 30 for prompts
+    ahead = [dec(f"r{i}", 250.0) for i in range(45)]
+    p = SloAdmission().propose(rview([long], (), ahead), set(), None)
+    assert [a.rid for a in p.admit] == ["long"]
+    # one request of the tight tier offered beside it starts at its SLO: the tier is paced at 10 ms again
+    p = SloAdmission().propose(rview([long, w("new", 20, tpot=10.0)], (), ahead), set(), None)
+    assert "long" in p.reject

@@ -17,7 +17,7 @@ import pytest
 from specserve.gateway.cost import OnlineLinear, PassCost
 from specserve.gateway.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
 from specserve.gateway.policy.goodput import Acceptance, best_depth, expected_tokens
-from specserve.gateway.policy.joint import AT_RISK, LOST, SLACK, Joint, pace_ms
+from specserve.gateway.policy.joint import AT_RISK, LOST, SLACK, Joint
 from specserve.gateway.policy.slo_goodput import SloGoodput, hopeless
 from specserve.gateway.policy.tetris import Tetris, tetris_select
 from specserve.gateway.policy.turbospec import TurboSpec
@@ -332,7 +332,7 @@ def test_joint_states():
     assert isinstance(make_policy("joint"), Joint)
     # pace = (tpot * (decoded + remaining) - elapsed) / remaining; remaining = 100
     u = req("u", tpot=10.0, decoded=20, elapsed=230.0)
-    assert pace_ms(u) == pytest.approx(9.7)
+    assert u.pace_ms() == pytest.approx(9.7)
     assert p.state(u, 10.0) == AT_RISK  # its root alone (10 ms a token) falls behind 9.7
     assert p.state(u, 9.7) == SLACK
     assert p.state(req("f", tpot=1000.0), 10.0) == SLACK

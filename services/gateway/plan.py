@@ -58,6 +58,11 @@ class RequestView:
         """AdaServe's A(r): tokens this step must yield to stay on the TPOT SLO in expectation."""
         return (self.decode_elapsed_ms + t_spec_ms) / self.tpot_ms - self.decoded
 
+    def pace_ms(self) -> float:
+        """The ms per token it may take over its remaining tokens and still meet its TPOT SLO (a TPOT
+        is a mean over the request's tokens: one ahead of it may go slower from now on)."""
+        return (self.tpot_ms * (self.decoded + self.remaining) - self.decode_elapsed_ms) / max(self.remaining, 1)
+
 
 @dataclass(slots=True)
 class PrefillView:

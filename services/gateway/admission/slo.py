@@ -106,7 +106,9 @@ class SloAdmission:
         steps = round(self.spec_steps)
         needs = {t for t in tiers if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
         measuring = set(tpot_of.values())  # tiers with requests running now: what they get is measured
-        loads = [self._load(t, t in needs and t not in measuring) for t in tiers]
+        offered = view.waiting[:self.max_new]
+        paces = self._paces(view, tpot_of, {w.tpot_ms for w in offered})
+        loads = [self._load(t, t in needs and t not in measuring, paces.get(t, t)) for t in tiers]
 
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
@@ -134,7 +136,6 @@ class SloAdmission:
         best_effort_on = {rep.index: [r for r in view.decoding if r.replica == rep.index and r.rid in self.best_effort]
                           for rep in up}
         preempt: list[str] = []
-        offered = view.waiting[:self.max_new]
         admit: list[Admit] = []
         defer = {w.rid: "waits its turn: the planner takes a few new requests per iteration"
                  for w in view.waiting[self.max_new:]}
@@ -270,8 +271,23 @@ class SloAdmission:
                     per_replica[replica] += take
         return chunks, per_replica
 
-    def _load(self, tpot: float, prior: bool) -> TierLoad:
-        """A tier's measured cost and gain; with `prior` (its batch cannot hold two tokens without
+    @staticmethod
+    def _paces(view: SchedulerView, tpot_of: dict[str, float], offered: set[float]) -> dict[float, float]:
+        """Per tier whose requests all decode already (none offered now, none prefilling), the ms per
+        token its decoders may take from now on and still meet their TPOT (a TPOT is a mean over a
+        request's tokens: the slowest pace among them, never below the SLO). A request offered or
+        prefilling starts at its SLO, so its tier is planned at the SLO."""
+        fresh = offered | {tpot_of[p.rid] for p in view.prefilling}
+        paces: dict[float, float] = {}
+        for r in view.decoding:
+            t = tpot_of[r.rid]
+            if t < BEST_EFFORT_TPOT_MS and t not in fresh:
+                paces[t] = min(paces.get(t, math.inf), max(t, r.pace_ms()))
+        return paces
+
+    def _load(self, tpot: float, prior: bool, pace: float) -> TierLoad:
+        """A tier's measured cost and gain, its batches paced at `pace` ms per token (its TPOT, or
+        slower where its decoders are ahead of it); with `prior` (its batch cannot hold two tokens without
         speculation, and none of its requests runs now to measure what the policy gives it), at least
         the policy's prior: what it measured earlier, at another load, does not say what it gets now."""
         if tpot >= BEST_EFFORT_TPOT_MS:
@@ -281,8 +297,8 @@ class SloAdmission:
         if prior and self.spec_prior[1] > gain:
             cost, gain = self.spec_prior
         if cost <= 1.0 + 1e-6 and gain <= 1.0 + 1e-6:
-            return TierLoad(tpot)
-        return TierLoad(tpot, max(cost, 1.0), max(gain, 1.0))
+            return TierLoad(pace)
+        return TierLoad(pace, max(cost, 1.0), max(gain, 1.0))
 
     def _prune(self, view: SchedulerView) -> None:
         """Forget requests that are gone (the scheduler never hears of a finish)."""

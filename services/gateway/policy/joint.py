@@ -34,17 +34,12 @@ from specserve.gateway.policy.turbospec import TurboSpec
 LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
 
 
-def pace_ms(r: RequestView) -> float:
-    """The ms per token `r` may take over its remaining tokens and still meet its TPOT SLO."""
-    return (r.tpot_ms * (r.decoded + r.remaining) - r.decode_elapsed_ms) / max(r.remaining, 1)
-
-
 class Joint(TurboSpec):
     name = "joint"
 
     def state(self, r: RequestView, t_ms: float) -> str:
         """LOST, AT_RISK or SLACK for a decoding request at a predicted iteration time of `t_ms`."""
-        pace = pace_ms(r)
+        pace = r.pace_ms()
         if pace * (self.control.max_k + 1) < t_ms:
             return LOST
         return AT_RISK if pace < t_ms else SLACK
@@ -57,7 +52,7 @@ class Joint(TurboSpec):
         good = 0.0
         for r in batch.requests:
             tokens = expected_tokens(c.acceptance.rate_of(r.rid), chains.get(r.rid, 0))
-            if t <= pace_ms(r) * tokens:
+            if t <= r.pace_ms() * tokens:
                 good += tokens
         return good / t
 
@@ -84,4 +79,4 @@ class Joint(TurboSpec):
         return k, spec if k > 0 else may  # at k = 0 nobody drafts; TurboSpec's probe picks among `may`
 
 
-__all__ = ["AT_RISK", "Joint", "LOST", "SLACK", "pace_ms"]
+__all__ = ["AT_RISK", "Joint", "LOST", "SLACK"]
