@@ -355,6 +355,23 @@ def test_a_tier_that_needs_speculation_is_planned_with_the_policys_prior(steps):
     assert "c" in propose((1.0, 1.0)).reject
 
 
+def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
+    """The critical tier measured 1.05 tokens per pass under load: while its requests run, that is what
+    it gets, and a new one is refused; with none running the policy's prior stands in again (a tier
+    refused once is not refused for good on what it measured at another load)."""
+    from specserve.gateway.admission.slo import TierStats
+
+    def propose(decoding):
+        adm = SloAdmission()
+        adm.spec_steps, adm.spec_prior = 1, (2.0, 1.76)
+        adm.stats[52.974] = TierStats(cost=1.1, gain=1.05)
+        crit = WaitingView("c", 60, 128, 12, "critical", 52.974, 1000.0, 0.0)
+        return adm.propose(cpu_view([crit], decoding, cost=PassCost(128, 52.974, list(SIM_7B_CURVE))), set(), None)
+
+    assert "c" in propose([d("running", tpot=52.974)]).reject
+    assert [a.rid for a in propose([]).admit] == ["c"]
+
+
 def test_speculating_policies_offer_a_prior_and_plain_batching_none():
     from specserve.gateway.policy import make_policy
 
