@@ -17,10 +17,10 @@ depth d and width w for `spec` requests that catch up `lag` committed tokens:
   small counts on a CPU, where a 1-token pass takes a cheap matrix-vector path. A pass at or above
   the least timed count enters the table (and the line) at most OUTLIER_FACTOR times what it was
   priced at: a count timed once (a 256-token chunk at concurrency 1) would otherwise keep one stalled
-  pass's time for good. The context term k_kv * (kv - kv at that count) corrects for the KV held; k_kv is fitted on
-  the variation at one token count (so the token count, which grows with the batch as the KV does,
-  cannot take its place) and is not carried beyond the least and most blocks seen (a slope through
-  two clusters a block apart once priced a pass with no context at nothing).
+  pass's time for good. The context term k_kv * (kv - kv at that count) corrects for the KV held;
+  k_kv is fitted on the variation at one token count (so the token count, which grows with the batch
+  as the KV does, cannot take its place) and is not carried beyond the least and most blocks seen (a
+  slope through two clusters a block apart once priced a pass with no context at nothing).
 - `draft(d, spec, w, lag) = e0 + e1 d + e2 d spec w + e3 lag`, fitted online from the draft's service time.
 - R_t, R_d: moving averages of each call's round trip beyond the service's own time; T_gw: the
   gateway's own share of an iteration (record.schedule_ms).
@@ -66,7 +66,6 @@ class OnlineLinear:
         decay), instead of `prior_weight` on each coefficient: a slope's prior then means as much as the
         range it was measured over, whatever the units of x."""
         self.prior = list(prior)
-        self.prior_weight = prior_weight
         self.decay = decay
         n = len(prior)
         if prior_points:
