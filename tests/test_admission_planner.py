@@ -339,17 +339,22 @@ def test_a_cpu_like_profile_admits_a_lone_critical_request_from_the_start():
 SIM_7B_CURVE = [(8, 55.363), (16, 57.443), (24, 56.723), (32, 56.856), (48, 58.492), (64, 59.661)]
 
 
+SIM_7B_BASELINE_MS = 52.974
+TIGHT_MS = 0.9 * SIM_7B_BASELINE_MS  # a critical class below the plain pass (issue 30's third mix)
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_a_tier_that_needs_speculation_is_planned_with_the_policys_prior(steps):
-    """The simulated 7B preset (x4): the critical class is 1.0x the 53 ms baseline, below a pass with a
-    draft call. Planned as plain decoding it is refused even on an idle replica (it was, every one, in
-    the default's first sweep); with the policy's prior (a one-token chain: 2 nodes, 1.76 tokens per
-    pass) it is admitted, and a policy that never drafts still has it refused."""
+    """The simulated 7B preset (x4): a critical class of 0.9x the 53 ms baseline is below a plain pass
+    and below a pass with a draft call. Priced at one token per pass it is refused even on an idle
+    replica (the 1.0x class was, every one, in the default's first sweep); with the policy's prior (a
+    one-token chain: 2 nodes, 1.76 tokens per pass) it is admitted, and a policy that never drafts
+    still has it refused."""
     def propose(prior):
         adm = SloAdmission()
         adm.spec_steps, adm.spec_prior = steps, prior
-        crit = WaitingView("c", 60, 128, 12, "critical", 52.974, 1000.0, 0.0)
-        return adm.propose(cpu_view([crit], cost=PassCost(128, 52.974, list(SIM_7B_CURVE))), set(), None)
+        crit = WaitingView("c", 60, 128, 12, "critical", TIGHT_MS, 1000.0, 0.0)
+        return adm.propose(cpu_view([crit], cost=PassCost(128, SIM_7B_BASELINE_MS, list(SIM_7B_CURVE))), set(), None)
 
     assert [a.rid for a in propose((2.0, 1.76)).admit] == ["c"]
     assert "c" in propose((1.0, 1.0)).reject
@@ -364,11 +369,12 @@ def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
     def propose(decoding):
         adm = SloAdmission()
         adm.spec_steps, adm.spec_prior = 1, (2.0, 1.76)
-        adm.stats[52.974] = TierStats(cost=1.1, gain=1.05)
-        crit = WaitingView("c", 60, 128, 12, "critical", 52.974, 1000.0, 0.0)
-        return adm.propose(cpu_view([crit], decoding, cost=PassCost(128, 52.974, list(SIM_7B_CURVE))), set(), None)
+        adm.stats[TIGHT_MS] = TierStats(cost=1.1, gain=1.05)
+        crit = WaitingView("c", 60, 128, 12, "critical", TIGHT_MS, 1000.0, 0.0)
+        cost = PassCost(128, SIM_7B_BASELINE_MS, list(SIM_7B_CURVE))
+        return adm.propose(cpu_view([crit], decoding, cost=cost), set(), None)
 
-    assert "c" in propose([d("running", tpot=52.974)]).reject
+    assert "c" in propose([d("running", tpot=TIGHT_MS)]).reject
     assert [a.rid for a in propose([]).admit] == ["c"]
 
 
@@ -516,3 +522,55 @@ def test_decoders_ahead_of_their_tpot_let_longer_batches_admit_a_long_prompt():
     # one request of the tight tier offered beside it starts at its SLO: the tier is paced at 10 ms again
     p = SloAdmission().propose(rview([long, w("new", 20, tpot=10.0)], (), ahead), set(), None)
     assert "long" in p.reject
+
+
+def test_a_critical_arrival_beside_speculating_decoders_is_planned_at_plain_decoding_too():
+    """Case (a) of the CPU sweep's refusals at 0.5 req/s: a critical request arrives beside a critical
+    and a search request that decode. Priced as measured (search 4 nodes a pass, critical 1.1 tokens
+    a pass under contention, every pass with a 5-step draft call) an 18.6 ms batch holds none of it;
+    three plain decode steps take 16 ms on the profile, so it is admitted, and its prompt gets the
+    plain batches' room. A tier whose plain pass is too slow still is refused."""
+    from specserve.gateway.admission.slo import TierStats
+
+    def propose(tpot):
+        adm = SloAdmission()
+        adm.spec_steps, adm.spec_prior = 5, (2.0, 1.76)
+        adm.stats[tpot] = TierStats(cost=1.2, gain=1.1)
+        adm.stats[44.681] = TierStats(cost=4.0, gain=2.0)
+        running = [RequestView("c0", "critical", tpot, 1000.0, 20, 20 * tpot, 44, [], 0, 0, 12),
+                   RequestView("s0", "search", 44.681, 2000.0, 20, 20 * 44.681, 44, [], 0, 0, 12)]
+        new = WaitingView("c", 60, 64, 12, "critical", tpot, 1000.0, 0.0)
+        return adm.propose(cpu_view([new], running), set(), None)
+
+    p = propose(CPU_BASELINE_MS)
+    assert [a.rid for a in p.admit] == ["c"] and p.chunks["c"] >= 4
+    assert "c" in propose(12.0).reject  # below a one-token plain pass (14.9 ms)
+
+
+def test_a_critical_arrival_while_a_long_prompt_prefills_is_planned_prefill_first():
+    """Case (c): nothing decodes, a search prompt of 303 tokens is half prefilled (1.5 s of TTFT left)
+    and a critical request arrives. In batches of its 18.6 ms TPOT (3 tokens) neither prompt makes its
+    TTFT, so a plan that starts the critical request's batches at once refuses it; prefilled first, in
+    the engine's largest passes (both prompts in about 250 ms), and decoded after, both are met, and
+    this iteration's chunks are that large pass."""
+    pre = PrefillView("s", 0, 600, 297, "search", 44.681, 2000.0, 505.0)
+    new = WaitingView("c", 48, 64, 12, "critical", CPU_BASELINE_MS, 1000.0, 14.0)
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    view = SchedulerView([new], [pre], [], [ReplicaView(0, True, 4096, 40, 1, cost)], DraftView(False, False),
+                         Limits(64, 256, 8, 8))
+    p = SloAdmission().propose(view, set(), None)
+    assert [a.rid for a in p.admit] == ["c"]
+    assert p.chunks["c"] == 48 and p.chunks["s"] >= 150
+
+
+def test_chunks_keep_every_admitted_prompts_deadline():
+    """The decoders' batches leave a few tokens for prompts; when that room cannot prefill the prompts
+    due by their deadlines, each pass takes what keeps them (the prompts due, over the batches left
+    before each deadline), at most the engine's chunk. A prompt already late does not set the room."""
+    running = [d(f"r{i}", tpot=10.0) for i in range(2)]  # 10 ms batches of 50 tokens: 48 for prompts
+    on_time = [PrefillView("p", 0, 2000, 0, "chat", 10.0, 1000.0, 900.0)]  # 2,000 tokens due in 100 ms
+    p = SloAdmission().propose(rview([], on_time, running), set(), None)
+    assert p.chunks["p"] == 200  # 10 batches left
+    late = [PrefillView("p", 0, 2000, 0, "chat", 10.0, 1000.0, 1100.0)]
+    p = SloAdmission().propose(rview([], late, running), set(), None)
+    assert p.chunks["p"] == 48

@@ -20,12 +20,29 @@ A best-effort request, once admitted, is planned as a decoder with no TPOT: it c
 every batch but never sets the batch length.
 
 Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
-theirs, and the rest goes to prompts in prefill-deadline order.
+theirs, and the rest goes to prompts in prefill-deadline order; at least as many as keep every prompt
+not yet late within its deadline (the prompts due by it, over the batches of length T before it), at
+most the engine's chunk. The plan counts a request as a decoder from its prefill deadline, while the
+engine decodes it once its prompt is in: without that floor the first prompts of a plan to finish
+shrank the batches and the later ones missed the TTFT the plan had promised them.
 
 Batch lengths come from each replica's `PassCost` (cost.py: the gateway's one cost model, the same
 the speculation policy prices its choices with, fed by the engine); each tier's cost
 (nodes per pass) and gain (tokens per pass) are moving averages of what the speculation policy in use
 really did. No I/O, no clock.
+
+Each replica is planned at two operating points, and a request is admitted if either admits it:
+the measured one (each tier's cost and gain as above, every pass priced with the draft call's
+moving depth) and plain decoding (one node and one token per request, no draft call), which the
+speculation policy can always fall back to (`joint` turns drafting off when it would push a request
+past its pace). Measured alone the two do not match: on the CPU a tier that speculation gave 1.1
+tokens per pass under contention was priced with a draft call that fills its whole TPOT, so a
+critical request was refused beside one other decoder that a plain pass of 15 ms serves
+(docs/benchmarks.md, "The default against every FIFO policy on the real CPU"). At the plain point
+prompts are prefilled first: while nothing decodes its batches are the engine's largest pass, so a
+critical request that arrives while a long prompt prefills is planned with both prompts in a few
+large passes and its decoding after, not in batches of its TPOT from the start. Prompt chunks come
+from whichever point's batches hold the replica's decoders with the most room.
 """
 
 from __future__ import annotations
@@ -114,18 +131,10 @@ class SloAdmission:
         for r in view.decoding:
             if r.replica in base:
                 base[r.replica][index[tpot_of[r.rid]]] += 1
-        budgets = {}
-        for rep in up:
-            cost = rep.cost
-            longest = cost.planned_ms(view.limits.max_prefill_tokens + sum(base[rep.index]), steps,
-                                      rep.reserved_blocks)
-            # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
-            # a pass gives it, the speculation prior included) that holds a token without a draft call:
-            # the prompts admitted now decode at that pace once prefilled (planning them in the largest
-            # chunks admitted a burst's requests that then missed their TTFT)
-            idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
-                        if cost.time2bs(n, 0, rep.reserved_blocks) >= 1), default=longest)
-            budgets[rep.index] = ReplicaBudget(cost, loads, idle, steps, rep.reserved_blocks, longest)
+        plain = [TierLoad(t.tpot_ms, paced=t.paced) for t in loads]
+        budgets = {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), rep.reserved_blocks,
+                                            view.limits.max_prefill_tokens, first)
+                               for ls, st, first in ((loads, steps, False), (plain, 0, True))] for rep in up}
         held = {rep.index: [Node(p.rid, index[tpot_of[p.rid]], p.prompt_tokens - p.prefilled,
                                  p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
                 for rep in up}  # forced nodes: admitted before, and those admitted in this plan
@@ -156,10 +165,9 @@ class SloAdmission:
             new = nodes(cands, best_effort, slots[replica], free[replica], unit)
             # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
             # case); when several are admitted at once, the next plans see all their blocks
-            budget = budgets[replica].attending(total[replica] - free[replica]
-                                                + max((w.kv_blocks for w in cands), default=0))
-            took = set(plan(held[replica] + new, base[replica], free[replica] // unit,
-                            budget.as_budget()).admitted) if new else set()
+            attending = total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0)
+            points = [b.attending(attending) for b in budgets[replica]]
+            took = best_plan(held[replica] + new, base[replica], free[replica] // unit, points) if new else set()
             if best_effort and not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
                 # work conserving: an idle replica is spare capacity whatever its model says (a bad
                 # refit once kept it idle beside a waiting best-effort request for good)
@@ -167,7 +175,7 @@ class SloAdmission:
                 took = {first.rid} if first is not None else took
             if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
                 took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
-                                         slots, budget, index, tpot_of, preempt)
+                                         slots, points, index, tpot_of, preempt)
             for w in cands:
                 if w.rid in took:
                     tpot = be_tpot if best_effort else w.tpot_ms
@@ -225,8 +233,8 @@ class SloAdmission:
     def _preempt_for(self, replica: int, held: list[Node], cands: list[WaitingView],
                      nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]], took: set[str],
                      best_effort_on: dict[int, list[RequestView]], base: dict[int, list[int]], free: dict[int, int],
-                     slots: dict[int, int], budget: ReplicaBudget, index: dict[float, int], tpot_of: dict[str, float],
-                     preempt: list[str]) -> set[str]:
+                     slots: dict[int, int], points: list[ReplicaBudget], index: dict[float, int],
+                     tpot_of: dict[str, float], preempt: list[str]) -> set[str]:
         """SLO arrivals come before best effort (digest §8): plan again as if the replica's k best-effort
         requests with the least output (the cheapest to recompute) gave their KV back, k = 1, 2, 4, ...;
         the first k that admits more is preempted."""
@@ -241,7 +249,7 @@ class SloAdmission:
             free2 = free[replica] + sum(r.kv_blocks for r in going)
             unit2 = max(1, math.ceil(free2 / self.memory_buckets))
             new2 = nodes(cands, False, slots[replica] + k, free2, unit2)
-            took2 = set(plan(held + new2, base2, free2 // unit2, budget.as_budget()).admitted)
+            took2 = best_plan(held + new2, base2, free2 // unit2, points)
             if len(took2) > len(took):
                 preempt.extend(r.rid for r in going)
                 best_effort_on[replica] = victims[k:]
@@ -252,17 +260,25 @@ class SloAdmission:
                 return took
             k *= 2
 
-    def _chunks(self, view: SchedulerView, budgets: dict[int, ReplicaBudget], base: dict[int, list[int]],
+    def _chunks(self, view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
                 held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
-        """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens), handed to
-        its prompts in prefill-deadline order."""
+        """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the first
+        operating point whose batches hold its decoders), handed to its prompts in prefill-deadline order."""
         chunks: dict[str, int] = {}
         per_replica = [0] * len(view.replicas)
         left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
         left.update({w.rid: w.prompt_tokens for w in offered})
-        for replica, b in budgets.items():
-            room = min(max(b.shape(tuple(base[replica])).prefill_per_batch, MIN_CHUNK_TOKENS),
-                       view.limits.max_prefill_tokens)
+        for replica, points in budgets.items():
+            shapes = [b.shape(tuple(base[replica])) for b in points]
+            shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])
+            room = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS)
+            due = 0
+            for n in sorted(held[replica], key=lambda x: x.deadline_ms):
+                # every prompt not yet late, with those due before it, is in by its deadline at this room
+                due += left.get(n.rid, 0)
+                if n.deadline_ms > 0:
+                    room = max(room, math.ceil(due / max(1, math.floor(n.deadline_ms / shape.length_ms))))
+            room = min(room, view.limits.max_prefill_tokens)
             for n in sorted(held[replica], key=lambda x: x.deadline_ms):
                 take = min(left.get(n.rid, 0), room)
                 if take > 0:
@@ -284,6 +300,21 @@ class SloAdmission:
             if t < BEST_EFFORT_TPOT_MS and t not in fresh:
                 paces[t] = min(paces.get(t, math.inf), max(t, r.pace_ms()))
         return paces
+
+    @staticmethod
+    def _budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: int, reserved: int,
+                max_prefill: int, prefill_first: bool) -> ReplicaBudget:
+        """A replica's budget at one operating point: the tiers' loads and the draft call's depth; with
+        `prefill_first`, batches with nothing decoding are the engine's largest passes."""
+        longest = cost.planned_ms(max_prefill + decoders, steps, reserved)
+        # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
+        # a pass gives it, the speculation prior included) that holds a token without a draft call:
+        # the prompts admitted now decode at that pace once prefilled (planning them only in the
+        # largest chunks admitted a burst's requests that then missed their TTFT); prefill-first, the
+        # largest pass (the chunks' deadline floor keeps the prompts the plan admits within their TTFT)
+        idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
+                    if cost.time2bs(n, 0, reserved) >= 1), default=longest) if not prefill_first else longest
+        return ReplicaBudget(cost, loads, idle, steps, reserved, longest)
 
     def _load(self, tpot: float, prior: bool, pace: float) -> TierLoad:
         """A tier's measured cost and gain, its batches paced at `pace` ms per token (its TPOT, or
@@ -324,6 +355,18 @@ def first_token_bound_ms(prompt_tokens: int, tokens_ahead: int, costs: list[Pass
     n = max(1, min(chunk, total))  # a lone short prompt is priced at its own pass, not at a chunk's share
     rate = sum(n / c.iteration_ms(n) for c in costs)  # prompt tokens per ms
     return total / rate if rate > 0 else math.inf
+
+
+def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[ReplicaBudget]) -> set[str]:
+    """The DP's admissions at the first operating point that admits the most (ties: the earlier)."""
+    best: set[str] = set()
+    for i, b in enumerate(points):
+        took = set(plan(nodes, base, blocks, b.as_budget()).admitted)
+        if i == 0 or len(took) > len(best):
+            best = took
+        if len(best) == sum(not n.forced for n in nodes):
+            break
+    return best
 
 
 def retry_after(view: SchedulerView) -> float:
