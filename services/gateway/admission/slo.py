@@ -22,27 +22,26 @@ every batch but never sets the batch length.
 Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
 theirs, and the rest goes to prompts in prefill-deadline order; at least as many as keep every prompt
 not yet late within its deadline (the prompts due by it, over the batches of length T before it), at
-most the engine's chunk. The plan counts a request as a decoder from its prefill deadline, while the
-engine decodes it once its prompt is in: without that floor the first prompts of a plan to finish
-shrank the batches and the later ones missed the TTFT the plan had promised them.
+most the engine's chunk. The floor is there because the plan counts a request as a decoder from its
+prefill deadline, while the engine decodes it as soon as its prompt is in, which shrinks the batches
+left for the prompts after it.
 
 Batch lengths come from each replica's `PassCost` (cost.py: the gateway's one cost model, the same
 the speculation policy prices its choices with, fed by the engine); each tier's cost
 (nodes per pass) and gain (tokens per pass) are moving averages of what the speculation policy in use
 really did. No I/O, no clock.
 
-Each replica is planned at two operating points, and a request is admitted if either admits it:
-the measured one (each tier's cost and gain as above, every pass priced with the draft call's
-moving depth) and plain decoding (one node and one token per request, no draft call), which the
-speculation policy can always fall back to (`joint` turns drafting off when it would push a request
-past its pace). Measured alone the two do not match: on the CPU a tier that speculation gave 1.1
-tokens per pass under contention was priced with a draft call that fills its whole TPOT, so a
-critical request was refused beside one other decoder that a plain pass of 15 ms serves
-(docs/benchmarks.md, "The default against every FIFO policy on the real CPU"). At the plain point
-prompts are prefilled first: while nothing decodes its batches are the engine's largest pass, so a
-critical request that arrives while a long prompt prefills is planned with both prompts in a few
-large passes and its decoding after, not in batches of its TPOT from the start. Prompt chunks come
-from whichever point's batches hold the replica's decoders with the most room.
+Each replica is planned at two operating points, and a request is admitted if either admits it: the
+measured one (each tier's cost and gain as above, every pass priced with the draft call's moving
+depth) and plain decoding (one node and one token per request, no draft call), which the speculation
+policy can always fall back to (`joint` turns drafting off when it would push a request past its
+pace). The measured point alone can price a tier's small measured gain together with a draft call in
+every pass, and refuse a request that plain passes would serve (docs/benchmarks.md, "Two operating points in the
+planner"). At the plain point prompts are prefilled first: while nothing decodes its batches are the
+engine's largest pass, so a critical request that arrives while a long prompt prefills is planned
+with both prompts in a few large passes and its decoding after, not in batches of its TPOT from the
+start. Prompt chunks come from whichever point's batches hold the replica's decoders with the most
+room.
 """
 
 from __future__ import annotations
@@ -262,8 +261,10 @@ class SloAdmission:
 
     def _chunks(self, view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
                 held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
-        """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the first
-        operating point whose batches hold its decoders), handed to its prompts in prefill-deadline order."""
+        """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the operating
+        point whose batches hold its decoders with the most room), raised to what keeps every prompt not
+        yet late within its deadline and capped at the engine's chunk, handed to its prompts in
+        prefill-deadline order."""
         chunks: dict[str, int] = {}
         per_replica = [0] * len(view.replicas)
         left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
@@ -272,14 +273,15 @@ class SloAdmission:
             shapes = [b.shape(tuple(base[replica])) for b in points]
             shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])
             room = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS)
+            by_deadline = sorted(held[replica], key=lambda x: x.deadline_ms)
             due = 0
-            for n in sorted(held[replica], key=lambda x: x.deadline_ms):
+            for n in by_deadline:
                 # every prompt not yet late, with those due before it, is in by its deadline at this room
                 due += left.get(n.rid, 0)
                 if n.deadline_ms > 0:
                     room = max(room, math.ceil(due / max(1, math.floor(n.deadline_ms / shape.length_ms))))
             room = min(room, view.limits.max_prefill_tokens)
-            for n in sorted(held[replica], key=lambda x: x.deadline_ms):
+            for n in by_deadline:
                 take = min(left.get(n.rid, 0), room)
                 if take > 0:
                     chunks[n.rid] = take
