@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct at concurrency 1, side by side with transformers, in interleaved rounds.
 
-    .venv/bin/python bench/smollm2_c1.py --rounds 3 [--max-tokens 96] [--out bench/results/smollm2_c1.json]
+    .venv/bin/python bench/smollm2_c1.py --rounds 3 [--max-tokens 96] [--draft-model ngram|DIR] [--out FILE]
 
 The named model `smollm2-135m-instruct` (installed on first use) on two prompt sets, chat-templated:
 - `chat`: plain questions (the answer repeats little of the prompt);
@@ -11,16 +11,17 @@ up to --max-tokens new tokens (the answer ends at the model's end of turn, the s
 float32, one torch thread everywhere:
 - `hf_generate`: transformers `generate`;
 - `hf_prompt_lookup`: transformers `generate(prompt_lookup_num_tokens=K)` (K = --lookup-tokens);
+- `hf_assisted` (only when --draft-model is a model directory): transformers `generate(assistant_model=
+  the same draft)`;
 - `none`, `chain:4`, `adaserve`, `joint` (the default policy): specserve (`specserve up --model
-  smollm2-135m-instruct --draft-model ngram --threads 1`, one stack; each policy is a gateway of
-  its own on the same target and n-gram draft), through the official openai client.
+  smollm2-135m-instruct --draft-model D --threads 1`, one stack; each policy is a gateway of
+  its own on the same target and draft), through the official openai client.
 Reported per set and mode: median over rounds of tokens/s (new tokens / wall of the mode's
 requests) with min-max, the ratio to `hf_generate` taken within each round (median, min-max), and
 for specserve the tokens per target pass (1 + accepted drafts per step, from the responses'
 `specserve.steps`). The outputs of every mode are checked equal to `hf_generate`'s.
 
-Status: run once as a smoke test (1 round, 8 tokens: every output equal); no figures from it yet
-(issue 32's speed targets are not measured).
+Figures: docs/benchmarks.md, "SmolLM2-135M-Instruct at concurrency 1".
 """
 
 from __future__ import annotations
@@ -62,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "smollm2_c1.json"))
+    ap.add_argument("--draft-model", default="ngram", help="`ngram` or a draft model directory")
+    ap.add_argument("--out", help="result file (default bench/results/smollm2_c1.json, or smollm2_c1-<draft dir>.json)")
     args = ap.parse_args(argv)
+    ngram = args.draft_model == "ngram"
+    args.out = args.out or str(ROOT / "bench" / "results" / (
+        "smollm2_c1.json" if ngram else f"smollm2_c1-{Path(args.draft_model).name}.json"))
 
     import openai
     import torch
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assistant = None if ngram else AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=torch.float32).eval()
+    hf_modes = ["hf_generate", "hf_prompt_lookup"] + ([] if ngram else ["hf_assisted"])
     sets = {name: [_ids(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
                    for p in prompts] for name, prompts in (("chat", CHAT), ("edit", EDIT))}
 
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return out[0, len(ids):].tolist()
 
     profile = Path(args.out).with_suffix(".profile.json")
-    up = Up("--model", "smollm2-135m-instruct", "--draft-model", "ngram", "--policy", "none", "--threads", "1",
+    up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model, "--policy", "none", "--threads", "1",
             "--profile", str(profile), timeout_s=900)
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in POLICIES[1:]}
     urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
@@ -100,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {}
             for name, ids_list in sets.items():
                 ref = []
-                for mode in ["hf_generate", "hf_prompt_lookup", *POLICIES]:
+                for mode in [*hf_modes, *POLICIES]:
                     t0, outs, steps, n = time.perf_counter(), [], [], 0
                     for i, ids in enumerate(ids_list):
                         if mode.startswith("hf"):
-                            kw = {"prompt_lookup_num_tokens": args.lookup_tokens} if mode == "hf_prompt_lookup" else {}
+                            kw = ({"prompt_lookup_num_tokens": args.lookup_tokens} if mode == "hf_prompt_lookup"
+                                  else {"assistant_model": assistant} if mode == "hf_assisted" else {})
                             new = hf_run(ids, **kw)
                             outs.append(tok.decode(new, skip_special_tokens=True))
                             n += len(new)
@@ -140,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens_per_pass": _med(passes) if passes else None,
                         "identical_every_round": all(rd[key]["identical"] for rd in rounds)}
     out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": 1, "dtype": "float32",
+                    "draft_model": args.draft_model,
                     "lookup_tokens": args.lookup_tokens, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
