@@ -89,8 +89,10 @@ def _matched_depth(tokens: list[int], parents: list[int], expected: list[int]) -
 
 @torch.inference_mode()
 def simulate(draft: ModelRunner, prompts: dict[str, list[int]], conts: dict[str, list[int]], d: int, w: int,
-             new_tokens: int) -> float:
-    """Mean tokens per verification step (accepted draft tokens + 1 bonus) over all prompts."""
+             new_tokens: int | dict[str, int]) -> float:
+    """Mean tokens per verification step (accepted draft tokens + 1 bonus) over all prompts, over the first
+    `new_tokens` tokens of each continuation (one count for all, or one per prompt)."""
+    limit = new_tokens if isinstance(new_tokens, dict) else dict.fromkeys(prompts, new_tokens)
     done = {r: 0 for r in prompts}  # continuation tokens committed so far
     steps = produced = 0
     # The draft holds KV for everything but the newest token, which is the next tree's root.
@@ -111,7 +113,7 @@ def simulate(draft: ModelRunner, prompts: dict[str, list[int]], conts: dict[str,
                 feed.append(Chunk(r, [roots[r]] + accepted[:-1]))
                 roots[r] = accepted[-1]
             draft.forward(feed)
-            active = [r for r in active if done[r] < new_tokens]
+            active = [r for r in active if done[r] < limit[r]]
     finally:
         for r in prompts:
             if draft.has_request(r):
