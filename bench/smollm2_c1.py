@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--draft-model", default="ngram", help="`ngram` or a draft model directory")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
+    ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
     ap.add_argument("--out", help="result file (default bench/results/smollm2_c1.json, or smollm2_c1-<draft dir>.json)")
     args = ap.parse_args(argv)
     ngram = args.draft_model == "ngram"
@@ -84,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assistant = None if ngram else AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=torch.float32).eval()
     hf_modes = ["hf_generate", "hf_prompt_lookup"] + ([] if ngram else ["hf_assisted"])
+    policies = args.policies.split(",")
     sets = {name: [_ids(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
-                   for p in prompts] for name, prompts in (("chat", CHAT), ("edit", EDIT))}
+                   for p in prompts] for name, prompts in (("chat", CHAT), ("edit", EDIT))
+            if name in args.sets.split(",")}
 
     def hf_run(ids: list[int], **kw) -> list[int]:
         with torch.no_grad():
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = Path(args.out).with_suffix(".profile.json")
     up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model, "--policy", "none", "--threads", "1",
             "--profile", str(profile), timeout_s=900)
-    gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in POLICIES[1:]}
+    gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies if p != "none"}
     urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
     prompts_of = {"chat": CHAT, "edit": EDIT}
     rounds = []
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {}
             for name, ids_list in sets.items():
                 ref = []
-                for mode in [*hf_modes, *POLICIES]:
+                for mode in [*hf_modes, *policies]:
                     t0, outs, steps, n = time.perf_counter(), [], [], 0
                     for i, ids in enumerate(ids_list):
                         if mode.startswith("hf"):
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens_per_pass": _med(passes) if passes else None,
                         "identical_every_round": all(rd[key]["identical"] for rd in rounds)}
     out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": 1, "dtype": "float32",
-                    "draft_model": args.draft_model,
+                    "draft_model": args.draft_model, "policies": policies, "sets": list(sets),
                     "lookup_tokens": args.lookup_tokens, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         for name, spec in sorted(model_store.NAMED.items()):
             where = model_store.models_dir() / name
             state = f"installed: {where}" if model_store.installed(name) else "not installed"
-            print(f"{name}\t{state}\n    {spec.about}")
+            draft = spec.draft if spec.draft == "ngram" else f"models/{spec.draft}, shipped with specserve"
+            print(f"{name}\t{state}\n    {spec.about}\n    draft by default: {draft}")
         return 0
     if not args.names:
         print("error: name the models to install (`specserve models list` names them)", file=sys.stderr)

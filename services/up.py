@@ -50,9 +50,10 @@ class UpConfig(Settings):
     targets: int = option(1, "target replicas to start (the gateway spreads requests over them)")
     model: str = option(default_factory=lambda: str(MODELS / "target"),
                         help="target model: a directory, or a named model (`specserve models list`)")
-    draft_model: str = option(default_factory=lambda: str(MODELS / "draft"),
-                              help="draft model: a directory, a named model, or `ngram` (no model: trees "
-                              "drafted from the request's own prompt and output, for any target)")
+    draft_model: str | None = option(None, "draft model: a directory, a named model, or `ngram` (no model: "
+                                     "trees drafted from the request's own prompt and output, for any target)",
+                                     default_text="the target's own: the bundled demo draft for the bundled "
+                                     "target, the one `specserve models list` names for a named model")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
     dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
     threads: int = option(default_factory=default_threads, help="torch threads of each model service, "
@@ -71,6 +72,18 @@ class UpConfig(Settings):
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     UpConfig.add_flags(parser)
+
+
+def default_draft(model: str) -> str:
+    """The draft `up` pairs a target with when --draft-model is not given: a named model's own (the n-gram
+    draft, or a directory under models/), else the bundled demo draft."""
+    from specserve.draft.ngram import NGRAM
+    from specserve.shared.model_store import NAMED
+
+    if model not in NAMED:
+        return str(MODELS / "draft")
+    draft = NAMED[model].draft
+    return draft if draft == NGRAM else str(MODELS / draft)
 
 
 def _same_vocabulary(model: str, draft_model: str) -> bool:
@@ -95,7 +108,8 @@ def main(args: argparse.Namespace) -> int:
     config = UpConfig.from_args(args)
     # named models (`--model smollm2-135m-instruct`) become their directories, installed once, here, so
     # the services and the gateway are all given the same directory
-    config.model, config.draft_model = resolve_or_exit(config.model), resolve_or_exit(config.draft_model)
+    draft = config.draft_model or default_draft(config.model)
+    config.model, config.draft_model = resolve_or_exit(config.model), resolve_or_exit(draft)
     if config.simulate is None and config.policy != "none" and not _same_vocabulary(config.model, config.draft_model):
         return 2
     sim: list[str] = []

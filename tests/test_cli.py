@@ -87,7 +87,23 @@ def test_models_lists_the_named_models_and_refuses_an_unknown_one(tmp_path):
     env = {**os.environ, "SPECSERVE_MODELS_DIR": str(tmp_path)}
     listed = subprocess.run([*SPECSERVE, "models", "list"], capture_output=True, text=True, timeout=120, env=env)
     assert listed.returncode == 0 and "smollm2-135m-instruct\tnot installed" in listed.stdout, listed
+    assert "draft by default: " in listed.stdout, listed
     unknown = subprocess.run([*SPECSERVE, "models", "install", "no-such-model"], capture_output=True, text=True,
                              timeout=120, env=env)
     assert unknown.returncode == 1 and unknown.stderr.startswith("error: unknown model name 'no-such-model'"), unknown
     assert not list(tmp_path.iterdir())  # nothing half made
+
+
+def test_up_pairs_a_target_with_its_own_draft_by_default():
+    """Without --draft-model, a named model gets the draft its entry names (never the demo draft, whose
+    vocabulary is not its own), and any other target the bundled demo draft."""
+    from specserve.draft.ngram import NGRAM
+    from specserve.shared.model_store import NAMED
+    from specserve.shared.service_base import MODELS
+    from specserve.up import default_draft
+
+    assert default_draft("/some/target") == str(MODELS / "draft")
+    for name in NAMED:
+        draft = default_draft(name)
+        assert draft == NGRAM or (Path(draft).parent == MODELS and (Path(draft) / "config.json").is_file()), draft
+        assert draft != str(MODELS / "draft")

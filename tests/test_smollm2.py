@@ -9,7 +9,10 @@ then the paged runtime against transformers on the installed directory, float32:
   that a second `resolve` finds without installing again;
 - `specserve up --model smollm2-135m-instruct --policy none` answers a chat request (the official
   client) with transformers' greedy answer to the chat-templated prompt; with a draft of another
-  vocabulary (the bundled one) `up` refuses to speculate, in one line, before starting anything.
+  vocabulary (the bundled demo draft, given as --draft-model) `up` refuses to speculate, in one line,
+  before starting anything;
+- with its trained draft (models/smollm2-draft) under a chain of 4, the same greedy answer, with drafts
+  accepted.
 
 Slow: it downloads and loads a 135M-parameter model.
 """
@@ -111,10 +114,35 @@ def test_up_serves_it_by_name_with_its_chat_template(model_dir, hf, prompts, tmp
     assert r.usage.prompt_tokens == len(ids)
 
 
+def test_its_trained_draft_speculates_losslessly(model_dir, hf, prompts, tmp_path):
+    """`up --model smollm2-135m-instruct` with its trained draft (models/smollm2-draft) under a chain of 4:
+    the chat answer is transformers' greedy one, and drafts were accepted on the way."""
+    profile = tmp_path / "profile.json"
+    Profile(budget_tokens=16, baseline_iteration_ms=60.0, knee_ratio=1.2, curve=[(8, 60.0), (24, 80.0)], model=NAME,
+            device="cpu", dtype="float32", created="2026-01-01T00:00:00", batch=8, input_tokens=32,
+            output_tokens=128, reference_ms=60.0).save(profile)
+    draft = Path(__file__).resolve().parents[1] / "models" / "smollm2-draft"
+    up = Up("--model", NAME, "--draft-model", str(draft), "--policy", "chain:4", "--profile", str(profile),
+            timeout_s=600)
+    try:
+        c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=32, temperature=0)
+    finally:
+        up.interrupt()
+    ids = prompts["chat"]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert r.choices[0].message.content == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    steps = r.model_extra["specserve"]["steps"]
+    assert sum(accepted for *_, accepted in steps) > 0, steps
+
+
 def test_up_refuses_a_draft_of_another_vocabulary(model_dir):
-    """The bundled draft's tokenizer is not SmolLM2's: speculating with it is refused in one line, exit 2,
-    before any service starts."""
-    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", NAME, "--port", "0"],
+    """The bundled demo draft's tokenizer is not SmolLM2's: speculating with it is refused in one line,
+    exit 2, before any service starts."""
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", NAME, "--port", "0",
+                           "--draft-model", str(Path(__file__).resolve().parents[1] / "models" / "draft")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "differs from the target's" in proc.stderr and "--policy none" in proc.stderr, proc.stderr
