@@ -92,48 +92,42 @@ def test_greedy_generation_equals_transformers(model_dir, hf, prompts):
         assert ours[name] == out[0, len(ids):].tolist(), name
 
 
-def test_up_serves_it_by_name_with_its_chat_template(model_dir, hf, prompts, tmp_path):
-    """`specserve up --model smollm2-135m-instruct --policy none`: the official client's chat request gets
-    transformers' greedy answer to the chat-templated prompt, under the model's own name."""
-    profile = tmp_path / "profile.json"  # a given profile: `up` skips measuring it (this test needs no B)
-    Profile(budget_tokens=8, baseline_iteration_ms=60.0, knee_ratio=1.2, curve=[(8, 60.0), (24, 80.0)], model=NAME,
+def _chat_through_up(tmp_path, hf, prompts, model_dir, max_tokens: int, *up_args: str):
+    """One greedy chat request through `up --model smollm2-135m-instruct UP_ARGS` with the official client;
+    returns the response and transformers' greedy answer to the same chat-templated prompt."""
+    profile = tmp_path / "profile.json"  # a given profile: `up` skips measuring it (these tests need no B)
+    Profile(budget_tokens=16, baseline_iteration_ms=60.0, knee_ratio=1.2, curve=[(8, 60.0), (24, 80.0)], model=NAME,
             device="cpu", dtype="float32", created="2026-01-01T00:00:00", batch=8, input_tokens=32,
             output_tokens=128, reference_ms=60.0).save(profile)
-    up = Up("--model", NAME, "--policy", "none", "--profile", str(profile), timeout_s=600)
+    up = Up("--model", NAME, *up_args, "--profile", str(profile), timeout_s=600)
     try:
         c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=300)
         assert [m.id for m in c.models.list().data] == [NAME]
-        r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=24, temperature=0)
+        r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=max_tokens, temperature=0)
     finally:
         up.interrupt()
     ids = prompts["chat"]
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    assert r.choices[0].message.content == tok.decode(out[0, len(ids):], skip_special_tokens=True)
-    assert r.usage.prompt_tokens == len(ids)
+    return r, tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def test_up_serves_it_by_name_with_its_chat_template(model_dir, hf, prompts, tmp_path):
+    """`specserve up --model smollm2-135m-instruct --policy none`: the official client's chat request gets
+    transformers' greedy answer to the chat-templated prompt, under the model's own name."""
+    r, expected = _chat_through_up(tmp_path, hf, prompts, model_dir, 24, "--policy", "none")
+    assert r.choices[0].message.content == expected
+    assert r.usage.prompt_tokens == len(prompts["chat"])
 
 
 def test_its_trained_draft_speculates_losslessly(model_dir, hf, prompts, tmp_path):
     """`up --model smollm2-135m-instruct` with its trained draft (models/smollm2-draft) under a chain of 4:
     the chat answer is transformers' greedy one, and drafts were accepted on the way."""
-    profile = tmp_path / "profile.json"
-    Profile(budget_tokens=16, baseline_iteration_ms=60.0, knee_ratio=1.2, curve=[(8, 60.0), (24, 80.0)], model=NAME,
-            device="cpu", dtype="float32", created="2026-01-01T00:00:00", batch=8, input_tokens=32,
-            output_tokens=128, reference_ms=60.0).save(profile)
     draft = Path(__file__).resolve().parents[1] / "models" / "smollm2-draft"
-    up = Up("--model", NAME, "--draft-model", str(draft), "--policy", "chain:4", "--profile", str(profile),
-            timeout_s=600)
-    try:
-        c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=32, temperature=0)
-    finally:
-        up.interrupt()
-    ids = prompts["chat"]
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    assert r.choices[0].message.content == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    r, expected = _chat_through_up(tmp_path, hf, prompts, model_dir, 32, "--draft-model", str(draft),
+                                   "--policy", "chain:4")
+    assert r.choices[0].message.content == expected
     steps = r.model_extra["specserve"]["steps"]
     assert sum(accepted for *_, accepted in steps) > 0, steps
 

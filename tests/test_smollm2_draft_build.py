@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from training import build_smollm2_draft as build
 from training import smollm2_prompts
 from training.corpus import SourceFile
+from training.stages import run_stages
 
 LONG = "def long(x):\n" + "    x += 1\n" * 30 + "    return x\n"
 FILES = [SourceFile(f"pkg/mod{i}.py", f"import os\n\n\ndef f{i}(a, b):\n    c = a + b\n    return c * {i}\n\n\n{LONG}")
@@ -59,3 +60,19 @@ def test_the_loss_is_soft_cross_entropy_on_answer_positions_only():
             t = s["top_values"][j].float()
             terms.append(-(t.exp() * logp[p - 1 + j, s["top_indices"][j].long()]).sum())
     assert torch.allclose(loss, torch.stack(terms).mean(), atol=1e-5)
+
+
+def test_the_stage_loop_runs_what_is_not_done_or_what_is_chosen(tmp_path):
+    ran: list[str] = []
+    state = {"n": 0}
+
+    def run(stage: str) -> None:
+        ran.append(stage)
+        state["n"] += 1
+
+    report = tmp_path / "report.json"
+    run_stages(("a", "b", "c"), None, lambda s: s == "b", run, state, report)
+    assert ran == ["a", "c"] and '"n": 2' in report.read_text()
+    ran.clear()
+    run_stages(("a", "b", "c"), ["b"], lambda s: True, run, state, report)
+    assert ran == ["b"]

@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from training import corpus, data, tokenizer
+from training.stages import run_stages
 from training.train import Phase, Schedule, cross_entropy_loss, distillation_loss, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,18 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     state = json.loads(report.read_text()) if report.exists() else {}
     state["hardware"] = {"cpu": _cpu_name(), "threads": args.threads,
                          "torch": torch.__version__, "python": sys.version.split()[0]}
-    for stage in STAGES:
-        if args.stage and stage not in args.stage:
-            continue
-        if not args.stage and stage_done(stage):
-            print(f"[build] {stage}: done, skipping", flush=True)
-            continue
-        print(f"[build] {stage}", flush=True)
-        globals()[f"stage_{stage}"](state)
-        report.write_text(json.dumps(state, indent=2) + "\n")
+
+    def after() -> None:
         if MODELS.is_dir():
             shutil.copy(report, MODELS / "report.json")
             render_readme()
+
+    run_stages(STAGES, args.stage, stage_done, lambda stage: globals()[f"stage_{stage}"](state), state, report, after)
     return 0
 
 

@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from specserve.shared.model_store import resolve
 from training import corpus, smollm2_prompts
+from training.stages import run_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "smollm2_draft"
@@ -266,18 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     report = BUILD / "report.json"
     state = json.loads(report.read_text()) if report.exists() else {}
     t0 = time.perf_counter()
-    for stage in STAGES:
-        if args.stage and stage not in args.stage:
-            continue
-        if not args.stage and stage_done(stage):
-            print(f"[build] {stage}: done, skipping", flush=True)
-            continue
-        print(f"[build] {stage}", flush=True)
+
+    def run(stage: str) -> None:
         if stage == "answers":
             stage_answers(state, args.limit)
         else:
             globals()[f"stage_{stage}"](state)
-        report.write_text(json.dumps(state, indent=2) + "\n")
+
+    run_stages(STAGES, args.stage, stage_done, run, state, report)
     print(f"[build] done in {time.perf_counter() - t0:.0f} s", flush=True)
     if OUT.is_dir():
         shutil.copy(report, OUT / "report.json")
