@@ -61,13 +61,13 @@ def _tokenizer(model_dir: Path):
 def cmd_models(args: argparse.Namespace) -> int:
     """List the named models, or install some (once; --force again)."""
     from specserve.shared import model_store
+    from specserve.up import default_draft
 
     if args.action == "list":
         for name, spec in sorted(model_store.NAMED.items()):
             where = model_store.models_dir() / name
             state = f"installed: {where}" if model_store.installed(name) else "not installed"
-            draft = spec.draft if spec.draft == "ngram" else f"models/{spec.draft}, shipped with specserve"
-            print(f"{name}\t{state}\n    {spec.about}\n    draft by default: {draft}")
+            print(f"{name}\t{state}\n    {spec.about}\n    draft by default: {default_draft(name)}")
         return 0
     if not args.names:
         print("error: name the models to install (`specserve models list` names them)", file=sys.stderr)

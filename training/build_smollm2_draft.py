@@ -131,8 +131,8 @@ def _init_embedding(draft: LlamaForCausalLM, target_dir: str) -> None:
     emb = target.get_input_embeddings().weight.detach()
     _, _, v = torch.linalg.svd(emb - emb.mean(0), full_matrices=False)
     proj = emb @ v[:DRAFT_SHAPE["hidden_size"]].T
-    proj *= 1.0 / proj.pow(2).mean().sqrt()  # unit RMS: the draft's norms start from an ordinary scale
-    with torch.no_grad():
+    proj *= 1.0 / proj.pow(2).mean().sqrt()
+    with torch.no_grad():  # at RMS 0.05, so that the tied head's first logits stay small
         draft.get_input_embeddings().weight.copy_(proj * 0.05)
 
 
@@ -193,8 +193,12 @@ def stage_distill(state: dict) -> None:
     draft.train()
     t0 = time.perf_counter() - elapsed
     bar = tqdm(total=total, initial=step, desc="distill", unit="step", dynamic_ncols=True)
+    epoch, batches = -1, []
     while step < total:
-        batch = _batches(samples, step // steps_per_epoch)[step % steps_per_epoch]
+        if step // steps_per_epoch != epoch:
+            epoch = step // steps_per_epoch
+            batches = _batches(samples, epoch)
+        batch = batches[step % steps_per_epoch]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, tokens = _loss(draft, [samples[i] for i in batch], target_cfg.pad_token_id)
         loss.backward()
