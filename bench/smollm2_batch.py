@@ -1,0 +1,147 @@
+"""SmolLM2-135M-Instruct, 16 requests at once, side by side with transformers' batched generate.
+
+    .venv/bin/python bench/smollm2_batch.py --rounds 3 [--batch 16] [--max-tokens 96] [--out FILE]
+
+The 12 prompts of bench/smollm2_c1.py (6 chat, 6 edit; chat-templated), cycled to --batch requests,
+greedy, up to --max-tokens new tokens each (an answer ends at the model's end of turn), float32, one
+torch thread everywhere. Each round runs, one after another:
+- `hf_batched`: transformers `generate` over the whole batch at once (left-padded, one call);
+- `none` and `joint` (the default policy): specserve (`specserve up --model smollm2-135m-instruct
+  --threads 1`, one stack, its default n-gram draft; `joint` is a second gateway on the same target
+  and draft), the --batch requests sent at once through the official openai client (chat tier).
+Reported per mode: the median over rounds of tokens/s (new tokens / wall from the first send to the
+last answer) with min-max, and the ratio to `hf_batched` taken within each round. Every answer is
+checked equal to the same prompt's answer under transformers `generate` at batch 1 (computed once,
+before the rounds); a batched `generate` may differ from it (padding changes float32 sums), and is
+reported, not required, to be equal.
+
+Figures: docs/benchmarks.md, "SmolLM2-135M-Instruct, 16 at once".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+POLICIES = ["none", "joint"]
+
+
+def _c1():
+    """bench/smollm2_c1.py as a module (its prompt sets and helpers)."""
+    spec = importlib.util.spec_from_file_location("smollm2_c1", ROOT / "bench" / "smollm2_c1.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "smollm2_batch.json"))
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.batch < 1:
+        ap.error("--rounds and --batch must be >= 1")
+
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specserve.shared.model_store import resolve
+    from tests.gateway_procs import Up, gateway
+
+    c1 = _c1()
+    torch.set_num_threads(1)
+    os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateway share it
+    model_dir = resolve("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts = [(c1.CHAT + c1.EDIT)[i % 12] for i in range(args.batch)]
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+             for t in texts]
+    policies = args.policies.split(",")
+
+    def generate(prompts: list[str]) -> tuple[list[str], int]:
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = hf.generate(**enc, max_new_tokens=args.max_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        new = out[:, enc["input_ids"].shape[1]:]
+        answers, n = [], 0
+        for row in new.tolist():  # a finished row is padded with eos after its end of turn
+            end = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
+            answers.append(tok.decode(row[:end], skip_special_tokens=True))
+            n += end  # the end of turn not counted, as in the API's usage
+        return answers, n
+
+    print("reference: transformers generate at batch 1 ...", flush=True)
+    ref = {t: generate([c])[0][0] for t, c in dict(zip(texts, chats)).items()}
+
+    profile = Path(args.out).with_suffix(".profile.json")
+    up = Up("--model", "smollm2-135m-instruct", "--policy", policies[0], "--threads", "1",
+            "--profile", str(profile), timeout_s=900)
+    gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies[1:]}
+    urls = {policies[0]: up.url, **{p: g.address for p, g in gateways.items()}}
+
+    async def serve(url: str) -> tuple[list[str], int]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800)
+        async with client:
+            resps = await asyncio.gather(*(client.chat.completions.create(
+                model="smollm2-135m-instruct", temperature=0, max_tokens=args.max_tokens, service_tier="chat",
+                messages=[{"role": "user", "content": t}]) for t in texts))
+        steps = [s for r in resps for s in r.model_extra["specserve"]["steps"]]
+        passes.append(sum(1 + accepted for _, _, accepted in steps) / len(steps))
+        return [r.choices[0].message.content for r in resps], sum(r.usage.completion_tokens for r in resps)
+
+    rounds, passes = [], []  # passes: tokens per target pass of the last specserve mode run
+    try:
+        for r in range(args.rounds):
+            row = {}
+            for mode in ["hf_batched", *policies]:
+                t0 = time.perf_counter()
+                answers, n = generate(chats) if mode == "hf_batched" else asyncio.run(serve(urls[mode]))
+                wall = time.perf_counter() - t0
+                same = sum(a == ref[t] for a, t in zip(answers, texts))
+                per_pass = None if mode == "hf_batched" else passes[-1]
+                row[mode] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "equal_to_generate": same,
+                             "tokens_per_pass": per_pass}
+                print(f"round {r + 1} {mode:10s} {n / wall:7.2f} tok/s  {n} tokens  "
+                      f"{same}/{len(texts)} equal to generate at batch 1"
+                      + ("" if per_pass is None else f"  {per_pass:.2f} tokens per pass"), flush=True)
+            rounds.append(row)
+    finally:
+        for g in gateways.values():
+            g.stop()
+        up.interrupt()
+    summary = {}
+    for mode in rounds[0]:
+        tps = [rd[mode]["tokens_per_s"] for rd in rounds]
+        ratio = [rd[mode]["tokens_per_s"] / rd["hf_batched"]["tokens_per_s"] for rd in rounds]
+        summary[mode] = {"tokens_per_s": c1._med(tps), "vs_hf_batched": c1._med(ratio),
+                         "equal_every_round": min(rd[mode]["equal_to_generate"] for rd in rounds)}
+    out = {"meta": {"rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens, "threads": 1,
+                    "dtype": "float32", "draft_model": "ngram", "policies": policies, "cpu_count": os.cpu_count()},
+           "rounds": rounds, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\n| mode | tokens/s (median, min-max) | vs hf_batched | equal to generate at batch 1 (of {args.batch}) |")
+    print("|---|---|---|---|")
+    for mode, s in summary.items():
+        t, x = s["tokens_per_s"], s["vs_hf_batched"]
+        print(f"| {mode} | {t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f}) | {x['median']:.2f}x "
+              f"({x['min']:.2f}-{x['max']:.2f}) | {s['equal_every_round']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
