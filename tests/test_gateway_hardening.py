@@ -2,6 +2,7 @@
 
 - a 5 MB prompt is refused while a concurrent stream's longest gap between chunks stays under 250 ms;
 - a client that trickles its request head is disconnected, one that trickles its body gets 408;
+- a streaming client that stops reading is cut once its bounded buffers stay full, and its request ends;
 - above --max-waiting, requests get 503 with Retry-After (the openai client's usual error), and
   every admitted one completes exactly;
 - state a service holds that the gateway does not own (a stray request) is released on connect;
@@ -109,6 +110,46 @@ def test_slow_clients_time_out(strict):
         reply = s.recv(4096)
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"request_timeout" in reply
+
+
+def test_a_client_that_stops_reading_is_cut_and_others_are_served(up, reference):
+    """A streaming client that stops reading fills its connection's bounded buffers (4 KiB here) and
+    is cut after --stream-stall-s: its request ends (counted as client_too_slow, its KV freed) and its
+    connection is dropped without [DONE], while a stream beside it runs to the reference."""
+    g = gateway(up, "none", "--budget", "24", "--stream-buffer-bytes", "4096", "--stream-stall-s", "2")
+    try:
+        with socket.socket() as slow:
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: a small window
+            slow.connect(_host_port(g.address))
+            body = json.dumps({"model": "target", "prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True,
+                               "temperature": 0, "stream": True}).encode()
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and then reads nothing
+
+            async def fast() -> str:
+                c = aclient(g.address)
+                stream = await c.completions.create(model="target", prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                                    temperature=0, stream=True)
+                text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+                await c.close()
+                return text
+
+            assert asyncio.run(fast()) == reference[1]
+            deadline = time.monotonic() + 120
+            while 'code="client_too_slow"' not in httpx.get(f"{g.address}/metrics").text:
+                assert time.monotonic() < deadline, "the slow client was never cut"
+                time.sleep(0.2)
+            slow.settimeout(30)
+            got = b""
+            try:
+                while chunk := slow.recv(65536):
+                    got += chunk
+            except ConnectionResetError:
+                pass  # dropped with bytes unsent: a reset
+        assert got.startswith(b"HTTP/1.1 200") and b"[DONE]" not in got
+        wait_all_free(up)
+    finally:
+        g.stop()
 
 
 def test_waiting_queue_bound_gives_503_with_retry_after(up, strict, reference):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,39 +110,44 @@ class Generation:
             raise ServiceUnavailable(event.error or "the request was refused", event.retry_after_s)
         self._early = event
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Text deltas; `finish_reason` (and `error`) are set when it ends."""
+    async def pieces(self) -> AsyncGenerator[str, None]:
+        """Text deltas, one per wake-up: the events queued by then are taken together and their text
+        joined, so a consumer that falls behind gets fewer, larger pieces. `finish_reason` (and
+        `error`) are set when it ends."""
         if self._early is not None:
             return
+        events = self.req.events
         try:
-            while True:
-                event = await self.req.events.get()
-                if isinstance(event, Admitted):
-                    continue
-                if isinstance(event, Finished):
-                    tail, _ = self.stop.feed(self.detok.flush())
-                    tail += self.stop.flush()
-                    self.finish_reason, self.error = event.reason, event.error
-                    if tail:
-                        yield tail
-                    return
-                assert isinstance(event, Tokens)
-                text = []
-                for token in event.tokens:
-                    self.completion_tokens += 1
-                    piece, stopped = self.stop.feed(self.detok.add([token]))
-                    text.append(piece)
-                    if stopped:
-                        self.engine.abort(self.req.rid, "stop")
-                        self.finish_reason = "stop"
-                        break
-                if "".join(text):
-                    yield "".join(text)
-                if self.finish_reason is not None:
-                    return
+            while self.finish_reason is None:
+                taken = [await events.get()]
+                while not events.empty():
+                    taken.append(events.get_nowait())
+                text = "".join(self._text(taken))
+                if text:
+                    yield text
         finally:
             if self.finish_reason is None:  # the consumer left (client disconnect)
                 self.engine.abort(self.req.rid)
+
+    def _text(self, events: list[Admitted | Tokens | Finished]) -> Iterator[str]:
+        """The text of events in order, through the detokenizer and the stop matcher; sets
+        finish_reason at a Finished event or a stop string (what follows is dropped)."""
+        for event in events:
+            if isinstance(event, Admitted):
+                continue
+            if isinstance(event, Finished):
+                tail, _ = self.stop.feed(self.detok.flush())
+                yield tail + self.stop.flush()
+                self.finish_reason, self.error = event.reason, event.error
+                return
+            for token in event.tokens:
+                self.completion_tokens += 1
+                piece, stopped = self.stop.feed(self.detok.add([token]))
+                yield piece
+                if stopped:
+                    self.engine.abort(self.req.rid, "stop")
+                    self.finish_reason = "stop"
+                    return
 
     def usage(self) -> dict:
         p, c = len(self.req.prompt), self.completion_tokens

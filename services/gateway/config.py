@@ -60,6 +60,12 @@ class GatewayConfig(Settings):
     max_waiting: int = option(256, "most requests waiting for admission; more get 503 with Retry-After")
     client_timeout_s: float = option(10.0, "a client must send its request head, and then its body, within this "
                                      "many seconds (408 for a body, the connection closed for a head)")
+    stream_buffer_bytes: int = option(65536, "bytes a stream's connection may hold unsent, in the socket's send "
+                                      "buffer and in the gateway's each; while they are full, the tokens that "
+                                      "wait coalesce into one event")
+    stream_stall_s: float = option(30.0, "a streaming client that takes none of its waiting bytes for this many "
+                                   "seconds is cut: its request ends (error code client_too_slow in "
+                                   "specserve:request_errors_total) and the connection is closed")
     call_timeout_s: float = option(30.0, "deadline of every draft and target call, seconds; a service that misses "
                                    "it is marked down and reconnected")
     draft_sync: str = option("lazy", "lazy: requests that do not speculate send their committed tokens to the "

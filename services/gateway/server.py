@@ -13,6 +13,8 @@ import logging
 import math
 import os
 import signal
+import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -193,6 +195,7 @@ class Gateway:
 
     async def _stream(self, request: web.Request, gen: Generation, chat: bool, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self._bound(request)
         await resp.prepare(request)
         base = {"id": gen.req.rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": gen.created, "model": self.info.name}
@@ -205,11 +208,16 @@ class Gateway:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             return b"data: " + _json.encode({**base, "choices": [choice]}) + b"\n\n"
 
-        if chat:  # the role chunk first (anchors.md §3)
-            await resp.write(chunk(None, None, role=True))
         piece_chunk = framed(lambda text: chunk(text, None))
-        async for piece in gen.pieces():
-            await resp.write(piece_chunk(piece))
+        pieces = gen.pieces()
+        try:
+            if chat:  # the role chunk first (anchors.md §3)
+                await self._send(resp, chunk(None, None, role=True))
+            async for piece in pieces:
+                await self._send(resp, piece_chunk(piece))
+        except TimeoutError:
+            await pieces.aclose()  # ends the request: its KV is freed at once
+            return self._cut(request, resp, gen)
         end = []  # the last events go out in one write (one socket send instead of three)
         if gen.finish_reason == "error":
             err = {"error": {"message": gen.error, "type": "server_error", "param": None, "code": 500}}
@@ -220,8 +228,41 @@ class Gateway:
             last: dict[str, object] = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.req.report()}
             end.append(b"data: " + _json.encode(last) + b"\n\n")
         end.append(b"data: [DONE]\n\n")
-        await resp.write(b"".join(end))
+        try:
+            await self._send(resp, b"".join(end))
+        except TimeoutError:
+            return self._cut(request, resp, gen)
         await resp.write_eof()
+        return resp
+
+    def _bound(self, request: web.Request) -> None:
+        """Cap what a stream's connection holds unsent: the socket's send buffer and the transport's."""
+        transport, limit = request.transport, self.config.stream_buffer_bytes
+        if transport is None:
+            return
+        transport.set_write_buffer_limits(high=limit)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+
+    async def _send(self, resp: web.StreamResponse, data: bytes) -> None:
+        """One write; TimeoutError when the client takes none of the waiting bytes for --stream-stall-s."""
+        async with asyncio.timeout(self.config.stream_stall_s):
+            await resp.write(data)
+
+    def _cut(self, request: web.Request, resp: web.StreamResponse, gen: Generation) -> web.StreamResponse:
+        """End a stream whose client stopped reading: its request is already ended; the connection is
+        dropped with what it still holds."""
+        self.engine.metrics.on_error("client_too_slow")
+        log.warning("request %s: the client took no bytes for %g s with its buffers full (%d bytes each); "
+                    "cut after %d tokens", gen.req.rid, self.config.stream_stall_s, self.config.stream_buffer_bytes,
+                    len(gen.req.output))
+        transport = request.transport
+        if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # a reset: the bytes still queued for the client are dropped too
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
         return resp
 
 
