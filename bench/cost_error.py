@@ -1,6 +1,6 @@
 """The cost model's prediction error (issue 30, target 5): how well PassCost prices an iteration.
 
-Every iteration the gateway prices with its replica's PassCost (services/gateway/cost.py) before it
+Every iteration the gateway prices with its replica's PassCost (services/gateway/perf/cost.py) before it
 fits the model to it, so the relative error |T - T̂| / T of those out-of-sample predictions is the
 model's error as the planner and the policies meet it. The gateway serves the error's median and p90
 over its recent iterations in GET /v1/slo_classes (`cost_error`); this bench reads them after load.

@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specserve.gateway.admission.slo import SloAdmission  # noqa: E402
-from specserve.gateway.cost import PassCost  # noqa: E402
-from specserve.gateway.plan import (  # noqa: E402
+from specserve.gateway.perf.cost import PassCost  # noqa: E402
+from specserve.gateway.sched.admission.slo import SloAdmission  # noqa: E402
+from specserve.gateway.sched.plan import (  # noqa: E402
     DraftView,
     Limits,
     PrefillView,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.gateway.policy import DEFAULT_POLICY
+from specserve.gateway.sched.policy import DEFAULT_POLICY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import ROOT, Stack, bench_point, measure_profile, warm_up  # noqa: E402

@@ -113,12 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     TargetConfig.add_flags(target)
     target.set_defaults(func=_service("specserve.target.server"))
 
-    from specserve.gateway import profile as profiling
     from specserve.gateway.config import GatewayConfig
+    from specserve.gateway.perf import profile as profiling
 
     gateway = sub.add_parser("gateway", help="run the gateway (OpenAI API, admission, speculation policy)")
     GatewayConfig.add_all_flags(gateway)
-    gateway.set_defaults(func=_service("specserve.gateway.server"))
+    gateway.set_defaults(func=_service("specserve.gateway.http.server"))
     prof = sub.add_parser("profile", help="measure the target: budget B and baseline iteration latency")
     profiling.add_flags(prof)
     prof.set_defaults(func=profiling.main)

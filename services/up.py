@@ -26,7 +26,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from specserve.gateway.policy import DEFAULT_POLICY, policy_help
+from specserve.gateway.sched.policy import DEFAULT_POLICY, policy_help
 from specserve.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.auth import ensure_secret
 from specserve.shared.model_store import resolve_or_exit
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     sim: list[str] = []
     if config.simulate is not None:
-        from specserve.gateway.profile import default_profile_path
+        from specserve.gateway.perf.profile import default_profile_path
         from specserve.shared.simulate.preset import PresetError, load_preset
 
         try:

@@ -13,7 +13,7 @@ it starts once the model is loaded and the RPC socket listens, so an answer on t
 means "ready" (the compose health checks use it). Each service has its own registry.
 
 The server is a small `http.server` on a daemon thread that always answers in the text format
-0.0.4, as the gateway does (services/gateway/metrics.py): prometheus_client's own server would
+0.0.4, as the gateway does (services/gateway/obs/metrics.py): prometheus_client's own server would
 answer Prometheus's Accept header with OpenMetrics 1.0 and escape the `:` of every name to `_`.
 """
 

@@ -1,4 +1,4 @@
-"""SLOs-Serve's planner pieces (specserve.gateway.admission) on hand-built cases: no processes.
+"""SLOs-Serve's planner pieces (specserve.gateway.sched.admission) on hand-built cases: no processes.
 
 - the cost model the planner reads (cost.py): it learns a two-plane table from a wrong start, its
   margin is the median residual for decode passes and the p90 above, time2bs is its inverse;
@@ -19,12 +19,12 @@ import random
 import numpy as np
 import pytest
 
-from specserve.gateway.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
-from specserve.gateway.admission.budget_model import ReplicaBudget
-from specserve.gateway.admission.dp import Budget, Node, plan
-from specserve.gateway.admission.slo import SloAdmission
-from specserve.gateway.cost import PassCost, PassSample
-from specserve.gateway.plan import (
+from specserve.gateway.perf.cost import PassCost, PassSample
+from specserve.gateway.sched.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
+from specserve.gateway.sched.admission.budget_model import ReplicaBudget
+from specserve.gateway.sched.admission.dp import Budget, Node, plan
+from specserve.gateway.sched.admission.slo import SloAdmission
+from specserve.gateway.sched.plan import (
     DraftView,
     Limits,
     PrefillView,
@@ -33,9 +33,9 @@ from specserve.gateway.plan import (
     SchedulerView,
     WaitingView,
 )
-from specserve.gateway.policy import Policy
-from specserve.gateway.routing import make_router
-from specserve.gateway.scheduler import Scheduler
+from specserve.gateway.sched.policy import Policy
+from specserve.gateway.sched.routing import make_router
+from specserve.gateway.sched.scheduler import Scheduler
 
 
 # ---- the cost model the planner reads (cost.py) ------------------------------------------------------
@@ -249,7 +249,7 @@ def test_overload_refuses_with_retry_after_and_best_effort_waits():
 
 
 def test_the_first_token_bound_shares_every_replicas_prefill_passes():
-    from specserve.gateway.admission.slo import first_token_bound_ms
+    from specserve.gateway.sched.admission.slo import first_token_bound_ms
 
     one = linear_cost(0.1, 5.0)  # a 256-token pass: 30.6 ms, so 256 / 30.6 prompt tokens per ms
     rate = 256 / 30.6
@@ -364,7 +364,7 @@ def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
     """The critical tier measured 1.05 tokens per pass under load: while its requests run, that is what
     it gets, and a new one is refused; with none running the policy's prior stands in again (a tier
     refused once is not refused for good on what it measured at another load)."""
-    from specserve.gateway.admission.slo import TierStats
+    from specserve.gateway.sched.admission.slo import TierStats
 
     def propose(decoding):
         adm = SloAdmission()
@@ -379,7 +379,7 @@ def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
 
 
 def test_speculating_policies_offer_a_prior_and_plain_batching_none():
-    from specserve.gateway.policy import make_policy
+    from specserve.gateway.sched.policy import make_policy
 
     assert make_policy("none").spec_prior() == (1.0, 1.0)
     nodes, tokens = make_policy("joint").spec_prior()
@@ -455,7 +455,7 @@ def test_an_idle_replica_takes_a_waiting_best_effort_request_whatever_its_model_
 
 # ---- preemption order --------------------------------------------------------------------------------
 def test_preemption_takes_best_effort_first_then_the_newest():
-    from specserve.gateway.preempt import Holder, victims
+    from specserve.gateway.engine.preempt import Holder, victims
 
     hs = [Holder("old", 4, False, 1.0), Holder("new", 4, False, 3.0), Holder("be", 2, True, 0.5),
           Holder("grower", 4, False, 2.0)]
@@ -495,8 +495,8 @@ def test_a_replica_full_of_best_effort_kv_admits_an_slo_arrival():
 
 
 def test_who_may_run_best_effort():
-    from specserve.gateway.api import allows_best_effort
-    from specserve.gateway.protocol import SloSpec
+    from specserve.gateway.http.api import allows_best_effort
+    from specserve.gateway.http.protocol import SloSpec
     assert allows_best_effort(None, None)  # asked for no SLO: never refused for SLO reasons
     assert allows_best_effort("flex", None)
     assert not allows_best_effort("chat", None)  # a named tier is an SLO asked for
@@ -530,7 +530,7 @@ def test_a_critical_arrival_beside_speculating_decoders_is_planned_at_plain_deco
     a pass under contention, every pass with a 5-step draft call) an 18.6 ms batch holds none of it;
     three plain decode steps take 16 ms on the profile, so it is admitted, and its prompt gets the
     plain batches' room. A tier whose plain pass is too slow still is refused."""
-    from specserve.gateway.admission.slo import TierStats
+    from specserve.gateway.sched.admission.slo import TierStats
 
     def propose(tpot):
         adm = SloAdmission()

@@ -44,8 +44,8 @@ from specserve.bench.workload import (
     load_prompts,
     parse_mix,
 )
-from specserve.gateway.policy import DEFAULT_POLICY
-from specserve.gateway.profile import Profile
+from specserve.gateway.perf.profile import Profile
+from specserve.gateway.sched.policy import DEFAULT_POLICY
 from tests.gateway_procs import Up, gateway
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -408,7 +408,7 @@ specserve:y 1e3
 
 
 def test_parse_counters_reads_the_gateways_own_exposition():
-    from specserve.gateway.metrics import GatewayMetrics
+    from specserve.gateway.obs.metrics import GatewayMetrics
     from tests.test_gateway_metrics import sample_records
 
     m = GatewayMetrics('org/"m"\\v1')

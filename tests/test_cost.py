@@ -1,4 +1,4 @@
-"""PassCost (services/gateway/cost.py), the gateway's one cost model, on hand-built records: no processes.
+"""PassCost (services/gateway/perf/cost.py), the gateway's one cost model, on hand-built records: no processes.
 
 - what it reads from an IterationRecord (the replica's pass, the KV held, the draft call's shape);
 - every iteration is priced before it is fitted, and the relative error of those predictions is kept;
@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from specserve.gateway.cost import PassCost, PassSample, sample_of
-from specserve.gateway.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.engine.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.perf.cost import PassCost, PassSample, sample_of
 
 
 def record(*, nodes: int, service_ms: float, total_ms: float, replica: int = 0, depth: int = 0, spec: int = 0,
@@ -66,8 +66,8 @@ def test_the_draft_term_is_fitted_from_the_draft_call_and_priced_only_when_someo
 
 
 def test_the_planner_and_the_policy_price_one_iteration_the_same():
-    from specserve.gateway.policy import BatchView, RequestView
-    from specserve.gateway.policy.turbospec import GoodputControl
+    from specserve.gateway.sched.policy import BatchView, RequestView
+    from specserve.gateway.sched.policy.turbospec import GoodputControl
 
     cost = PassCost(8, 10.0, [(1, 8.0), (64, 40.0)])
     for n in (1, 2, 4, 8, 16):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from specserve.gateway.cost import PassCost
-from specserve.gateway.discovery import Resolver, TargetDiscovery, read_hosts, split_address
-from specserve.gateway.pool import ServicePool, TargetReplica
+from specserve.gateway.backends.discovery import Resolver, TargetDiscovery, read_hosts, split_address
+from specserve.gateway.backends.pool import ServicePool, TargetReplica
+from specserve.gateway.perf.cost import PassCost
 
 
 def latency() -> PassCost:

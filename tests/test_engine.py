@@ -13,17 +13,17 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.gateway.cost import PassCost
-from specserve.gateway.engine import Engine, EngineLimits
-from specserve.gateway.metrics import GatewayMetrics
-from specserve.gateway.plan import Decision, Residency, SchedulerView, Shape
-from specserve.gateway.policy.fixed import Chain
-from specserve.gateway.pool import DraftService, ServicePool, TargetReplica
-from specserve.gateway.record import IterationRecord
-from specserve.gateway.request import Finished, GenRequest, Tokens
-from specserve.gateway.routing import RoundRobin
-from specserve.gateway.scheduler import Scheduler
-from specserve.gateway.slo import SloClass
+from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
+from specserve.gateway.engine.core import Engine, EngineLimits
+from specserve.gateway.engine.record import IterationRecord
+from specserve.gateway.engine.request import Finished, GenRequest, Tokens
+from specserve.gateway.obs.metrics import GatewayMetrics
+from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.sched.plan import Decision, Residency, SchedulerView, Shape
+from specserve.gateway.sched.policy.fixed import Chain
+from specserve.gateway.sched.routing import RoundRobin
+from specserve.gateway.sched.scheduler import Scheduler
+from specserve.gateway.sched.slo import SloClass
 from specserve.launch import ServiceProcess
 from specserve.shared.messages import SamplingSpec
 from specserve.shared.service_client import DraftClient, TargetClient

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import exposition
 from prometheus_client.parser import text_string_to_metric_families
 
-from specserve.gateway.metrics import (
+from specserve.gateway.engine.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.obs.metrics import (
     CONTENT_TYPE,
     ITERATION_TOKENS_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -19,7 +20,6 @@ from specserve.gateway.metrics import (
     TTFT_BUCKETS,
     GatewayMetrics,
 )
-from specserve.gateway.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 
 MODEL = "demo"
 M = ("model_name",)

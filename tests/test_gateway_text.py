@@ -11,8 +11,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from specserve.gateway.detokenize import IncrementalDetokenizer, StopMatcher
-from specserve.gateway.protocol import (
+from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
+from specserve.gateway.http.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,7 +23,7 @@ from specserve.gateway.protocol import (
     prompt_of,
     sampling_of,
 )
-from specserve.gateway.server import framed
+from specserve.gateway.http.server import framed
 
 TARGET = Path(__file__).resolve().parents[1] / "models" / "target"
 
@@ -188,7 +188,7 @@ def test_slo_rules(field, good, bad):
 
 def test_non_finite_floats_refused_when_constructed_directly():
     # JSON cannot carry NaN/inf (msgspec refuses them above); the check also guards Structs built in code.
-    from specserve.gateway import protocol
+    from specserve.gateway.http import protocol
 
     for value in (float("nan"), float("inf")):
         with pytest.raises(ApiError) as info:

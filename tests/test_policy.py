@@ -1,4 +1,4 @@
-"""Speculation policies (specserve.gateway.policy) and the PassCost they read.
+"""Speculation policies (specserve.gateway.sched.policy) and the PassCost they read.
 
 References: the AdaServe digest (shared/papers/adaserve.md): eq. 8-9 (§3.4), Algorithm 2 with its
 errata (§3.3, §3.5), the Figure 2 example, and the pitfalls of §8. The budget B counts roots and is
@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from specserve.gateway.cost import PassCost
-from specserve.gateway.policy import (
+from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.sched.policy import (
     NAMES,
     BatchView,
     CandidateTree,
@@ -25,8 +25,8 @@ from specserve.gateway.policy import (
     Shape,
     make_policy,
 )
-from specserve.gateway.policy.adaserve import AdaServe, EqualGreedy, GlobalGreedy
-from specserve.gateway.policy.fixed import Chain, ExpansionTree
+from specserve.gateway.sched.policy.adaserve import AdaServe, EqualGreedy, GlobalGreedy
+from specserve.gateway.sched.policy.fixed import Chain, ExpansionTree
 
 T_SPEC = 10.0  # every test's PassCost predicts a 10 ms iteration (seeded from the baseline)
 

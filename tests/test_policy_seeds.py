@@ -14,14 +14,14 @@ import random
 
 import pytest
 
-from specserve.gateway.cost import OnlineLinear, PassCost
-from specserve.gateway.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
-from specserve.gateway.policy.goodput import Acceptance, best_depth, expected_tokens
-from specserve.gateway.policy.joint import AT_RISK, LOST, SLACK, Joint
-from specserve.gateway.policy.slo_goodput import SloGoodput, hopeless
-from specserve.gateway.policy.tetris import Tetris, tetris_select
-from specserve.gateway.policy.turbospec import TurboSpec
-from specserve.gateway.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.engine.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.perf.cost import OnlineLinear, PassCost
+from specserve.gateway.sched.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
+from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens
+from specserve.gateway.sched.policy.joint import AT_RISK, LOST, SLACK, Joint
+from specserve.gateway.sched.policy.slo_goodput import SloGoodput, hopeless
+from specserve.gateway.sched.policy.tetris import Tetris, tetris_select
+from specserve.gateway.sched.policy.turbospec import TurboSpec
 
 # A target whose profiled pass takes 6 + 0.5 ms per token (collinear points: the fit is exact).
 CURVE = [(8, 10.0), (16, 14.0), (32, 22.0)]
@@ -254,7 +254,7 @@ def test_turbospec_probes_after_a_long_off_period():
 
 
 def test_turbospec_draft_prefill_skip_and_late_enablement():
-    from specserve.gateway.plan import DraftView, Limits, ReplicaView, SchedulerView
+    from specserve.gateway.sched.plan import DraftView, Limits, ReplicaView, SchedulerView
     p = TurboSpec()
     lat = latency(curve=[(8, 10.0), (64, 38.0)])
     p.control.thr = 2  # k = 0 was chosen at batch 2
@@ -387,7 +387,7 @@ def test_joint_off_switch_when_nothing_pays():
 
 
 def test_bandit_converges_to_the_best_arm_on_a_synthetic_reward():
-    from specserve.gateway.policy.nightjar import Bandit
+    from specserve.gateway.sched.policy.nightjar import Bandit
     means = [1.0, 1.3, 1.1, 0.8]  # tokens per ms; arm 1 is best
     b = Bandit([(0, 1), (1, 1), (2, 1), (4, 2)], explore_cap=0.05, seed=1)
     rng = random.Random(5)
@@ -406,7 +406,7 @@ def test_bandit_converges_to_the_best_arm_on_a_synthetic_reward():
 
 
 def test_bandit_switching_cost_keeps_speculation_off_while_the_draft_lags():
-    from specserve.gateway.policy.nightjar import Bandit
+    from specserve.gateway.sched.policy.nightjar import Bandit
     b = Bandit([(0, 1), (2, 1)], explore_cap=0.0)
     for _ in range(30):
         for i, g in ((0, 1.0), (1, 1.1)):
@@ -418,8 +418,8 @@ def test_bandit_switching_cost_keeps_speculation_off_while_the_draft_lags():
 
 
 def test_offload_reload_hysteresis_on_a_scripted_pressure_trace():
-    from specserve.gateway.plan import Residency
-    from specserve.gateway.policy.nightjar import Residence
+    from specserve.gateway.sched.plan import Residency
+    from specserve.gateway.sched.policy.nightjar import Residence
     r = Residence(offload_free=0.10, reload_free=0.30, persist=3, dwell_ms=1000.0)
     KEEP, OFF, ON = Residency.KEEP, Residency.OFFLOAD, Residency.RELOAD
     offloaded = False
@@ -446,8 +446,8 @@ def test_offload_reload_hysteresis_on_a_scripted_pressure_trace():
 
 
 def test_offload_needs_the_queue_or_speculation_off():
-    from specserve.gateway.plan import Residency
-    from specserve.gateway.policy.nightjar import Residence
+    from specserve.gateway.sched.plan import Residency
+    from specserve.gateway.sched.policy.nightjar import Residence
     r = Residence(offload_free=0.10, reload_free=0.30, persist=3, dwell_ms=0.0)
     for _ in range(5):  # KV is scarce but nobody waits and the arms draft: keep the draft
         assert r.step(0.05, 0, False) is Residency.KEEP
@@ -463,13 +463,13 @@ def test_offload_needs_the_queue_or_speculation_off():
 
 
 def test_nightjar_policy_marks_requests_cold_across_an_offload():
-    from specserve.gateway.plan import DraftView, Limits, ReplicaView, Residency, SchedulerView
-    from specserve.gateway.policy.nightjar import Nightjar, NightjarOptions
+    from specserve.gateway.sched.plan import DraftView, Limits, ReplicaView, Residency, SchedulerView
+    from specserve.gateway.sched.policy.nightjar import Nightjar, NightjarOptions
     p = Nightjar([(2, 1)], NightjarOptions(nightjar_persist=1, nightjar_dwell_s=0.0))
     lat = latency()
 
     def view(reqs, reserved, waiting, offloaded):
-        from specserve.gateway.plan import WaitingView
+        from specserve.gateway.sched.plan import WaitingView
         w = [WaitingView(f"w{i}", 8, 8, 1, "t", 50.0, 1000.0, 0.0) for i in range(waiting)]
         return SchedulerView(w, [], reqs, [ReplicaView(0, True, 100, reserved, len(reqs), lat)],
                              DraftView(True, offloaded), Limits(8, 64, 8, 4))

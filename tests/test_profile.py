@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from specserve.cli import BUNDLED_TARGET
-from specserve.gateway.profile import Profile, add_flags, default_profile_path, format_table, knee, measure
+from specserve.gateway.perf.profile import Profile, add_flags, default_profile_path, format_table, knee, measure
 from specserve.launch import ServiceProcess
 from specserve.shared.model_config import ModelConfig
 from specserve.shared.service_client import TargetClient

@@ -22,9 +22,9 @@ import httpx
 import openai
 import pytest
 
-from specserve.gateway.cost import PassCost
-from specserve.gateway.executor import Executor
-from specserve.gateway.pool import ServicePool, TargetReplica
+from specserve.gateway.backends.executor import Executor
+from specserve.gateway.backends.pool import ServicePool, TargetReplica
+from specserve.gateway.perf.cost import PassCost
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_client import PrefillItem, TargetClient
 from tests.gateway_procs import Up, await_health, health, kill, wait_health

@@ -1,4 +1,4 @@
-"""The scheduler (specserve.gateway.scheduler) on hand-built snapshots: no processes, no clock.
+"""The scheduler (specserve.gateway.sched.scheduler) on hand-built snapshots: no processes, no clock.
 
 Covers the FIFO proposal (routing, head-of-line, chunks per replica), the enforcement of the hard
 limits on whatever a policy decides (capacity, replica hints, rejections, chunk and shape caps,
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.gateway.cost import PassCost
-from specserve.gateway.plan import (
+from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.sched.plan import (
     Admit,
     Decision,
     DraftView,
@@ -25,9 +25,9 @@ from specserve.gateway.plan import (
     Shape,
     WaitingView,
 )
-from specserve.gateway.policy import Policy, make_policy
-from specserve.gateway.routing import LeastLoaded, Ledger, RoundRobin, make_router
-from specserve.gateway.scheduler import Scheduler
+from specserve.gateway.sched.policy import Policy, make_policy
+from specserve.gateway.sched.routing import LeastLoaded, Ledger, RoundRobin, make_router
+from specserve.gateway.sched.scheduler import Scheduler
 
 
 def replica(i: int, *, up: bool = True, total: int = 100, reserved: int = 0, running: int = 0,

@@ -28,7 +28,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.gateway.profile import Profile
+from specserve.gateway.perf.profile import Profile
 from specserve.shared import model_store
 from specserve.shared.batch import Chunk
 from specserve.shared.generate import generate

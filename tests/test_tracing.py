@@ -1,4 +1,4 @@
-"""Tracing (shared/tracing.py, services/gateway/spans.py): OpenTelemetry spans across the gateway,
+"""Tracing (shared/tracing.py, services/gateway/obs/spans.py): OpenTelemetry spans across the gateway,
 the draft and the target.
 
 - In process, with the SDK's InMemorySpanExporter: the trace context crosses a real RpcServer /

@@ -29,7 +29,7 @@ from specserve.bench.client import send
 from specserve.bench.records import RequestRecord, summarize
 from specserve.bench.scrape import PARTS, scrape, server_delta
 from specserve.bench.workload import DEFAULT_MIX, BenchRequest, build_requests, parse_mix
-from specserve.gateway.slo import ALIASES
+from specserve.gateway.sched.slo import ALIASES
 
 
 @dataclass(slots=True)

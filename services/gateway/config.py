@@ -6,8 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from specserve.gateway.policy import DEFAULT_POLICY, option_classes, policy_help
-from specserve.gateway.routing import ROUTERS
+from specserve.gateway.sched.policy import DEFAULT_POLICY, option_classes, policy_help
+from specserve.gateway.sched.routing import ROUTERS
 from specserve.shared.service_base import MODELS
 from specserve.shared.settings import Settings, option
 

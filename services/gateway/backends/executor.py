@@ -1,0 +1,187 @@
+"""The executor: every call the gateway makes to the draft and target services, each with a deadline.
+
+Each call ends in one of three ways, and the caller is told which:
+- a reply: the call ran (single entries may still carry their own error, which ends only that request);
+- `Failure("remote", ...)`: the service is alive and answered the whole call with an error. It stays up;
+- `Failure("down", ...)`: a transport failure (connection lost, unreadable reply, deadline exceeded).
+  The connection is dropped and the service marked down; the pool reconnects it later.
+
+The target passes of all replicas run concurrently (and beside them, with the eager draft sync,
+a depth-0 Speculate call that keeps the draft's view of committed tokens current).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
+from specserve.gateway.sched.plan import Residency
+from specserve.shared import tracing
+from specserve.shared.messages import ForwardReply, SpeculateReply, TransitionReply
+from specserve.shared.rpc import TRANSPORT_ERRORS, RemoteError, RpcProtocolError
+from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
+from specserve.shared.transport import MessageError
+
+log = logging.getLogger("specserve.gateway")
+T = TypeVar("T")
+PING_TIMEOUT_S = 2.0  # an idle service must answer Health within this
+
+
+@dataclass(slots=True)
+class Failure:
+    kind: str  # "remote": the service refused the call; "down": transport failure, the service is marked down
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass(slots=True)
+class CallResult(Generic[T]):
+    value: T | None
+    failure: Failure | None
+    ms: float  # the call as the gateway saw it
+
+
+@dataclass(slots=True)
+class TargetPass:
+    replica: TargetReplica
+    prefill: list[PrefillItem]
+    verify: list[VerifyItem]
+
+
+class Executor:
+    def __init__(self, pool: ServicePool, call_timeout_s: float):
+        self.pool = pool
+        self.call_timeout_s = call_timeout_s  # deadline of every service call, seconds
+
+    async def _guard(self, service: TargetReplica | DraftService, call: Callable[[], Awaitable[T]],
+                     timeout_s: float | None = None, span: str | None = None) -> CallResult[T]:
+        """span: trace this call as a CLIENT span of that name (when tracing is on); its context goes
+        in the frame header, and the service's own span is its child."""
+        if span is not None and tracing.ENABLED:
+            with tracing.span(span, tracing.SpanKind.CLIENT) as current:
+                result = await self._call(service, call, timeout_s)
+                if current.is_recording():
+                    current.set_attributes(call_attributes(service, result))
+                if result.failure is not None:
+                    tracing.failed(current, str(result.failure))
+                return result
+        return await self._call(service, call, timeout_s)
+
+    async def _call(self, service: TargetReplica | DraftService, call: Callable[[], Awaitable[T]],
+                    timeout_s: float | None) -> CallResult[T]:
+        t0 = time.perf_counter()
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                value = await call()
+            service.last_ok = time.monotonic()
+            return CallResult(value, None, (time.perf_counter() - t0) * 1e3)
+        except TRANSPORT_ERRORS as exc:  # first: a reply out of step is a protocol error *and* transport
+            reason = f"no reply within {timeout_s:g} s" if isinstance(exc, TimeoutError) else \
+                f"{type(exc).__name__}: {exc}"
+            failure = Failure("down", reason)
+            await service.mark_down()
+        except (RemoteError, RpcProtocolError, MessageError) as exc:  # answered, in step: the service is alive
+            service.last_ok = time.monotonic()
+            failure = Failure("remote", str(exc))
+        return CallResult(None, failure, (time.perf_counter() - t0) * 1e3)
+
+    # ---- releases --------------------------------------------------------------------------------
+    async def release_owed(self) -> None:
+        """Send every up service the releases it is owed; what fails stays owed."""
+        services: list[TargetReplica | DraftService] = [t for t in self.pool.targets if t.up and t.owed_releases]
+        draft = self.pool.draft
+        if draft is not None and draft.up and draft.owed_releases:
+            services.append(draft)
+        if not services:
+            return
+
+        async def one(s: TargetReplica | DraftService) -> None:
+            rids = sorted(s.owed_releases)
+            client = s.client
+            assert client is not None
+            result = await self._guard(s, lambda: client.release(rids))
+            if result.value is not None:
+                s.owed_releases.difference_update(rids)
+                if isinstance(s, TargetReplica):
+                    s.free_blocks = result.value.free_blocks
+            else:
+                log.warning("release at %s failed (%s); kept for the next iteration", s.address, result.failure)
+
+        await asyncio.gather(*(one(s) for s in services))
+
+    async def ping(self) -> None:
+        """Health to every up service (while idle): one that does not answer is marked down."""
+        services: list[TargetReplica | DraftService] = [t for t in self.pool.targets if t.up]
+        if self.pool.draft is not None and self.pool.draft.up:
+            services.append(self.pool.draft)
+
+        async def one(s: TargetReplica | DraftService) -> None:
+            client = s.client
+            assert client is not None
+            await self._guard(s, client.health, PING_TIMEOUT_S)  # Health is answered without the model
+
+        await asyncio.gather(*(one(s) for s in services))
+
+    # ---- the draft -------------------------------------------------------------------------------
+    async def transition(self, residency: Residency) -> CallResult[TransitionReply]:
+        draft = self.pool.draft
+        assert draft is not None and draft.client is not None
+        client = draft.client
+        call = client.offload if residency is Residency.OFFLOAD else client.reload
+        result = await self._guard(draft, call, span="draft/Offload" if residency is Residency.OFFLOAD
+                                   else "draft/Reload")
+        if result.value is not None:
+            draft.offloaded = result.value.offloaded
+        return result
+
+    async def speculate(self, items: list[SpeculateItem]) -> CallResult[tuple[list[Candidate], SpeculateReply]]:
+        draft = self.pool.draft
+        assert draft is not None and draft.client is not None
+        client = draft.client
+        result = await self._guard(draft, lambda: client.speculate(items), span="draft/Speculate")
+        if result.value is not None and result.value[1].offloaded:
+            draft.offloaded = True  # offloaded by someone else, or restarted offloaded
+        return result
+
+    # ---- the target pass -------------------------------------------------------------------------
+    async def target_pass(self, passes: list[TargetPass], sync: list[SpeculateItem]) -> tuple[
+            list[CallResult[tuple[list[StepOutput], ForwardReply]]],
+            CallResult[tuple[list[Candidate], SpeculateReply]] | None, float]:
+        """Every replica's Forward at once (and the eager draft sync beside them); the wall time, ms."""
+        t0 = time.perf_counter()
+
+        def forward(p: TargetPass) -> Callable[[], Awaitable[tuple[list[StepOutput], ForwardReply]]]:
+            client = p.replica.client
+            assert client is not None
+            return lambda: client.forward(p.prefill, p.verify)
+
+        # The first replica's call is awaited directly, so its frame is written now; the others (and the
+        # eager sync) are tasks, which start at the next turn of the event loop. Wrapping the first in a
+        # task too would let every ready SSE handler run before the Forward is even sent, instead of
+        # while the target computes.
+        others = [asyncio.ensure_future(self._guard(p.replica, forward(p), span="target/Forward"))
+                  for p in passes[1:]]
+        sync_call = asyncio.ensure_future(self.speculate(sync)) if sync else None
+        results = [await self._guard(passes[0].replica, forward(passes[0]), span="target/Forward")] if passes else []
+        results += [await task for task in others]
+        synced = await sync_call if sync_call is not None else None
+        return results, synced, (time.perf_counter() - t0) * 1e3
+
+
+def call_attributes(service: TargetReplica | DraftService, result: CallResult) -> dict[str, str | int | float]:
+    """A traced call's attributes: the peer, the replica, the time as the gateway saw it."""
+    out: dict[str, str | int | float] = {"rpc.system": "specserve", "server.address": service.address,
+                                         "specserve.call_ms": round(result.ms, 3)}
+    if isinstance(service, TargetReplica):
+        out["specserve.replica"] = service.index
+    if result.failure is not None:
+        out["specserve.failure"] = result.failure.kind
+    return out

@@ -1,0 +1,74 @@
+"""Drafting ahead (`--overlap`): the draft grows a request's next tree while the target verifies this one.
+
+Beside each target pass, every request that speculates is sent to the draft with its committed
+tokens and, marked as *assumed*, the path of the tree under verification that is most likely to be
+accepted whole (the root path of the selected leaf with the highest path probability). The draft
+grows a tree of depth d + 1 from the end of that path and then forgets the assumed tokens.
+
+When the target's answer is exactly that path plus a bonus token that is one of the new tree's
+first-level children (a *hit*), the subtree under that child is the next step's tree, depth d,
+already drafted: the next iteration calls no draft for it on its critical path. On a miss the next
+step either verifies its root alone while the draft grows a tree from that root (`--overlap-miss
+root`: then the draft's first-level guess of the bonus token is all it must get right), or drafts its
+tree before the pass as without --overlap (`draft`: a miss costs what it always did).
+
+Lossless by construction: the target verifies every token and decides what is emitted; the draft
+only proposes. Pure bookkeeping, no I/O: the engine sends the calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.gateway.sched.policy.base import CandidateTree
+
+
+@dataclass(slots=True)
+class Guess:
+    """One request's drafting-ahead call of this iteration."""
+
+    path: list[int]  # assumed tokens after the root of the tree being verified (empty: the root alone)
+    root: int  # the token the new tree grows from: path[-1], or the root being verified
+    output_len: int  # tokens the request had emitted when the call was made
+
+
+def assumed_path(tree: CandidateTree, selected: list[int]) -> list[int]:
+    """Tokens (root excluded) on the root path of the selected leaf with the highest path probability;
+    empty when only the root is verified. `selected` is parent-closed and holds the root."""
+    chosen = set(selected)
+    leaves = [v for v in selected if v and not any(c in chosen for c in tree.children[v])]
+    if not leaves:
+        return []
+    v = max(leaves, key=lambda n: (tree.path_prob[n], tree.depths[n]))
+    path = []
+    while v > 0:
+        path.append(tree.tokens[v])
+        v = tree.parents[v]
+    return path[::-1]
+
+
+def next_tree(guess: Guess, tree: CandidateTree, emitted: list[int]) -> CandidateTree | None:
+    """The next step's tree when the target emitted the assumed path plus one of the tree's first-level
+    children (the subtree under that child: one level shallower than the tree); None on a miss."""
+    if len(emitted) != len(guess.path) + 1 or emitted[:-1] != guess.path:
+        return None
+    bonus = emitted[-1]
+    child = next((c for c in tree.children[0] if tree.tokens[c] == bonus), None)
+    return None if child is None else reroot(tree, child)
+
+
+def reroot(tree: CandidateTree, root: int, depth: int | None = None) -> CandidateTree:
+    """The subtree under node `root` (at most `depth` levels below it, if given) as a tree of its own:
+    path probabilities become conditional on reaching `root`; parents still precede children."""
+    keep = [root]
+    index = {root: 0}
+    parents = [-1]
+    for v in range(root + 1, len(tree.tokens)):
+        p = tree.parents[v]
+        if p in index and (depth is None or tree.depths[v] - tree.depths[root] <= depth):
+            index[v] = len(keep)
+            keep.append(v)
+            parents.append(index[p])
+    base = tree.path_prob[root] or 1.0
+    return CandidateTree([tree.tokens[v] for v in keep], parents,
+                         [1.0] + [tree.path_prob[v] / base for v in keep[1:]])

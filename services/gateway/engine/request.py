@@ -1,0 +1,104 @@
+"""One generation request as the engine tracks it, and the events it sends to its HTTP handler."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specserve.gateway.sched.slo import SloClass
+from specserve.shared.messages import SamplingSpec
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
+
+    from specserve.gateway.sched.policy.base import CandidateTree
+
+
+@dataclass(slots=True)
+class Tokens:
+    """New output tokens of one step (already cut at EOS, max_tokens and the context length)."""
+
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class Admitted:
+    """The request left the waiting queue and is bound to a target replica."""
+
+    replica: int
+
+
+@dataclass(slots=True)
+class Finished:
+    reason: str  # "stop", "length", "abort", "error" or "rejected" (refused before admission)
+    error: str | None = None  # what went wrong, when reason is "error" or "rejected"
+    retry_after_s: float | None = None  # "rejected": when to come back
+
+
+@dataclass(eq=False, slots=True)
+class GenRequest:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingSpec
+    max_tokens: int  # output tokens allowed (already capped by the context length)
+    slo: SloClass
+    stop_ids: frozenset[int]  # token ids that end the output (EOS); not streamed as text
+    kv_blocks: int = 0  # target KV blocks reserved for it while admitted
+    replica: int | None = None  # the target replica it is bound to once admitted
+    arrival: float = field(default_factory=time.perf_counter)  # perf_counter seconds
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Tokens / Finished for the handler
+    admitted_at: float | None = None
+    prefilled: int = 0  # prompt tokens already in the target's KV
+    output: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # perf_counter seconds, one per output token
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
+    verified: list[tuple[int, int]] = field(default_factory=list)  # (engine step, tree nodes sent incl. root)
+    draft_unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen
+    draft_seen: bool = False  # the draft may hold state for it (it must be released there)
+    ahead: CandidateTree | None = None  # its next tree, drafted ahead during the last target pass (--overlap)
+    out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
+    finish_reason: str | None = None
+    resuming: bool = False  # preempted: its KV is being rebuilt from `context` before it decodes again
+    preemptions: int = 0
+    served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
+    best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
+    trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
+
+    @property
+    def committed(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens its target KV is built from by prefill: the prompt, or after a preemption the
+        prompt and every output token but the newest (which is the next tree's root)."""
+        return self.prompt + self.output[:-1] if self.resuming else self.prompt
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.output) and not self.resuming and self.finish_reason is None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output)
+
+    def tpot_s(self) -> float | None:
+        """Mean seconds per output token after the first (None with fewer than 2 tokens)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    def report(self) -> dict:
+        """The `specserve` extension object of a response: SLO and speculation per step."""
+        tpot = self.tpot_s()
+        return {"slo": {"tier": self.slo.name, "tpot_ms": self.slo.tpot_ms, "ttft_ms": self.slo.ttft_ms},
+                "replica": self.replica,
+                "best_effort": self.served_best_effort,
+                "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
+                "steps": [[step, nodes, acc] for (step, nodes), acc in zip(self.verified, self.accepted)]}
+
+    def slo_met(self) -> bool:
+        tpot = self.tpot_s()
+        return tpot is None or tpot * 1e3 <= self.slo.tpot_ms

@@ -1,0 +1,1 @@
+"""The HTTP front end: the OpenAI API (server, request parsing, SSE), tokenization and detokenization."""

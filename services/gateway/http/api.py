@@ -1,0 +1,154 @@
+"""Turning a parsed OpenAI request into a GenRequest, and engine events into response chunks.
+
+`Generation` runs one request: it feeds emitted tokens through the incremental detokenizer and
+the stop-string matcher and yields (text, finish_reason) pieces; the HTTP layer (server.py) only
+formats them as SSE chunks or one JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specserve.gateway.engine.core import Engine, ServiceUnavailable
+from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
+from specserve.gateway.http.protocol import ApiError, Sampling, SloSpec
+from specserve.gateway.sched.slo import SloClass, resolve
+from specserve.shared.messages import SamplingSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str  # served model id
+    max_model_len: int  # context length, tokens
+    vocab_size: int
+    stop_ids: frozenset[int]  # EOS token ids
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_slo(classes: dict[str, SloClass], tier: str | None, slo: SloSpec | None) -> SloClass:
+    cls = resolve(classes, tier, slo.tpot_ms if slo else None, slo.ttft_ms if slo else None)
+    if cls is None:
+        raise ApiError(f"unknown service_tier {tier!r}; configured classes: {', '.join(sorted(classes))}",
+                       param="service_tier", code="unknown_service_tier")
+    return cls
+
+
+def allows_best_effort(tier: str | None, slo: SloSpec | None) -> bool:
+    """Whether a request may be served without an SLO when admission cannot meet it: `slo.best_effort`
+    if given, else OpenAI's `service_tier: "flex"` (slower, cheaper processing); a request that asks
+    for no SLO at all (neither `slo` nor `service_tier`) always may, so that SLO-aware admission
+    never refuses what FIFO would serve (it runs best effort while queue room remains)."""
+    if slo is not None and slo.best_effort is not None:
+        return slo.best_effort
+    return tier == "flex" or (tier is None and slo is None)
+
+
+def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: Sampling, slo: SloClass,
+                  prefix: str) -> GenRequest:
+    """Check the prompt and limits against the model and the KV pool; 400 with a clear reason otherwise."""
+    if not prompt:
+        raise ApiError("the prompt is empty after tokenization", param="prompt")
+    bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(f"token id {bad[0]} is outside the vocabulary (size {info.vocab_size})", param="prompt")
+    room = info.max_model_len - len(prompt)
+    if room < 1:
+        raise ApiError(f"This model's maximum context length is {info.max_model_len} tokens; the prompt has "
+                       f"{len(prompt)} tokens.", param="prompt", code="context_length_exceeded")
+    max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
+    if max_tokens > room:
+        raise ApiError(f"This model's maximum context length is {info.max_model_len} tokens; {len(prompt)} prompt "
+                       f"tokens + max_tokens {max_tokens} exceed it.", param="max_tokens",
+                       code="context_length_exceeded")
+    if engine.total_blocks and engine.kv_blocks_for(len(prompt), max_tokens) > engine.total_blocks:
+        raise ApiError(f"{len(prompt)} prompt tokens + max_tokens {max_tokens} need more KV than the target's "
+                       f"whole pool ({engine.total_blocks * engine.pool.block_size} tokens)", param="max_tokens")
+    spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
+                        None if sampling.seed is None else sampling.seed % 2**63)
+    return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo,
+                      frozenset() if sampling.ignore_eos else info.stop_ids)
+
+
+class Generation:
+    """One submitted request's output as text pieces; aborts the request if the consumer leaves."""
+
+    def __init__(self, engine: Engine, req: GenRequest, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]):
+        self.engine, self.req = engine, req
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt)
+        self.stop = StopMatcher(stops)
+        self.completion_tokens = 0  # tokens consumed into the text (those after a stop string are not)
+        self.created = int(time.time())
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._early: Finished | None = None  # the request ended before it was admitted
+
+    async def admitted(self) -> None:
+        """Wait until the engine admits the request (before any response byte is sent); a request
+        refused or failed before admission raises ServiceUnavailable (503, with Retry-After)."""
+        try:
+            event = await self.req.events.get()
+        except asyncio.CancelledError:
+            self.engine.abort(self.req.rid)
+            raise
+        if isinstance(event, Admitted):
+            return
+        assert isinstance(event, Finished), event
+        self.finish_reason, self.error = event.reason, event.error
+        if event.reason in ("rejected", "error"):
+            raise ServiceUnavailable(event.error or "the request was refused", event.retry_after_s)
+        self._early = event
+
+    async def pieces(self) -> AsyncGenerator[str, None]:
+        """Text deltas, one per wake-up: the events queued by then are taken together and their text
+        joined, so a consumer that falls behind gets fewer, larger pieces. `finish_reason` (and
+        `error`) are set when it ends."""
+        if self._early is not None:
+            return
+        events = self.req.events
+        try:
+            while self.finish_reason is None:
+                taken = [await events.get()]
+                while not events.empty():
+                    taken.append(events.get_nowait())
+                text = "".join(self._text(taken))
+                if text:
+                    yield text
+        finally:
+            if self.finish_reason is None:  # the consumer left (client disconnect)
+                self.engine.abort(self.req.rid)
+
+    def _text(self, events: list[Admitted | Tokens | Finished]) -> Iterator[str]:
+        """The text of events in order, through the detokenizer and the stop matcher; sets
+        finish_reason at a Finished event or a stop string (what follows is dropped)."""
+        for event in events:
+            if isinstance(event, Admitted):
+                continue
+            if isinstance(event, Finished):
+                tail, _ = self.stop.feed(self.detok.flush())
+                yield tail + self.stop.flush()
+                self.finish_reason, self.error = event.reason, event.error
+                return
+            for token in event.tokens:
+                self.completion_tokens += 1
+                piece, stopped = self.stop.feed(self.detok.add([token]))
+                yield piece
+                if stopped:
+                    self.engine.abort(self.req.rid, "stop")
+                    self.finish_reason = "stop"
+                    return
+
+    def usage(self) -> dict:
+        p, c = len(self.req.prompt), self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -1,0 +1,1 @@
+"""What the gateway reports: Prometheus metrics and OpenTelemetry spans."""

@@ -1,0 +1,161 @@
+"""The gateway's spans: one per HTTP request, one per engine iteration (shared/tracing.py sets up and
+propagates; nothing here runs while tracing is off).
+
+- `llm_request` (SERVER), one per POST, continuing an incoming W3C `traceparent`. Its attributes are
+  vLLM's `gen_ai.*` names (request id, model, sampling, usage, queue time, TTFT, end-to-end latency,
+  in seconds as vLLM gives them) plus specserve's own (`specserve.*`: SLO tier and its TPOT / TTFT
+  targets, the measured TPOT, tokens per verify step, replica, finish reason).
+- `engine.iteration` (INTERNAL), the root of its own trace: an iteration serves many requests and a
+  span has one parent, so it carries a *link* to each request span it served (OpenTelemetry's rule
+  for batch work; vLLM's journey tracing links its engine-core span to `llm_request` the same way).
+  Children: `draft/Speculate`, `policy.select`, `target/Forward` per replica (and `draft/Offload` /
+  `draft/Reload`). Its attributes come from the IterationRecord: batch composition and time split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from specserve.gateway.engine.record import IterationRecord
+from specserve.shared import tracing
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler, Middleware
+
+    from specserve.gateway.http.api import Generation
+
+GENERATION = "specserve.generation"  # the aiohttp request key under which a handler leaves its Generation
+
+
+# ---- the HTTP request ----------------------------------------------------------------------------
+def middlewares(model: str) -> list[Middleware]:
+    """The request-span middleware (outermost), or none while tracing is off."""
+    if not tracing.ENABLED:
+        return []
+
+    @web.middleware
+    async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method != "POST":  # health checks and scrapes are not traced
+            return await handler(request)
+        attributes = {"http.request.method": request.method, "url.path": request.path,
+                      "gen_ai.system": "specserve", "gen_ai.response.model": model}
+        with tracing.tracer().start_as_current_span("llm_request", context=tracing.extract(request.headers),
+                                                    kind=trace.SpanKind.SERVER, attributes=attributes) as span:
+            status = 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            finally:
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    tracing.failed(span, f"HTTP {status}")
+                gen = request.get(GENERATION)
+                if gen is not None and span.is_recording():  # a span the sampler dropped keeps nothing
+                    span.set_attributes(request_attributes(gen))
+
+    return [traced]
+
+
+def request_attributes(gen: Generation) -> dict[str, Any]:
+    r = gen.req
+    now = time.perf_counter()
+    out: dict[str, Any] = {
+        "gen_ai.request.id": r.rid,
+        "gen_ai.request.max_tokens": r.max_tokens,
+        "gen_ai.request.temperature": r.sampling.temperature,
+        "gen_ai.request.top_p": r.sampling.top_p,
+        "gen_ai.usage.prompt_tokens": len(r.prompt),
+        "gen_ai.usage.completion_tokens": gen.completion_tokens,
+        "gen_ai.latency.e2e": now - r.arrival,
+        "specserve.slo.tier": r.slo.name,
+        "specserve.slo.tpot_target_ms": r.slo.tpot_ms,
+        "specserve.slo.ttft_target_ms": r.slo.ttft_ms,
+        "specserve.verify_steps": len(r.accepted),
+    }
+    if r.admitted_at is not None:
+        out["gen_ai.latency.time_in_queue"] = r.admitted_at - r.arrival
+    if r.token_times:
+        out["gen_ai.latency.time_to_first_token"] = r.token_times[0] - r.arrival
+    tpot = r.tpot_s()
+    if tpot is not None:
+        out["specserve.tpot_ms"] = tpot * 1e3
+        out["specserve.slo.met"] = r.slo_met()
+    if r.accepted:
+        out["specserve.tokens_per_step"] = (sum(r.accepted) + len(r.accepted)) / len(r.accepted)
+    if r.replica is not None:
+        out["specserve.replica"] = r.replica
+    if gen.finish_reason is not None:
+        out["specserve.finish_reason"] = gen.finish_reason
+    return out
+
+
+def current() -> trace.SpanContext | None:
+    """The current span's context (the request span, when the handler submits), to link iterations to."""
+    ctx = trace.get_current_span().get_span_context()
+    return ctx if ctx.is_valid else None
+
+
+# ---- the engine iteration ------------------------------------------------------------------------
+@contextlib.contextmanager
+def iteration(step: int, t0: float) -> Iterator[trace.Span]:
+    """The iteration's span, a new trace, started at t0 (perf_counter) so that it covers what the
+    record's total_ms covers."""
+    start = time.time_ns() - int((time.perf_counter() - t0) * 1e9)
+    with tracing.tracer().start_as_current_span("engine.iteration", context=otel_context.Context(),
+                                                start_time=start, attributes={"specserve.step": step}) as span:
+        yield span
+
+
+def record_iteration(span: trace.Span, record: IterationRecord,
+                     traces: Mapping[str, trace.SpanContext]) -> None:
+    """The record's composition and time split on the span, and a link to each request span served."""
+    if not span.is_recording():  # the sampler dropped it: nothing would be kept
+        return
+    span.set_attributes(iteration_attributes(record))
+    for step in record.requests:
+        ctx = traces.get(step.rid)
+        if ctx is not None:
+            span.add_link(ctx, {"gen_ai.request.id": step.rid})
+
+
+def iteration_attributes(record: IterationRecord) -> dict[str, Any]:
+    verify = record.verify_steps
+    out: dict[str, Any] = {
+        "specserve.batch_size": len(record.requests),
+        "specserve.decode_requests": len(verify),
+        "specserve.prefill_tokens": record.prefill_tokens,
+        "specserve.tree_nodes": record.tree_nodes,
+        "specserve.accepted_tokens": sum(s.accepted for s in verify),
+        "specserve.emitted_tokens": sum(s.emitted for s in record.requests),
+        "specserve.admitted": record.admitted,
+        "specserve.deferred": record.deferred,
+        "specserve.rejected": record.rejected,
+        "specserve.waiting": record.waiting,
+        "specserve.running": record.running,
+        "specserve.replicas": len(record.replicas),
+        "specserve.total_ms": record.total_ms,
+        "specserve.draft_ms": record.draft_ms,
+        "specserve.target_ms": record.target_ms,
+        "specserve.transport_ms": record.transport_ms,
+        "specserve.schedule_ms": record.schedule_ms,
+        "specserve.draft.requests": record.draft.requests,
+        "specserve.draft.catchup_ms": record.draft.catchup_ms,
+        "specserve.draft.beam_ms": record.draft.beam_ms,
+    }
+    if record.draft.sync_requests:
+        out["specserve.draft.sync_requests"] = record.draft.sync_requests
+    if record.draft.transition is not None:
+        out["specserve.draft.transition"] = record.draft.transition
+    failures = [r.failure for r in record.replicas if r.failure] + ([record.draft.failure] if record.draft.failure
+                                                                    else [])
+    if failures:
+        out["specserve.failures"] = failures
+    return out

@@ -1,0 +1,297 @@
+"""PassCost: one target replica's iteration time, the gateway's only cost model.
+
+The admission planner (admission/), the speculation policies (policy/) and the router read it; the
+engine feeds it once per iteration from the `IterationRecord` (`sample_of`, then `observe`). No I/O,
+no clock.
+
+An iteration on our three-service path, for a replica whose pass holds `tokens` tokens (prompt
+chunks and tree nodes, roots included) while its requests hold `kv` KV blocks, with a draft call of
+depth d and width w for `spec` requests that catch up `lag` committed tokens:
+
+    T = R_t + target(tokens, kv) + T_gw + [d > 0 and spec > 0] (R_d + draft(d, spec, w, lag))
+
+- `target(tokens, kv)`: the target service's time. At a token count it has timed, the moving
+  average of those passes; between timed counts, interpolated; beyond them, a line c0 + c1 * tokens
+  (fitted from the profile's curve, refitted online with the profile as a prior that keeps the weight
+  of LINE_PRIOR_PASSES passes) moved to pass through the nearest timed count. A line alone is wrong at
+  small counts on a CPU, where a 1-token pass takes a cheap matrix-vector path. A pass at or above
+  the least timed count enters the table (and the line) at most OUTLIER_FACTOR times what it was
+  priced at: a count timed once (a 256-token chunk at concurrency 1) would otherwise keep one stalled
+  pass's time for good. The context term k_kv * (kv - kv at that count) corrects for the KV held;
+  k_kv is fitted on the variation at one token count (so the token count, which grows with the batch
+  as the KV does, cannot take its place) and is not carried beyond the least and most blocks seen (a
+  slope through two clusters a block apart once priced a pass with no context at nothing).
+- `draft(d, spec, w, lag) = e0 + e1 d + e2 d spec w + e3 lag`, fitted online from the draft's service time.
+- R_t, R_d: moving averages of each call's round trip beyond the service's own time; T_gw: the
+  gateway's own share of an iteration (record.schedule_ms).
+
+Before the first timed pass the table holds one point: the profile's baseline (a whole decode
+iteration at batch 8, round trips included) at 8 tokens. The profile's curve points are verify
+passes timed while the contexts grew (27.0 ms at 8 tokens on the CPU profile, against an 18.6 ms
+baseline and 16-17 ms live lone decode steps), so they set the line's slope only.
+
+Every iteration is priced before it is fitted: `errors` keeps the relative error |T - T̂| / T of
+those out-of-sample predictions (`error_summary`, served in the gateway's /v1/slo_classes), and
+`residuals` the signed error by pass size, from which the planner's margin comes (`planned_ms`):
+the median residual for passes of at most B tokens (decode steps: a TPOT is a mean over a request's
+tokens, so one slow step in ten averages out) and the p90 above (prompt chunks: a TTFT is a few such
+passes). `time2bs` is the inverse the planner fills its batches with.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from specserve.gateway.engine.record import IterationRecord
+
+ANCHOR_TOKENS = 8  # the profile's baseline is a decode iteration at batch 8 (profile.BATCH)
+DRAFT_STEP_SHARE = 0.15  # the draft's prior: one beam step costs this share of the baseline iteration
+MAX_PASS_TOKENS = 1 << 20  # time2bs never answers more
+LOW_QUANTILE, HIGH_QUANTILE = 0.5, 0.9  # the planner's margin for passes of <= B tokens and above
+ERROR_WINDOW = 20_000  # iterations whose prediction error `error_summary` reports
+LINE_PRIOR_PASSES = 20.0  # the profile's line weighs as this many passes (the data's weight tops out near 50)
+OUTLIER_FACTOR = 3.0  # a pass enters the table at most this many times the time it was priced at
+
+
+class OnlineLinear:
+    """y = theta . x, a ridge regression toward `prior` with exponential forgetting (closed form, small n)."""
+
+    def __init__(self, prior: list[float], prior_weight: float = 1.0, decay: float = 0.98,
+                 prior_points: list[list[float]] | None = None):
+        """prior_points: the prior weighs as `prior_weight` observations spread over these x (which do not
+        decay), instead of `prior_weight` on each coefficient: a slope's prior then means as much as the
+        range it was measured over, whatever the units of x."""
+        self.prior = list(prior)
+        self.decay = decay
+        n = len(prior)
+        if prior_points:
+            x = np.asarray(prior_points, dtype=np.float64)
+            self.precision = prior_weight * (x.T @ x) / len(x)
+        else:
+            self.precision = prior_weight * np.eye(n)
+        self.xtx = np.zeros((n, n))
+        self.xty = np.zeros(n)
+        self.theta = list(prior)
+
+    def observe(self, x: list[float], y: float, weight: float = 1.0) -> None:
+        v = np.asarray(x, dtype=np.float64)
+        self.xtx = self.xtx * self.decay + weight * np.outer(v, v)
+        self.xty = self.xty * self.decay + weight * v * y
+        theta = np.linalg.solve(self.xtx + self.precision, self.xty + self.precision @ np.asarray(self.prior))
+        self.theta = [max(0.0, float(t)) for t in theta]  # no coefficient is negative time
+
+    def predict(self, x: list[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class PassSample:
+    """What one iteration says about one replica (`sample_of` reads it from the record)."""
+
+    tokens: int  # in the replica's pass: prompt chunks and tree nodes, roots included
+    service_ms: float  # inside the target service
+    call_ms: float  # the Forward call as the gateway saw it
+    total_ms: float  # the whole iteration
+    schedule_ms: float  # the gateway's own part of it
+    kv: int = 0  # KV blocks the replica's requests held
+    decoded: bool = True  # some request on this replica decoded (else the iteration says nothing of t_spec)
+    depth: int = 0  # the draft call: deepest beam
+    spec: int = 0  # entries with d > 0
+    width: int = 1  # widest beam
+    lag: int = 0  # committed tokens the draft caught up in the call
+    draft_service_ms: float = 0.0
+    draft_call_ms: float = 0.0
+
+
+def sample_of(record: IterationRecord, replica: int, kv: int = 0) -> PassSample | None:
+    """This replica's part of an iteration; None when it had no pass or its call failed."""
+    mine = next((r for r in record.replicas if r.replica == replica and r.failure is None), None)
+    if mine is None:
+        return None
+    d = record.draft
+    drafted = d.requests > 0 and d.failure is None and d.service_ms > 0
+    beams = [s for s in record.requests if s.depth > 0]
+    return PassSample(
+        tokens=mine.prefill_tokens + mine.tree_nodes, service_ms=mine.service_ms, call_ms=mine.call_ms,
+        total_ms=record.total_ms, schedule_ms=record.schedule_ms, kv=kv,
+        decoded=any(s.replica == replica and s.verified for s in record.requests),
+        depth=max((s.depth for s in beams), default=0) if drafted else 0, spec=d.requests if drafted else 0,
+        width=max((s.width for s in beams), default=1), lag=d.lag,
+        draft_service_ms=d.service_ms if drafted else 0.0, draft_call_ms=d.call_ms if drafted else 0.0)
+
+
+def _ema(old: float, new: float, weight: float) -> float:
+    return new if old < 0 else old + weight * (new - old)
+
+
+class PassCost:
+    """One replica's iteration time (ms) as a function of its pass, its context and the draft call."""
+
+    def __init__(self, budget_tokens: int, baseline_iteration_ms: float, curve: list[tuple[int, float]] | None = None,
+                 *, smoothing: float = 0.2, t_spec_ms: float = 0.0, window: int = 512):
+        self.budget_tokens = budget_tokens  # B: tokens per target pass, roots included (the profile's)
+        self.baseline_iteration_ms = baseline_iteration_ms  # the profile's decode iteration at batch 8
+        self.curve = list(curve or [])  # (tokens in a target pass, median ms): the profile's
+        self.smoothing = smoothing  # weight of the newest iteration in every moving average
+        self.t_spec_ms = t_spec_ms if t_spec_ms > 0 else baseline_iteration_ms  # moving average of iterations
+        c0, c1 = _line(self.curve, baseline_iteration_ms)
+        # the line's prior weighs like LINE_PRIOR_PASSES passes spread over the profile's curve, and never
+        # decays: passes of a few tokens alone (concurrency 1) cannot tilt the slope it extrapolates with
+        self.line = OnlineLinear([c0, c1], prior_weight=LINE_PRIOR_PASSES,
+                                 prior_points=[[1.0, float(n)] for n, _ in self.curve] if len(self.curve) > 1 else None)
+        self.seen: dict[int, tuple[float, float]] = {}  # tokens -> moving averages of (service ms, kv blocks)
+        self._keys: list[int] = []
+        self.kv_slope = [0.0, 0.0]  # decayed sums of d_kv * d_ms and d_kv ** 2 at one token count
+        self.kv_min, self.kv_max = 0, 0  # the least and most KV blocks a timed pass held: the term stays within
+        step = DRAFT_STEP_SHARE * max(baseline_iteration_ms, 1e-3)
+        self.draft = OnlineLinear([0.5, step, step / 16, 0.05], prior_weight=2.0)
+        self.r_t = -1.0  # target round trip beyond its service time, ms (-1: not seen yet)
+        self.r_d = -1.0  # draft round trip
+        self.gateway = -1.0  # the gateway's own part of an iteration
+        self.spec = -1.0  # moving average of the draft call's requests (the planner's draft term)
+        self.lag = -1.0  # and of its catch-up tokens
+        self.residuals: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, T - T̂), ms
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |T - T̂| / T
+        self._margins: tuple[float, float] | None = None
+
+    # ---- prediction ----------------------------------------------------------------------------------
+    @property
+    def kv_ms_per_block(self) -> float:
+        sxy, sxx = self.kv_slope
+        return max(0.0, sxy / (sxx + 1.0))  # one pseudo-observation of no slope
+
+    def target_ms(self, tokens: int, kv: int = 0) -> float:
+        """The target service's time for a pass of `tokens` tokens beside `kv` KV blocks held."""
+        kv = min(max(kv, self.kv_min), self.kv_max)  # the context term stays within the blocks timed
+        seen = self.seen or {ANCHOR_TOKENS: (self.baseline_iteration_ms, float(kv))}
+        keys = self._keys if self.seen else [ANCHOR_TOKENS]
+        k_kv = self.kv_ms_per_block
+
+        def at(n: int) -> float:
+            ms, n_kv = seen[n]
+            return ms + k_kv * (kv - n_kv)
+
+        if tokens in seen:
+            return max(1e-3, at(tokens))
+        i = bisect.bisect_left(keys, tokens)
+        if 0 < i < len(keys):
+            x0, x1 = keys[i - 1], keys[i]
+            return max(1e-3, at(x0) + (at(x1) - at(x0)) * (tokens - x0) / (x1 - x0))
+        near = keys[0] if i == 0 else keys[-1]
+        c0, c1 = self.line.theta
+        return max(1e-3, at(near) + c1 * (tokens - near))
+
+    def draft_ms(self, depth: int, spec: int, width: int, lag: int) -> float:
+        return self.draft.predict([1.0, float(depth), float(depth * spec * width), float(lag)])
+
+    def iteration_ms(self, tokens: int, depth: int = 0, spec: int = 0, width: int = 1, lag: int = 0,
+                     kv: int = 0) -> float:
+        """The iteration: the target pass over `tokens`, the draft call when d > 0 and anyone drafts, the rest."""
+        t = max(self.r_t, 0.0) + self.target_ms(tokens, kv) + max(self.gateway, 0.0)
+        if depth > 0 and spec > 0:
+            t += max(self.r_d, 0.0) + self.draft_ms(depth, spec, width, lag)
+        return max(t, 1e-3)
+
+    # ---- the planner's view --------------------------------------------------------------------------
+    def margin_ms(self, tokens: int) -> float:
+        """What the planner adds to a pass of `tokens`: the median recent residual of passes of at most
+        B tokens, the p90 above (>= 0)."""
+        if self._margins is None:
+            b = self.budget_tokens
+            low = [r for n, r in self.residuals if n <= b]
+            high = [r for n, r in self.residuals if n > b]
+            self._margins = (max(0.0, float(np.quantile(low, LOW_QUANTILE))) if low else 0.0,
+                             max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0)
+        return self._margins[0] if tokens <= self.budget_tokens else self._margins[1]
+
+    def planned_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0) -> float:
+        """An iteration as the planner prices it: `spec_steps` deep drafting for the usual draft call,
+        plus the margin."""
+        spec = round(max(self.spec, 1.0)) if spec_steps > 0 else 0
+        return self.iteration_ms(tokens, spec_steps, spec, 1, round(max(self.lag, 0.0)), kv) + self.margin_ms(tokens)
+
+    def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0) -> int:
+        """The most tokens one pass may hold for its iteration to be planned within `time_ms` (0: not one)."""
+        def fits(n: int) -> bool:
+            return self.planned_ms(n, spec_steps, kv) <= time_ms + 1e-9
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= MAX_PASS_TOKENS and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > MAX_PASS_TOKENS:
+            return MAX_PASS_TOKENS
+        while hi - lo > 1:  # fits(lo), not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    # ---- fitting -------------------------------------------------------------------------------------
+    def observe_record(self, record: IterationRecord, replica: int, kv: int = 0) -> None:
+        s = sample_of(record, replica, kv)
+        if s is not None:
+            self.observe(s)
+
+    def observe(self, s: PassSample) -> None:
+        """Price the iteration as it was, keep the error, then refit from it."""
+        a = self.smoothing
+        if s.tokens > 0 and s.total_ms > 0:
+            predicted = self.iteration_ms(s.tokens, s.depth, s.spec, s.width, s.lag, s.kv)
+            self.residuals.append((s.tokens, s.total_ms - predicted))
+            self.errors.append(abs(s.total_ms - predicted) / s.total_ms)
+            self._margins = None
+        if s.decoded and s.total_ms > 0:
+            self.t_spec_ms += a * (s.total_ms - self.t_spec_ms)
+        if s.tokens > 0 and s.service_ms > 0:
+            self._observe_target(s.tokens, float(s.kv), s.service_ms)
+            self.r_t = _ema(self.r_t, max(0.0, s.call_ms - s.service_ms), a)
+        self.gateway = _ema(self.gateway, s.schedule_ms, a)
+        if s.spec > 0 and s.depth > 0 and s.draft_service_ms > 0:
+            self.draft.observe([1.0, float(s.depth), float(s.depth * s.spec * s.width), float(s.lag)],
+                               s.draft_service_ms)
+            self.r_d = _ema(self.r_d, max(0.0, s.draft_call_ms - s.draft_service_ms), a)
+            self.spec = _ema(self.spec, float(s.spec), a)
+            self.lag = _ema(self.lag, float(s.lag), a)
+
+    def _observe_target(self, tokens: int, kv: float, ms: float) -> None:
+        a = self.smoothing
+        if tokens >= (self._keys[0] if self._keys else ANCHOR_TOKENS):  # below the table the line is no reference
+            ms = min(ms, OUTLIER_FACTOR * self.target_ms(tokens, int(kv)))  # one stalled pass cannot set a count's time
+        self.line.observe([1.0, float(tokens)], ms)
+        old = self.seen.get(tokens)
+        if old is None:
+            self.seen[tokens] = (ms, kv)
+            bisect.insort(self._keys, tokens)
+        else:
+            d_kv, d_ms = kv - old[1], ms - old[0]
+            decay = self.line.decay
+            self.kv_slope = [self.kv_slope[0] * decay + d_kv * d_ms, self.kv_slope[1] * decay + d_kv * d_kv]
+            self.seen[tokens] = (old[0] + a * d_ms, old[1] + a * d_kv)
+        self.kv_min = int(kv) if len(self.seen) == 1 and old is None else min(self.kv_min, int(kv))
+        self.kv_max = max(self.kv_max, int(kv))
+
+    # ---- the report ------------------------------------------------------------------------------------
+    def error_summary(self) -> dict[str, float | int]:
+        """The out-of-sample relative error of the recent iterations: count, median and p90 of |T - T̂| / T."""
+        e = list(self.errors)
+        if not e:
+            return {"iterations": 0}
+        return {"iterations": len(e), "median": float(np.median(e)), "p90": float(np.quantile(e, 0.9))}
+
+
+def _line(curve: list[tuple[int, float]], baseline_ms: float) -> tuple[float, float]:
+    """c0 + c1 * tokens through the profiled curve (least squares); flat at the baseline without one."""
+    if len(curve) < 2:
+        return baseline_ms, 0.0
+    x = np.array([t for t, _ in curve], dtype=np.float64)
+    y = np.array([ms for _, ms in curve], dtype=np.float64)
+    c1 = max(0.0, float(np.polyfit(x, y, 1)[0])) if np.ptp(x) > 0 else 0.0
+    return max(0.0, float(y.mean() - c1 * x.mean())), c1
+
+
+__all__ = ["OnlineLinear", "PassCost", "PassSample", "sample_of"]

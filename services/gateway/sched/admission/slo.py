@@ -1,0 +1,380 @@
+"""SLO-aware admission (SLOs-Serve): the scheduler's proposal stage when `--admission slo`.
+
+Each iteration, for each target replica, a planner (dp.py over budget_model.py) takes the replica's
+decoding requests (a constant per tier), its requests still prefilling (forced nodes) and the new
+requests offered to it, and admits the largest set whose TTFT and TPOT SLOs can all be met. Soft
+admission (digest §8):
+
+1. each new request is offered first to the replica the router picks for it (so one iteration's
+   arrivals spread as under FIFO); one that replica declines is offered to the others with
+   `--router slo` (every replica, in a rotating order); with `round-robin` / `least-loaded` only the
+   router's pick is asked;
+2. then, if it allows best effort (`service_tier: "flex"`), it waits in the best-effort tier and is
+   admitted when a replica can take it with no TTFT bound at the loosest TPOT, and always by a
+   replica with nothing to run (work conserving: whatever the model says, an idle replica is spare);
+3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
+   request on any replica is expected to finish). One that cannot meet its TTFT even with every
+   replica's passes given to the prompts due before it (`first_token_bound_ms`) is refused on arrival.
+
+A best-effort request, once admitted, is planned as a decoder with no TPOT: it costs its tokens in
+every batch but never sets the batch length.
+
+Prompt chunks come from the plan: each replica's batch holds time2bs(T) tokens, the decoders take
+theirs, and the rest goes to prompts in prefill-deadline order; at least as many as keep every prompt
+not yet late within its deadline (the prompts due by it, over the batches of length T before it), at
+most the engine's chunk. The floor is there because the plan counts a request as a decoder from its
+prefill deadline, while the engine decodes it as soon as its prompt is in, which shrinks the batches
+left for the prompts after it.
+
+Batch lengths come from each replica's `PassCost` (cost.py: the gateway's one cost model, the same
+the speculation policy prices its choices with, fed by the engine); each tier's cost
+(nodes per pass) and gain (tokens per pass) are moving averages of what the speculation policy in use
+really did. No I/O, no clock.
+
+Each replica is planned at two operating points, and a request is admitted if either admits it: the
+measured one (each tier's cost and gain as above, every pass priced with the draft call's moving
+depth) and plain decoding (one node and one token per request, no draft call), which the speculation
+policy can always fall back to (`joint` turns drafting off when it would push a request past its
+pace). The measured point alone can price a tier's small measured gain together with a draft call in
+every pass, and refuse a request that plain passes would serve (docs/benchmarks.md, "Two operating points in the
+planner"). At the plain point prompts are prefilled first: while nothing decodes its batches are the
+engine's largest pass, so a critical request that arrives while a long prompt prefills is planned
+with both prompts in a few large passes and its decoding after, not in batches of its TPOT from the
+start. Prompt chunks come from whichever point's batches hold the replica's decoders with the most
+room.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from specserve.gateway.engine.record import IterationRecord
+from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.sched.admission.budget import TierLoad
+from specserve.gateway.sched.admission.budget_model import ReplicaBudget
+from specserve.gateway.sched.admission.dp import Node, plan
+from specserve.gateway.sched.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
+
+BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
+MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
+BEST_EFFORT_DEADLINE_MS = 3.6e6  # no TTFT bound: an hour stands for "whenever"
+
+
+@dataclass(slots=True)
+class TierStats:
+    cost: float = 1.0  # nodes verified per request per pass (moving average)
+    gain: float = 1.0  # tokens emitted per request per pass (moving average)
+
+
+@dataclass(slots=True)
+class AdmissionCounts:
+    """What the last plan did, per tier name (the engine turns it into metrics)."""
+
+    declined: dict[str, int] = field(default_factory=dict)  # a replica's planner said no
+    best_effort: dict[str, int] = field(default_factory=dict)  # admitted in the best-effort tier
+    refused: dict[str, int] = field(default_factory=dict)  # 503
+
+
+class SloAdmission:
+    name = "slo"
+
+    def __init__(self, *, route_all: bool = True, max_new: int = 8, memory_buckets: int = 16,
+                 smoothing: float = 0.1):
+        self.route_all = route_all  # offer a declined request to every replica (SLO-aware routing)
+        self.max_new = max_new  # new requests offered per iteration (the DP's complexity budget, digest)
+        self.memory_buckets = memory_buckets
+        self.smoothing = smoothing
+        self.stats: dict[float, TierStats] = {}  # by TPOT, ms
+        self.tier_of: dict[str, float] = {}  # rid -> its TPOT, ms (for observe)
+        self.best_effort: set[str] = set()  # rids admitted in the best-effort tier
+        self.spec_steps = 0.0  # moving average of the deepest beam per iteration
+        self.spec_prior = (1.0, 1.0)  # (nodes, tokens) per pass the policy can give a tier that needs it
+        self.last = AdmissionCounts()
+        self._next = 0  # rotating first replica (SLO-aware routing)
+
+    def observe(self, record: IterationRecord) -> None:
+        a = self.smoothing
+        depth = 0
+        for s in record.verify_steps:
+            depth = max(depth, s.depth)
+            tpot = self.tier_of.get(s.rid)
+            if tpot is None:
+                continue
+            st = self.stats.setdefault(tpot, TierStats())
+            st.cost += a * (s.verified - st.cost)
+            st.gain += a * (max(s.emitted, 1) - st.gain)
+        self.spec_steps += a * (depth - self.spec_steps)
+
+    # ---- the proposal --------------------------------------------------------------------------
+    def propose(self, view: SchedulerView, best_effort_ok: set[str], first: Mapping[str, int] | None) -> Proposal:
+        """Admissions, deferrals, rejections and prompt chunks for this iteration. `first`: the replica the
+        router picks for each waiting request, asked first (absent: this plan's rotating first replica)."""
+        self._prune(view)
+        tpot_of = {r.rid: self.tier_of.setdefault(r.rid, r.tpot_ms) for r in view.decoding}
+        tpot_of.update({p.rid: self.tier_of.get(p.rid, p.tpot_ms) for p in view.prefilling})
+        tpots = set(tpot_of.values()) | {w.tpot_ms for w in view.waiting}
+        be_tpot = BEST_EFFORT_TPOT_MS
+        tiers = sorted(tpots | {be_tpot})
+        index = {t: i for i, t in enumerate(tiers)}
+        up = [rep for rep in view.replicas if rep.up]
+        steps = round(self.spec_steps)
+        needs = {t for t in tiers if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
+        measuring = set(tpot_of.values())  # tiers with requests running now: what they get is measured
+        offered = view.waiting[:self.max_new]
+        paces = self._paces(view, tpot_of, {w.tpot_ms for w in offered})
+        loads = [self._load(t, t in needs and t not in measuring, paces.get(t, t)) for t in tiers]
+
+        base = {rep.index: [0] * len(tiers) for rep in up}
+        for r in view.decoding:
+            if r.replica in base:
+                base[r.replica][index[tpot_of[r.rid]]] += 1
+        plain = [TierLoad(t.tpot_ms, paced=t.paced) for t in loads]
+        budgets = {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), rep.reserved_blocks,
+                                            view.limits.max_prefill_tokens, first)
+                               for ls, st, first in ((loads, steps, False), (plain, 0, True))] for rep in up}
+        held = {rep.index: [Node(p.rid, index[tpot_of[p.rid]], p.prompt_tokens - p.prefilled,
+                                 p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
+                for rep in up}  # forced nodes: admitted before, and those admitted in this plan
+        free = {rep.index: rep.free_blocks for rep in up}
+        total = {rep.index: rep.free_blocks + rep.reserved_blocks for rep in up}
+        slots = {rep.index: max(0, view.limits.max_running - rep.running) for rep in up}
+
+        best_effort_on = {rep.index: [r for r in view.decoding if r.replica == rep.index and r.rid in self.best_effort]
+                          for rep in up}
+        preempt: list[str] = []
+        admit: list[Admit] = []
+        defer = {w.rid: "waits its turn: the planner takes a few new requests per iteration"
+                 for w in view.waiting[self.max_new:]}
+        reject: dict[str, Reject] = {}
+
+        def nodes(cands: list[WaitingView], best_effort: bool, slots_: int, free_: int, unit: int) -> list[Node]:
+            """The DP's new nodes: the candidates that fit this replica's free slots and blocks."""
+            return [Node(w.rid, index[be_tpot if best_effort else w.tpot_ms], w.prompt_tokens,
+                         BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms,
+                         math.ceil(w.kv_blocks / unit))
+                    for w in cands[:slots_] if w.kv_blocks <= free_]
+
+        def offer(replica: int, cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
+            """Plan this replica with these candidates; returns the ones it declined."""
+            if not cands:
+                return cands
+            unit = max(1, math.ceil(free[replica] / self.memory_buckets))
+            new = nodes(cands, best_effort, slots[replica], free[replica], unit)
+            # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
+            # case); when several are admitted at once, the next plans see all their blocks
+            attending = total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0)
+            points = [b.attending(attending) for b in budgets[replica]]
+            took = best_plan(held[replica] + new, base[replica], free[replica] // unit, points) if new else set()
+            if best_effort and not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
+                # work conserving: an idle replica is spare capacity whatever its model says (a bad
+                # refit once kept it idle beside a waiting best-effort request for good)
+                first = next((w for w in cands if w.kv_blocks <= free[replica]), None)
+                took = {first.rid} if first is not None else took
+            if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
+                took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
+                                         slots, points, index, tpot_of, preempt)
+            for w in cands:
+                if w.rid in took:
+                    tpot = be_tpot if best_effort else w.tpot_ms
+                    admit.append(Admit(w.rid, replica))
+                    deadline = BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms
+                    held[replica].append(Node(w.rid, index[tpot], w.prompt_tokens, deadline, 0, True))
+                    free[replica] -= w.kv_blocks
+                    slots[replica] -= 1
+                    self.tier_of[w.rid] = tpot
+                    if best_effort:
+                        self.best_effort.add(w.rid)
+            return [w for w in cands if w.rid not in took]
+
+        order = [rep.index for rep in up]
+        if order:
+            k = self._next % len(order)
+            order = order[k:] + order[:k]
+            self._next += 1
+        home = {w.rid: first[w.rid] if first and first.get(w.rid) in order else order[0]
+                for w in offered} if order else {}
+
+        def route(cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
+            """Each candidate asks its own replica first (the router's pick); with `route_all`, those it
+            declines ask every other replica in turn. Returns the declined, in arrival order."""
+            took: set[str] = set()
+            for replica in order:
+                mine = [w for w in cands if home[w.rid] == replica]
+                took |= {w.rid for w in mine} - {w.rid for w in offer(replica, mine, best_effort)}
+            for replica in order if self.route_all else ():
+                others = [w for w in cands if home[w.rid] != replica and w.rid not in took]
+                took |= {w.rid for w in others} - {w.rid for w in offer(replica, others, best_effort)}
+            return [w for w in cands if w.rid not in took]
+
+        declined = route(list(offered), best_effort=False)
+        for w in declined:
+            self._count(self.last.declined, w.tier)
+        still = route([w for w in declined if w.rid in best_effort_ok], best_effort=True)
+        waits = {w.rid for w in still}
+        admitted = {a.rid for a in admit}
+        for w in declined:
+            if w.rid in admitted:
+                self._count(self.last.best_effort, w.tier)
+            elif w.rid in waits:
+                defer[w.rid] = "best effort: waits for spare capacity"
+            else:
+                self._count(self.last.refused, w.tier)
+                reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
+
+        chunks, per_replica = self._chunks(view, budgets, base, held, offered)
+        for rid in preempt:
+            self.best_effort.discard(rid)
+            self.tier_of.pop(rid, None)
+        return Proposal(admit, defer, chunks, per_replica, reject, preempt)
+
+    def _preempt_for(self, replica: int, held: list[Node], cands: list[WaitingView],
+                     nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]], took: set[str],
+                     best_effort_on: dict[int, list[RequestView]], base: dict[int, list[int]], free: dict[int, int],
+                     slots: dict[int, int], points: list[ReplicaBudget], index: dict[float, int],
+                     tpot_of: dict[str, float], preempt: list[str]) -> set[str]:
+        """SLO arrivals come before best effort (digest §8): plan again as if the replica's k best-effort
+        requests with the least output (the cheapest to recompute) gave their KV back, k = 1, 2, 4, ...;
+        the first k that admits more is preempted."""
+        victims = sorted(best_effort_on[replica], key=lambda r: r.decoded)
+        k = 1
+        while True:
+            k = min(k, len(victims))
+            going = victims[:k]
+            base2 = list(base[replica])
+            for r in going:
+                base2[index[tpot_of[r.rid]]] -= 1
+            free2 = free[replica] + sum(r.kv_blocks for r in going)
+            unit2 = max(1, math.ceil(free2 / self.memory_buckets))
+            new2 = nodes(cands, False, slots[replica] + k, free2, unit2)
+            took2 = best_plan(held + new2, base2, free2 // unit2, points)
+            if len(took2) > len(took):
+                preempt.extend(r.rid for r in going)
+                best_effort_on[replica] = victims[k:]
+                base[replica], free[replica] = base2, free2
+                slots[replica] += k
+                return took2
+            if k == len(victims):
+                return took
+            k *= 2
+
+    def _chunks(self, view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
+                held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
+        """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the operating
+        point whose batches hold its decoders with the most room), raised to what keeps every prompt not
+        yet late within its deadline and capped at the engine's chunk, handed to its prompts in
+        prefill-deadline order."""
+        chunks: dict[str, int] = {}
+        per_replica = [0] * len(view.replicas)
+        left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
+        left.update({w.rid: w.prompt_tokens for w in offered})
+        for replica, points in budgets.items():
+            shapes = [b.shape(tuple(base[replica])) for b in points]
+            shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])
+            room = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS)
+            by_deadline = sorted(held[replica], key=lambda x: x.deadline_ms)
+            due = 0
+            for n in by_deadline:
+                # every prompt not yet late, with those due before it, is in by its deadline at this room
+                due += left.get(n.rid, 0)
+                if n.deadline_ms > 0:
+                    room = max(room, math.ceil(due / max(1, math.floor(n.deadline_ms / shape.length_ms))))
+            room = min(room, view.limits.max_prefill_tokens)
+            for n in by_deadline:
+                take = min(left.get(n.rid, 0), room)
+                if take > 0:
+                    chunks[n.rid] = take
+                    room -= take
+                    per_replica[replica] += take
+        return chunks, per_replica
+
+    @staticmethod
+    def _paces(view: SchedulerView, tpot_of: dict[str, float], offered: set[float]) -> dict[float, float]:
+        """Per tier whose requests all decode already (none offered now, none prefilling), the ms per
+        token its decoders may take from now on and still meet their TPOT (a TPOT is a mean over a
+        request's tokens: the slowest pace among them, never below the SLO). A request offered or
+        prefilling starts at its SLO, so its tier is planned at the SLO."""
+        fresh = offered | {tpot_of[p.rid] for p in view.prefilling}
+        paces: dict[float, float] = {}
+        for r in view.decoding:
+            t = tpot_of[r.rid]
+            if t < BEST_EFFORT_TPOT_MS and t not in fresh:
+                paces[t] = min(paces.get(t, math.inf), max(t, r.pace_ms()))
+        return paces
+
+    @staticmethod
+    def _budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: int, reserved: int,
+                max_prefill: int, prefill_first: bool) -> ReplicaBudget:
+        """A replica's budget at one operating point: the tiers' loads and the draft call's depth; with
+        `prefill_first`, batches with nothing decoding are the engine's largest passes."""
+        longest = cost.planned_ms(max_prefill + decoders, steps, reserved)
+        # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
+        # a pass gives it, the speculation prior included) that holds a token without a draft call:
+        # the prompts admitted now decode at that pace once prefilled (planning them only in the
+        # largest chunks admitted a burst's requests that then missed their TTFT); prefill-first, the
+        # largest pass (the chunks' deadline floor keeps the prompts the plan admits within their TTFT)
+        idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
+                    if cost.time2bs(n, 0, reserved) >= 1), default=longest) if not prefill_first else longest
+        return ReplicaBudget(cost, loads, idle, steps, reserved, longest)
+
+    def _load(self, tpot: float, prior: bool, pace: float) -> TierLoad:
+        """A tier's measured cost and gain, its batches paced at `pace` ms per token (its TPOT, or
+        slower where its decoders are ahead of it); with `prior` (its batch cannot hold two tokens without
+        speculation, and none of its requests runs now to measure what the policy gives it), at least
+        the policy's prior: what it measured earlier, at another load, does not say what it gets now."""
+        if tpot >= BEST_EFFORT_TPOT_MS:
+            return TierLoad(tpot, paced=False)
+        st = self.stats.get(tpot)
+        cost, gain = (st.cost, st.gain) if st is not None else (1.0, 1.0)
+        if prior and self.spec_prior[1] > gain:
+            cost, gain = self.spec_prior
+        if cost <= 1.0 + 1e-6 and gain <= 1.0 + 1e-6:
+            return TierLoad(pace)
+        return TierLoad(pace, max(cost, 1.0), max(gain, 1.0))
+
+    def _prune(self, view: SchedulerView) -> None:
+        """Forget requests that are gone (the scheduler never hears of a finish)."""
+        live = len(view.decoding) + len(view.prefilling)
+        if len(self.tier_of) > 2 * live + 64:
+            keep = {r.rid for r in view.decoding} | {p.rid for p in view.prefilling}
+            self.tier_of = {k: v for k, v in self.tier_of.items() if k in keep}
+            self.best_effort &= keep
+
+    @staticmethod
+    def _count(where: dict[str, int], tier: str) -> None:
+        where[tier] = where.get(tier, 0) + 1
+
+
+def first_token_bound_ms(prompt_tokens: int, tokens_ahead: int, costs: list[PassCost], chunk: int) -> float:
+    """The earliest a new request's first token can come, ms: its prompt and `tokens_ahead` prompt tokens
+    due before it, prefilled in passes of `chunk` tokens (or of all of them, if fewer) by every replica
+    at once with nothing else in them (each replica's cost model, no margin, no decode work). No plan
+    that serves the prompts due before it first can do better, so a request whose TTFT SLO is below
+    this is refused on arrival (`Engine.submit`) instead of at the planner's next iterations: a burst's
+    requests arrive faster than iterations run on a CPU."""
+    total = prompt_tokens + tokens_ahead
+    n = max(1, min(chunk, total))  # a lone short prompt is priced at its own pass, not at a chunk's share
+    rate = sum(n / c.iteration_ms(n) for c in costs)  # prompt tokens per ms
+    return total / rate if rate > 0 else math.inf
+
+
+def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[ReplicaBudget]) -> set[str]:
+    """The DP's admissions at the first operating point that admits the most (ties: the earlier)."""
+    best: set[str] = set()
+    for i, b in enumerate(points):
+        took = set(plan(nodes, base, blocks, b.as_budget()).admitted)
+        if i == 0 or len(took) > len(best):
+            best = took
+        if len(best) == sum(not n.forced for n in nodes):
+            break
+    return best
+
+
+def retry_after(view: SchedulerView) -> float:
+    """Seconds until the soonest running request is expected to finish (1 to 60)."""
+    soonest = min((r.remaining * r.tpot_ms / 1e3 for r in view.decoding), default=1.0)
+    return min(60.0, max(1.0, soonest))
+
+
+__all__ = ["AdmissionCounts", "SloAdmission", "first_token_bound_ms", "retry_after"]
