@@ -7,7 +7,9 @@
 - the admission stage: chunk budgets in deadline order that meet the deadlines, soft admission
   (next replica, best effort, 503 with Retry-After) and the metrics' counts;
 - a profile like the real CPU one (its 8-token curve point above the 1.0x class): the planner admits
-  a lone critical request from the start, and still does once refitted from live iterations.
+  a lone critical request from the start, and still does once refitted from live iterations;
+- an idle replica takes a waiting request whatever its refitted model says: any best-effort one, and
+  an SLO one whose TPOT the profile's decode iteration meets.
 """
 
 from __future__ import annotations
@@ -451,6 +453,25 @@ def test_an_idle_replica_takes_a_waiting_best_effort_request_whatever_its_model_
                     [RequestView("c", "critical", CPU_BASELINE_MS, 1000.0, 5, 90.0, 100, [], 0, 0, 12)], cost=wrong)
     p = SloAdmission().propose(busy, {"be"}, None)
     assert p.admit == [] and "be" in p.defer  # a busy replica still asks its model
+
+
+def test_an_idle_replica_takes_a_lone_slo_request_its_profile_meets_whatever_its_refit_says():
+    # a refit gone bad (every pass timed at 40 ms against the profile's 18.6 ms decode iteration) declines
+    # a critical request; on an idle replica nothing would ever run to correct it, so it is admitted
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    for _ in range(200):
+        cost.observe(sample(1, 40.0))
+        cost.observe(sample(60, 80.0))
+    assert cost.time2bs(CPU_BASELINE_MS) == 0
+    p = SloAdmission().propose(cpu_view([critical("c")], cost=cost), set(), None)
+    assert [a.rid for a in p.admit] == ["c"] and p.reject == {}
+    impossible = WaitingView("x", 60, 128, 12, "custom", 0.01, 1000.0, 0.0)  # below even the profile
+    p = SloAdmission().propose(cpu_view([impossible], cost=cost), set(), None)
+    assert p.admit == [] and "x" in p.reject
+    decoding = RequestView("c", "critical", CPU_BASELINE_MS, 1000.0, 5, 90.0, 100, [], 0, 0, 12)
+    busy = cpu_view([critical("c2")], [decoding], cost=cost)
+    p = SloAdmission().propose(busy, set(), None)
+    assert p.admit == [] and "c2" in p.reject  # a busy replica still asks its model
 
 
 # ---- preemption order --------------------------------------------------------------------------------

@@ -140,6 +140,7 @@ class SloAdmission:
         free = {rep.index: rep.free_blocks for rep in up}
         total = {rep.index: rep.free_blocks + rep.reserved_blocks for rep in up}
         slots = {rep.index: max(0, view.limits.max_running - rep.running) for rep in up}
+        baseline = {rep.index: rep.cost.baseline_iteration_ms for rep in up}  # the profile's, never refitted
 
         best_effort_on = {rep.index: [r for r in view.decoding if r.replica == rep.index and r.rid in self.best_effort]
                           for rep in up}
@@ -167,10 +168,14 @@ class SloAdmission:
             attending = total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0)
             points = [b.attending(attending) for b in budgets[replica]]
             took = best_plan(held[replica] + new, base[replica], free[replica] // unit, points) if new else set()
-            if best_effort and not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
-                # work conserving: an idle replica is spare capacity whatever its model says (a bad
-                # refit once kept it idle beside a waiting best-effort request for good)
-                first = next((w for w in cands if w.kv_blocks <= free[replica]), None)
+            if not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
+                # work conserving: an idle replica is spare capacity whatever its refitted model says. A
+                # bad refit kept one idle beside a waiting best-effort request for good, and another
+                # refusing every lone critical request (with nothing running, the model never learns
+                # otherwise); an SLO request is taken if the profile's decode iteration meets its TPOT
+                # and its TTFT is not already lost
+                first = next((w for w in cands if w.kv_blocks <= free[replica] and (best_effort or (
+                    w.tpot_ms >= baseline[replica] and w.waited_ms < w.ttft_ms))), None)
                 took = {first.rid} if first is not None else took
             if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
                 took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
