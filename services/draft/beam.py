@@ -42,7 +42,7 @@ class BeamTree:
 def _select(tree: BeamTree, layer_logp: torch.Tensor, logprobs: torch.Tensor, width: int) -> None:
     """Append the top-`width` extensions of the current layer (logprobs [len(layer), V])."""
     vocab = logprobs.shape[-1]
-    scores = (layer_logp[:, None] + logprobs).flatten()
+    scores = (layer_logp.to(logprobs.device)[:, None] + logprobs).flatten()
     top = torch.topk(scores, min(width, scores.numel()))
     new_layer = []
     for score, index in zip(top.values.tolist(), top.indices.tolist()):
