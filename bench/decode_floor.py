@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.sweep import spread  # noqa: E402
+
 PROMPT = list(range(5, 69))
 MODES = ["linears", "eager", "compiled", "hf"]
 
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f"; compile {compiled['first_pass_s']:.1f} s, max |diff| {diff:.2e}, same tokens {same}",
                   flush=True)
         rounds.append(row)
-    summary = {name: {mode: _med([rd[name][mode]["ms"] for rd in rounds]) for mode in MODES} for name in models}
+    summary = {name: {mode: spread([rd[name][mode]["ms"] for rd in rounds]) for mode in MODES} for name in models}
     out = {"meta": {"rounds": args.rounds, "steps": args.steps, "threads": 1, "dtype": "float32",
                     "prompt_tokens": len(PROMPT), "cpu_count": os.cpu_count(), "torch": torch.__version__},
            "rounds": rounds, "summary": summary}
@@ -171,10 +173,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(f"{s[m]['median']:.2f} ({s[m]['min']:.2f}-{s[m]['max']:.2f})"
                                           for m in MODES) + " |")
     return 0
-
-
-def _med(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.sweep import spread  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,12 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         row["identical_answers"] = sum(a == b for a, b in zip(outs["hf_generate"], outs["llama_cpp"]))
         rounds.append(row)
 
-    def med(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-    summary = {mode: med([rd[mode]["tokens_per_s"] for rd in rounds]) for mode in ("hf_generate", "llama_cpp")}
-    summary["llama_cpp_vs_hf_generate"] = med([rd["llama_cpp"]["tokens_per_s"] / rd["hf_generate"]["tokens_per_s"]
-                                               for rd in rounds])
+    summary = {mode: spread([rd[mode]["tokens_per_s"] for rd in rounds]) for mode in ("hf_generate", "llama_cpp")}
+    summary["llama_cpp_vs_hf_generate"] = spread([rd["llama_cpp"]["tokens_per_s"] / rd["hf_generate"]["tokens_per_s"]
+                                                  for rd in rounds])
     summary["identical_answers"] = [rd["identical_answers"] for rd in rounds]
     out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": 1, "prompts": len(prompts),
                     "gguf": spec.member, "cpu_count": os.cpu_count()}, "rounds": rounds, "summary": summary}

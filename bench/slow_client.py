@@ -23,7 +23,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -35,7 +34,7 @@ import httpx
 from specserve.gateway.sched.policy import DEFAULT_POLICY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import ROOT, Stack, bench_point, measure_profile, warm_up  # noqa: E402
+from sweep import ROOT, Stack, bench_point, measure_profile, spread, warm_up  # noqa: E402
 
 SLOW_TOKENS = 3000
 
@@ -111,8 +110,7 @@ def main() -> None:
                   f"{cut_after} s; errors {run['errors']}", file=sys.stderr, flush=True)
 
     def med(key: str) -> dict:
-        vals = [r[key] for r in runs]
-        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        return spread([r[key] for r in runs])
 
     ratio = [r["beside_tpot_p50_ms"] / r["alone_tpot_p50_ms"] for r in runs]
     result = {"label": f"simulated, preset {args.preset}", "preset": args.preset, "streams": args.streams,
@@ -120,8 +118,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": runs,
               "summary": {"alone_tpot_p50_ms": med("alone_tpot_p50_ms"),
                           "beside_tpot_p50_ms": med("beside_tpot_p50_ms"),
-                          "beside_over_alone": {"median": statistics.median(ratio), "min": min(ratio),
-                                                "max": max(ratio)},
+                          "beside_over_alone": spread(ratio),
                           "slow_cut_after_s": med("slow_cut_after_s")}}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))

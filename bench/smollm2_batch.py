@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import secrets
@@ -32,15 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.smollm2_c1 import CHAT, EDIT  # noqa: E402
+from bench.sweep import spread  # noqa: E402
+
 POLICIES = ["none", "joint"]
-
-
-def _c1():
-    """bench/smollm2_c1.py as a module (its prompt sets and helpers)."""
-    spec = importlib.util.spec_from_file_location("smollm2_c1", ROOT / "bench" / "smollm2_c1.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,13 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.shared.model_store import resolve
     from tests.gateway_procs import Up, gateway
 
-    c1 = _c1()
     torch.set_num_threads(1)
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateway share it
     model_dir = resolve("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    texts = [(c1.CHAT + c1.EDIT)[i % 12] for i in range(args.batch)]
+    texts = [(CHAT + EDIT)[i % 12] for i in range(args.batch)]
     chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
              for t in texts]
     policies = args.policies.split(",")
@@ -127,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in rounds[0]:
         tps = [rd[mode]["tokens_per_s"] for rd in rounds]
         ratio = [rd[mode]["tokens_per_s"] / rd["hf_batched"]["tokens_per_s"] for rd in rounds]
-        summary[mode] = {"tokens_per_s": c1._med(tps), "vs_hf_batched": c1._med(ratio),
+        summary[mode] = {"tokens_per_s": spread(tps), "vs_hf_batched": spread(ratio),
                          "equal_every_round": min(rd[mode]["equal_to_generate"] for rd in rounds)}
     out = {"meta": {"rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens, "threads": 1,
                     "dtype": "float32", "draft_model": "ngram", "policies": policies, "cpu_count": os.cpu_count()},

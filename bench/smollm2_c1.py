@@ -30,13 +30,13 @@ import argparse
 import json
 import os
 import secrets
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.sweep import spread  # noqa: E402
 
 CHAT = [
     "What are three good habits for writing readable Python code?",
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         tps = [rd[key]["tokens_per_s"] for rd in rounds]
         ratio = [rd[key]["tokens_per_s"] / rd[key.split("/")[0] + "/hf_generate"]["tokens_per_s"] for rd in rounds]
         passes = [rd[key]["tokens_per_pass"] for rd in rounds if rd[key]["tokens_per_pass"] is not None]
-        summary[key] = {"tokens_per_s": _med(tps), "vs_hf_generate": _med(ratio),
-                        "tokens_per_pass": _med(passes) if passes else None,
+        summary[key] = {"tokens_per_s": spread(tps), "vs_hf_generate": spread(ratio),
+                        "tokens_per_pass": spread(passes) if passes else None,
                         "identical_every_round": all(rd[key]["identical"] for rd in rounds)}
     out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": 1, "dtype": "float32",
                     "draft_model": args.draft_model, "policies": policies, "sets": list(sets),
@@ -170,10 +170,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ids(out) -> list[int]:
     return list(out if isinstance(out, list) else out["input_ids"])
-
-
-def _med(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 if __name__ == "__main__":

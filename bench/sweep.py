@@ -365,7 +365,12 @@ def aggregate(rows: list[dict], key: str) -> dict | None:
     vals = [v for v in (_get(r["summary"], key) for r in rows) if v is not None]
     if not vals:
         return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+    return {**spread(vals), "n": len(vals)}
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min and max of a non-empty list: how every bench reports runs or rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def table(results: dict) -> dict:
