@@ -249,15 +249,26 @@ def test_fresh_metrics_have_the_zero_series_dashboards_query():
         assert name not in present, name
 
 
-def test_primed_admission_series_are_zero_per_tier_and_outcome():
+def test_primed_tiers_have_zero_series_of_every_labelled_counter_and_histogram():
     m = GatewayMetrics(MODEL)
-    m.prime_admission(["critical", "chat"])
+    m.prime_tiers(["critical", "chat"])
     s = parse(m.render())
     for tier in ("critical", "chat"):
         for outcome in ("declined", "best_effort", "refused"):
             assert value(s, "specserve:admission_total", tier=tier, outcome=outcome) == 0, (tier, outcome)
+        for met in ("true", "false"):
+            assert value(s, "specserve:request_slo_total", tier=tier, met=met) == 0, (tier, met)
+        for name in ("specserve:request_ttft_seconds", "specserve:request_tpot_seconds"):
+            assert value(s, f"{name}_count", tier=tier) == 0 and value(s, f"{name}_sum", tier=tier) == 0, name
+            assert buckets(s, name, tier=tier) and all(n == 0 for _, n in buckets(s, name, tier=tier)), name
+    assert {dict(ls)["tier"] for n, ls in s if n == "specserve:request_slo_total"} == {"critical", "chat"}
     m.on_admission("refused", {"chat": 2})
-    assert value(parse(m.render()), "specserve:admission_total", tier="chat", outcome="refused") == 2
+    m.on_finished("stop", 4, 8, 1.0, 0.1, "chat", True, ttft_s=0.2)
+    s = parse(m.render())
+    assert value(s, "specserve:admission_total", tier="chat", outcome="refused") == 2
+    assert value(s, "specserve:request_slo_total", tier="chat", met="true") == 1
+    assert value(s, "specserve:request_slo_total", tier="chat", met="false") == 0
+    assert value(s, "specserve:request_ttft_seconds_count", tier="chat") == 1
 
 
 # ------------------------------------------------------------------------------------------------ values

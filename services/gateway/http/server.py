@@ -349,7 +349,7 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     limits = EngineLimits(config.max_running, config.max_prefill_tokens, max_waiting=config.max_waiting,
                           kv_lookahead_tokens=config.kv_lookahead_tokens)
     metrics = GatewayMetrics(info.name)
-    metrics.prime_admission(classes)
+    metrics.prime_tiers(classes)  # every tier's labelled series, at 0
     engine = Engine(policy, scheduler, pool, metrics, limits, config.call_timeout_s, config.overlap,
                     config.overlap_miss == "draft")
     await engine.start()

@@ -67,6 +67,7 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's, created at start so dashboards see zeros
 ADMISSION_OUTCOMES = ("declined", "best_effort", "refused")  # specserve:admission_total's outcome label
+SLO_MET = ("true", "false")  # specserve:request_slo_total's met label
 
 
 class _TokenHistogram:
@@ -311,11 +312,20 @@ class GatewayMetrics:
     def on_error(self, code: str) -> None:
         self.errors.labels(model_name=self.model_name, code=code).inc()
 
-    def prime_admission(self, tiers: Iterable[str]) -> None:
-        """Zero series of every (tier, outcome), so that dashboards see the tiers before the first event."""
+    def prime_tiers(self, tiers: Iterable[str]) -> None:
+        """Zero series of every SLO tier's labelled counters and histograms, created at start so that
+        dashboards and `rate()` see each tier before its first event: specserve:admission_total per
+        (tier, outcome), specserve:request_slo_total per (tier, met) and the per-tier TTFT and TPOT
+        histograms. (A tier that is not known up front, a request's own `custom` SLO, gets its series
+        when it first finishes.)"""
+        name = self.model_name
         for tier in tiers:
             for outcome in ADMISSION_OUTCOMES:
-                self.admission.labels(model_name=self.model_name, tier=tier, outcome=outcome)
+                self.admission.labels(model_name=name, tier=tier, outcome=outcome)
+            for met in SLO_MET:
+                self.slo.labels(model_name=name, tier=tier, met=met)
+            self.tier_ttft.labels(model_name=name, tier=tier)
+            self.tier_tpot.labels(model_name=name, tier=tier)
 
     def on_admission(self, outcome: str, counts: dict[str, int]) -> None:
         for tier, n in counts.items():
