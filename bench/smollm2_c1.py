@@ -21,7 +21,7 @@ requests) with min-max, the ratio to `hf_generate` taken within each round (medi
 for specserve the tokens per target pass (1 + accepted drafts per step, from the responses'
 `specserve.steps`). The outputs of every mode are checked equal to `hf_generate`'s.
 
-Figures: docs/benchmarks.md, "SmolLM2-135M-Instruct at concurrency 1".
+Figures: docs/benchmarks/smollm2_c1.md, "SmolLM2-135M-Instruct at concurrency 1".
 """
 
 from __future__ import annotations
