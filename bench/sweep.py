@@ -4,7 +4,7 @@
     .venv/bin/python bench/sweep.py --quick    # one run, two rates, no calibration (under 5 min)
     .venv/bin/python bench/sweep.py --replot bench/results/sweep-full/sweep.json   # figures and docs only
 
-Method (AdaServe §5 scaled to this machine, see docs/benchmarks.md):
+Method (AdaServe §5 scaled to this machine, see docs/benchmarks/sweep.md):
 1. `specserve profile` measures the target once: budget B and the baseline latency (min per-iteration
    latency of batch-8 incremental decoding, input 32, output 128). Every gateway of the sweep reads
    that one profile, so every policy sees the same B and the same SLO classes (critical / search /
@@ -24,7 +24,8 @@ Method (AdaServe §5 scaled to this machine, see docs/benchmarks.md):
 4. The full sweep then runs bench/hf_peer.py once (transformers generate, assisted and batched), so
    the peer is measured on the same day as our servers.
 5. Medians over runs (min-max beside them) go to sweep.json, the PNG figures and a generated section
-   of docs/benchmarks.md (between markers; text outside them is left alone).
+   of docs/benchmarks/sweep.md, or docs/benchmarks/sweep_sim.md for a simulated sweep (between markers;
+   text outside them is left alone; --docs names another file).
 
 Per-request JSONL records and per-point summaries stay in --out-dir (bench/results/sweep-<name>/).
 """
@@ -407,8 +408,8 @@ def plot(results: dict, fig_dir: Path, prefix: str) -> list[Path]:
     rates = sorted(results["settings"]["rates"])
     runs = results["settings"]["runs"]
     note = f"median of {runs} run{'s' if runs > 1 else ''}" + (" (band: min-max)" if runs > 1 else "")
-    if results["meta"].get("simulated"):
-        note = f"SIMULATED {results['meta']['simulated']}, {note}"
+    sim = results["meta"].get("simulated")
+    label = f"SIMULATED ({sim})" if sim else "real CPU"  # every figure's title says which it is
     paths = []
 
     def lines(ax, key: str, scale: float = 1.0) -> None:
@@ -435,7 +436,7 @@ def plot(results: dict, fig_dir: Path, prefix: str) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         lines(ax, key, scale)
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel.split(' (')[0]} vs load, {note}")
+        ax.set_title(f"{label}: {ylabel.split(' (')[0]} vs load\n{note}", fontsize=10)
         ax.legend(fontsize=8)
         save(fig, name)
 
@@ -447,6 +448,7 @@ def plot(results: dict, fig_dir: Path, prefix: str) -> list[Path]:
         ax.set_title(f"{c} (TPOT SLO {slo:.1f} ms)" if slo else c)
     axes[0].set_ylabel("TPOT SLO attainment (%)")
     axes[-1].legend(fontsize=7)
+    fig.suptitle(f"{label}: TPOT SLO attainment per category vs load, {note}", fontsize=10)
     save(fig, "attainment-per-category")
 
     fig, axes = plt.subplots(1, len(rates), figsize=(3.2 * len(rates), 4.2), sharey=True)
@@ -466,8 +468,8 @@ def plot(results: dict, fig_dir: Path, prefix: str) -> list[Path]:
         ax.set_title(f"{r:g} req/s", fontsize=9)
     axes[0].set_ylabel("ms per engine iteration")
     axes[-1].legend(fontsize=7)
-    fig.suptitle("Where an iteration's time goes (draft / target inside the services, transport, scheduling)",
-                 fontsize=9)
+    fig.suptitle(f"{label}: where an iteration's time goes (draft / target inside the services, transport, "
+                 "scheduling)", fontsize=9)
     save(fig, "iteration-split")
     return paths
 
@@ -611,8 +613,13 @@ def _num(v, scale: float = 1.0) -> str:
     return "-" if v is None else f"{v * scale:.0f}"
 
 
+def default_docs(results: dict) -> Path:
+    """Where a sweep's generated section goes: the real CPU's sweeps and the simulated ones have a file each."""
+    return ROOT / "docs" / "benchmarks" / ("sweep_sim.md" if results["meta"].get("simulated") else "sweep.md")
+
+
 def write_docs(results: dict, docs_path: Path, fig_dir: Path) -> None:
-    """Replace (or append) this mode's generated section of docs/benchmarks.md."""
+    """Replace (or append) this mode's generated section of the docs file (`default_docs`)."""
     mode, name = results["meta"]["mode"], _name(results)
     begin, end = f"<!-- sweep:{name}:begin -->", f"<!-- sweep:{name}:end -->"
     body = f"{begin}\n{markdown(results, fig_dir, docs_path)}\n{end}"
@@ -660,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", default=DEFAULT_MIX, help="the load points' mix: CLASS=SHARE:PROMPTS,... (the "
                     "concurrency-1 point keeps its own)")
     ap.add_argument("--out-dir", default=None, help="default bench/results/sweep-<name>")
-    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to update ('' : none)")
+    ap.add_argument("--docs", default=None, help="markdown file to update ('' : none; default "
+                    "docs/benchmarks/sweep.md, or docs/benchmarks/sweep_sim.md for a simulated sweep)")
     ap.add_argument("--fig-dir", default=str(ROOT / "docs" / "figures"))
     ap.add_argument("--replot", metavar="SWEEP_JSON", help="only redo the figures and docs from a sweep.json")
     args = ap.parse_args(argv)
@@ -683,9 +691,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     fig_dir = Path(args.fig_dir)
     paths = plot(results, fig_dir, f"sweep-{_name(results)}")
-    if args.docs:
-        write_docs(results, Path(args.docs), fig_dir)
-    print(markdown(results, fig_dir, Path(args.docs or ROOT / "docs" / "benchmarks.md")))
+    docs = default_docs(results) if args.docs is None else Path(args.docs) if args.docs else None
+    if docs is not None:
+        write_docs(results, docs, fig_dir)
+    print(markdown(results, fig_dir, docs or default_docs(results)))
     print("\nfigures: " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 

@@ -105,3 +105,12 @@ def test_figures_are_pngs(sweep, tmp_path):
                                        "sweep-full-attainment-per-category.png", "sweep-full-iteration-split.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_docs_file_per_kind(sweep):
+    real, sim = _results(), _results("sim")
+    sim["meta"]["simulated"] = "llama2-7b-a100,time_scale=4"
+    assert sweep.default_docs(real).parts[-2:] == ("benchmarks", "sweep.md")
+    assert sweep.default_docs(sim).parts[-2:] == ("benchmarks", "sweep_sim.md")
+    for path in (sweep.default_docs(real), sweep.default_docs(sim)):  # the generated sections live there
+        assert "<!-- sweep:" in path.read_text()
