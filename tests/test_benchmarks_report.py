@@ -1,0 +1,75 @@
+"""docs/benchmarks.md is a report: short, it links every bench and every lab-notes file, and every link in
+it, in the lab notes (docs/benchmarks/) and in the README lands on a file and heading that exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "docs" / "benchmarks.md"
+NOTES = ROOT / "docs" / "benchmarks"
+LINK = re.compile(r"!?\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def headings(path: Path) -> set[str]:
+    out, fenced = set(), False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            out.add(slug(m.group(1)))
+    return out
+
+
+def links(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # no links inside code blocks
+    return LINK.findall(text)
+
+
+def test_report_is_short():
+    assert len(REPORT.read_text().splitlines()) <= 450
+
+
+def test_every_bench_is_linked_from_the_report():
+    targets = {target for _, target in links(REPORT)}
+    missing = [p.name for p in sorted((ROOT / "bench").glob("*.py")) if f"../bench/{p.name}" not in targets]
+    assert not missing, f"benches not linked from docs/benchmarks.md: {missing}"
+
+
+def test_every_lab_notes_file_is_linked_from_the_report():
+    targets = {target.split("#")[0] for _, target in links(REPORT)}
+    missing = [p.name for p in sorted(NOTES.glob("*.md")) if f"benchmarks/{p.name}" not in targets]
+    assert not missing, f"lab notes not linked from docs/benchmarks.md: {missing}"
+
+
+def test_simulated_figures_say_so_where_shown():
+    shown = [(alt, target) for alt, target in LINK.findall(REPORT.read_text()) if target.endswith(".png")]
+    assert shown
+    for alt, target in shown:
+        assert (ROOT / "docs" / target).exists(), target
+        if "-sim-" in target:
+            assert "SIMULATED" in alt, f"{target} is simulated; its caption must say SIMULATED"
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", REPORT, *sorted(NOTES.glob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    broken = []
+    for _, target in links(doc):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (doc.parent / file).resolve() if file else doc
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in headings(dest):
+            broken.append(target)
+    assert not broken, f"{doc.relative_to(ROOT)}: broken links {broken}"
