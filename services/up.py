@@ -14,6 +14,12 @@ shared/lifeline.py.
 The services accept only connections that prove the shared secret (shared/auth.py): `up` makes a
 random one when neither SPECSERVE_SECRET_FILE nor SPECSERVE_SECRET is set, and its children get it
 through the environment. A gateway port that is taken is reported as such, before anything starts.
+
+Every service serves Prometheus `/metrics`: the gateway on its HTTP port, the draft and each target
+replica on a port of 127.0.0.1 of its own (`--metrics-port`: the draft on 9101, target replica i on
+9102 + i, the ports compose.yaml gives them; 0 picks free ones; '' serves none), kept across
+restarts. `up` prints one `metrics <name> <url>` line per service; deploy/prometheus/local.yml
+scrapes the default ports, which fills the bundled Grafana dashboard (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from specserve.shared.service_base import MODELS, default_threads
 from specserve.shared.settings import Settings, option
 
 RESTART_AFTER_S = 2.0  # wait this long before restarting a crashed draft or target
+SERVICE_HOST = "127.0.0.1"  # where the draft and target listen (TCP services, /metrics)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -64,6 +71,9 @@ class UpConfig(Settings):
     simulate: str | None = option(None, "simulated model services: no weights, passes modelled by this preset "
                                   "(cpu-demo, llama2-7b-a100, llama2-70b-4xa100, or a .toml file; docs/simulation.md)")
     restart: bool = option(True, "do not restart a draft or target service that exits", negate=True)
+    metrics_port: int | None = option(9101, "the draft's Prometheus /metrics port, on " + SERVICE_HOST + "; "
+                                      "target replica i gets this + 1 + i (the gateway's /metrics is on its "
+                                      "--port). 0: free ports; '': no /metrics for the draft and targets")
     tcp_services: bool = option(False, "the gateway reaches the draft and target over loopback TCP ports instead "
                                 "of Unix sockets in a private temporary directory")
     gateway_args: list[str] = option(default_factory=list, remainder=True,
@@ -104,6 +114,26 @@ def _same_vocabulary(model: str, draft_model: str) -> bool:
     return target == draft
 
 
+def metrics_ports(config: UpConfig, names: list[str]) -> dict[str, int]:
+    """The /metrics port of each service in `names` (the draft, then the target replicas): --metrics-port
+    and the ports after it, free ports for 0, none when unset. A fixed port out of range or equal to the
+    gateway's is a ValueError; one that is taken is PortInUse, before anything starts."""
+    base = config.metrics_port
+    if base is None:
+        return {}
+    if base == 0:
+        return {name: free_port(SERVICE_HOST) for name in names}
+    ports = {name: base + i for i, name in enumerate(names)}
+    if base < 0 or base + len(names) - 1 > 65535:
+        raise ValueError(f"--metrics-port {base}: the ports {base}-{base + len(names) - 1} are not all valid")
+    if config.port in ports.values():
+        raise ValueError(f"--metrics-port {base}: the services' /metrics ports {base}-{base + len(names) - 1} "
+                         f"include the gateway's --port {config.port}")
+    for port in ports.values():
+        check_port_free(SERVICE_HOST, port)
+    return ports
+
+
 def main(args: argparse.Namespace) -> int:
     config = UpConfig.from_args(args)
     # named models (`--model smollm2-135m-instruct`) become their directories, installed once, here, so
@@ -126,16 +156,22 @@ def main(args: argparse.Namespace) -> int:
         if not config.profile:  # the simulated target's profile, kept apart from the real one's
             config.profile = str(default_profile_path(config.model, f"sim-{preset.name}"))
     check_port_free(config.host, config.port)  # PortInUse: one line, exit 1, before any model loads
+    targets = ["target"] if config.targets == 1 else [f"target-{i}" for i in range(config.targets)]
+    try:
+        metrics = metrics_ports(config, ["draft", *targets])  # PortInUse too
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ensure_secret()  # the services' shared secret, for the children's environment
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    common = ["--device", config.device, "--dtype", config.dtype]
-    targets = ["target"] if config.targets == 1 else [f"target-{i}" for i in range(config.targets)]
+    common = ["--device", config.device, "--dtype", config.dtype, "--host", SERVICE_HOST]
     sockets = None if config.tcp_services else SocketDir()
 
-    def listen(name: str) -> list[str]:  # the same address on every (re)start
-        return ["--port", str(free_port())] if sockets is None else ["--unix-socket", sockets.socket(name)]
+    def listen(name: str) -> list[str]:  # the same addresses on every (re)start
+        rpc = ["--port", str(free_port(SERVICE_HOST))] if sockets is None else ["--unix-socket", sockets.socket(name)]
+        return [*rpc, *(["--metrics-port", str(metrics[name])] if name in metrics else [])]
 
     procs: dict[str, ServiceProcess] = {}
 
@@ -145,6 +181,9 @@ def main(args: argparse.Namespace) -> int:
         proc = ServiceProcess(kind, *rest, threads=config.threads, log_level=config.log_level,
                               inherit_stderr=True)
         print(f"ready {name} {proc.address}", flush=True)
+        if name in metrics or name == "gateway":  # a service's server is up once it is ready
+            url = f"http://{SERVICE_HOST}:{metrics[name]}" if name in metrics else proc.address
+            print(f"metrics {name} {url}/metrics", flush=True)
         return proc
 
     try:

@@ -19,15 +19,19 @@ from specserve.launch import ServiceProcess
 
 
 class Up:
-    """`specserve up` in its own process group, as a terminal would run it; parses its ready lines."""
+    """`specserve up` in its own process group, as a terminal would run it; parses its ready lines and
+    its `metrics <name> <url>` lines. Its services' /metrics are on free ports (`--metrics-port 0`), so
+    that two can run at once; a test passes `--metrics-port` to choose."""
 
     def __init__(self, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None):
-        cmd = [sys.executable, "-m", "specserve.cli", "up", "--port", "0", "--threads", "1", *args]
+        cmd = [sys.executable, "-m", "specserve.cli", "up", "--port", "0", "--metrics-port", "0", "--threads", "1",
+               *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True, env=env)
         self.stderr: deque[str] = deque(maxlen=500)
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         self.addresses: dict[str, str] = {}
+        self.metrics: dict[str, str] = {}  # service name -> its /metrics URL
         self.lines: list[str] = []
         done = threading.Event()
 
@@ -37,6 +41,9 @@ class Up:
                 if line.startswith("ready "):
                     _, name, address = line.split()
                     self.addresses[name] = address
+                if line.startswith("metrics "):
+                    _, name, url = line.split()
+                    self.metrics[name] = url
                 if line.startswith("specserve is up"):
                     done.set()
             done.set()

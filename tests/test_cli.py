@@ -107,3 +107,15 @@ def test_up_pairs_a_target_with_its_own_draft_by_default():
         draft = default_draft(name)
         assert draft == NGRAM or (Path(draft).parent == MODELS and (Path(draft) / "config.json").is_file()), draft
         assert draft != str(MODELS / "draft")
+
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--metrics-port", "65535", "--targets", "2"], "--metrics-port 65535: the ports 65535-65537 are not all valid"),
+    (["--port", "9102", "--metrics-port", "9101"],
+     "--metrics-port 9101: the services' /metrics ports 9101-9102 include the gateway's --port 9102"),
+])
+def test_up_refuses_metrics_ports_it_cannot_use(args, message):
+    proc = run("up", *args)
+    assert proc.returncode == 2 and f"error: {message}" in proc.stderr, proc.stderr
+    assert "starting" not in proc.stderr

@@ -6,7 +6,8 @@ it within seconds, so that a new `up` on the same port starts. A port that is al
 
 The draft and target listen on Unix sockets in a private directory that `up` removes when it stops
 (the services remove their own sockets, so even a killed `up` leaves no socket file);
-`--tcp-services` puts them on loopback TCP ports instead, and both serve the API.
+`--tcp-services` puts them on loopback TCP ports instead, and both serve the API. Either way each
+service serves Prometheus /metrics on a port of its own, printed as `metrics <name> <url>`.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ def test_tcp_services_puts_them_on_loopback_ports():
             host, _, port = address.rpartition(":")
             assert host == "127.0.0.1" and port.isdigit(), address
         assert _complete(up.url)
+        assert set(up.metrics) == {"gateway", "draft", "target"} and up.metrics["gateway"] == f"{up.url}/metrics"
+        for name in ("draft", "target"):  # each on a port of its own, none of them an RPC port
+            assert up.metrics[name].startswith("http://127.0.0.1:") and up.metrics[name] not in (up.draft, up.target)
+            with urllib.request.urlopen(up.metrics[name], timeout=10) as resp:
+                assert f'specserve:service_calls_total{{service="{name}"}}' in resp.read().decode()
     finally:
         assert up.interrupt() == 0
 
@@ -208,6 +214,15 @@ def test_a_taken_port_is_reported_as_such(command, taken_port):
     assert f"error: port {taken_port} is already in use (another specserve?)" in proc.stderr, proc.stderr
     assert "cannot reach" not in proc.stderr and "Traceback" not in proc.stderr
     assert "ready" not in proc.stdout
+
+
+def test_a_taken_metrics_port_is_reported_as_such(taken_port):
+    """`up` checks its services' /metrics ports too, before it starts anything."""
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--port", "0", "--metrics-port",
+                           str(taken_port), "--threads", "1"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    assert f"error: port {taken_port} is already in use (another specserve?)" in proc.stderr, proc.stderr
+    assert "starting" not in proc.stderr and "ready" not in proc.stdout
 
 
 def test_the_bind_itself_reports_a_taken_port(taken_port):
