@@ -6,8 +6,11 @@ Each call ends in one of three ways, and the caller is told which:
 - `Failure("down", ...)`: a transport failure (connection lost, unreadable reply, deadline exceeded).
   The connection is dropped and the service marked down; the pool reconnects it later.
 
-The target passes of all replicas run concurrently (and beside them, with the eager draft sync,
-a depth-0 Speculate call that keeps the draft's view of committed tokens current).
+Each replica's step loop calls its own target pass (and beside it, with the eager draft sync, a
+depth-0 Speculate call that keeps the draft's view of committed tokens current). The draft serves
+every replica: `speculate` queues a replica's entries, and one call carries the entries of every
+replica that is ready in the same turn of the event loop, or while the previous call runs (the
+draft answers one call at a time); it never waits for a replica that is not ready.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class CallResult(Generic[T]):
     ms: float  # the call as the gateway saw it
 
 
+SpeculateResult = CallResult[tuple[list[Candidate], SpeculateReply]]
+
+
 @dataclass(slots=True)
 class TargetPass:
     replica: TargetReplica
@@ -59,6 +65,9 @@ class Executor:
     def __init__(self, pool: ServicePool, call_timeout_s: float):
         self.pool = pool
         self.call_timeout_s = call_timeout_s  # deadline of every service call, seconds
+        self._queued: list[tuple[list[SpeculateItem], asyncio.Future[SpeculateResult]]] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._releasing: dict[str, asyncio.Lock] = {}  # per service address: one release call at a time
 
     async def _guard(self, service: TargetReplica | DraftService, call: Callable[[], Awaitable[T]],
                      timeout_s: float | None = None, span: str | None = None) -> CallResult[T]:
@@ -94,19 +103,25 @@ class Executor:
         return CallResult(None, failure, (time.perf_counter() - t0) * 1e3)
 
     # ---- releases --------------------------------------------------------------------------------
-    async def release_owed(self) -> None:
-        """Send every up service the releases it is owed; what fails stays owed."""
-        services: list[TargetReplica | DraftService] = [t for t in self.pool.targets if t.up and t.owed_releases]
+    async def release_owed(self, replica: TargetReplica | None = None) -> None:
+        """Send the releases owed to one replica and to the draft (None: to every up service); what
+        fails stays owed."""
+        targets = self.pool.targets if replica is None else [replica]
+        services: list[TargetReplica | DraftService] = [t for t in targets if t.up and t.owed_releases]
         draft = self.pool.draft
         if draft is not None and draft.up and draft.owed_releases:
             services.append(draft)
-        if not services:
-            return
+        if services:
+            await asyncio.gather(*(self._release(s) for s in services))
 
-        async def one(s: TargetReplica | DraftService) -> None:
+    async def _release(self, s: TargetReplica | DraftService) -> None:
+        """One service's releases; one call at a time per service, so a second loop sends only what the
+        first did not (a release is never sent after that request's next entry)."""
+        async with self._releasing.setdefault(s.address, asyncio.Lock()):
             rids = sorted(s.owed_releases)
             client = s.client
-            assert client is not None
+            if not rids or client is None:
+                return
             result = await self._guard(s, lambda: client.release(rids))
             if result.value is not None:
                 s.owed_releases.difference_update(rids)
@@ -114,8 +129,6 @@ class Executor:
                     s.free_blocks = result.value.free_blocks
             else:
                 log.warning("release at %s failed (%s); kept for the next iteration", s.address, result.failure)
-
-        await asyncio.gather(*(one(s) for s in services))
 
     async def ping(self) -> None:
         """Health to every up service (while idle): one that does not answer is marked down."""
@@ -142,10 +155,38 @@ class Executor:
             draft.offloaded = result.value.offloaded
         return result
 
-    async def speculate(self, items: list[SpeculateItem]) -> CallResult[tuple[list[Candidate], SpeculateReply]]:
+    async def speculate(self, items: list[SpeculateItem]) -> SpeculateResult:
+        """One replica's entries, sent with the entries of the other replicas that are ready now; the
+        reply holds this caller's candidates (and the whole call's times and failure)."""
+        if sum(t.up for t in self.pool.targets) <= 1:
+            return await self._speculate_now(items)  # nobody to batch with: no turn of the event loop lost
+        future: asyncio.Future[SpeculateResult] = asyncio.get_running_loop().create_future()
+        self._queued.append((items, future))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.ensure_future(self._send_queued())
+        return await future
+
+    async def _send_queued(self) -> None:
+        while self._queued:
+            await asyncio.sleep(0)  # the window: the replicas that are ready in this turn join the call
+            batch, self._queued = self._queued, []
+            result = await self._speculate_now([item for items, _ in batch for item in items])
+            for items, future in batch:
+                if future.done():  # its loop was cancelled
+                    continue
+                if result.value is None or len(batch) == 1:
+                    future.set_result(result)
+                    continue
+                rids = {item.rid for item in items}
+                mine = [c for c in result.value[0] if c.rid in rids]
+                future.set_result(CallResult((mine, result.value[1]), None, result.ms))
+
+    async def _speculate_now(self, items: list[SpeculateItem]) -> SpeculateResult:
         draft = self.pool.draft
-        assert draft is not None and draft.client is not None
+        assert draft is not None
         client = draft.client
+        if client is None:  # it went down while these entries were queued
+            return CallResult(None, Failure("down", "the draft service is down"), 0.0)
         result = await self._guard(draft, lambda: client.speculate(items), span="draft/Speculate")
         if result.value is not None and result.value[1].offloaded:
             draft.offloaded = True  # offloaded by someone else, or restarted offloaded

@@ -1,18 +1,23 @@
-"""The gateway's step loop: snapshot, plan, speculate, select, verify, commit, record.
+"""The gateway's step loops: per target replica, snapshot, plan, speculate, select, verify, commit, record.
 
-One asyncio task runs iterations back to back while there is work. Each iteration:
+Each target replica has its own asyncio task that runs its iterations back to back while it has
+work; a replica never waits for another replica's pass. One iteration of replica k:
 
-1. reconnects services that are down and sends the releases they are owed (executor, pool);
-2. takes a snapshot of the state and asks the scheduler for one `IterationPlan` (admissions,
-   deferrals, rejections, prompt chunks, speculation shapes, replicas, the draft's residency);
-3. applies the admissions: each request is bound to its replica and reserves its KV blocks there;
-4. changes the draft's residency if the plan says so, then calls the draft for the requests with
-   d > 0 (one call for every replica);
-5. asks the policy, per replica, which candidate nodes to verify;
-6. sends every replica its prompt chunks and trees, all replicas at once (with the eager draft
-   sync beside them, if on);
+1. sends replica k (and the draft) the releases they are owed;
+2. takes a snapshot (the waiting queue, k's requests fresh, the other replicas' requests as their
+   own last snapshots saw them) and asks the scheduler for one `IterationPlan` (admissions to any
+   replica, deferrals, rejections, k's prompt chunks and speculation shapes, the draft's residency);
+3. applies the admissions: each request is bound to its replica (whose loop is woken) and reserves
+   its KV blocks there;
+4. changes the draft's residency if the plan says so, then hands the draft k's requests with d > 0
+   (the executor sends the entries of every replica that is ready in one call);
+5. asks the policy which candidate nodes of k's trees to verify;
+6. sends replica k its prompt chunks and trees (with the eager draft sync beside them, if on);
 7. hands every request its emitted tokens (cut at EOS / max_tokens), and builds the one
-   `IterationRecord` that metrics, the replicas' latency models and the policy consume.
+   `IterationRecord` that metrics, replica k's latency model and the policy consume.
+
+A supervisor task reconnects services that are down, pings them while nothing runs, and starts a
+loop for every replica that discovery adds.
 
 Failures stay where they belong: an error on one entry ends that request; a service that answers a
 whole call with an error stays up and only that call's requests are ended (target) or fall back to
@@ -89,9 +94,11 @@ class Engine:
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []  # admitted, in admission order
         self.requests: dict[str, GenRequest] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self.step = 0
+        self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
+        self._loops: dict[int, asyncio.Task[None]] = {}  # per replica: its step loop
+        self._views: dict[int, tuple[list[RequestView], list[PrefillView]]] = {}  # its last snapshot's own
+        self._supervisor: asyncio.Task[None] | None = None
+        self.step = 0  # iterations started, all replicas (each iteration's step number)
         self.last_record: IterationRecord | None = None
         self._mean_latency_s = 1.0  # moving average of finished requests' latency (Retry-After)
 
@@ -99,13 +106,30 @@ class Engine:
     async def start(self) -> None:
         await self.pool.connect_all()
         self.metrics.set_budget(self.pool.targets[0].cost.budget_tokens)
-        self._task = asyncio.create_task(self._loop(), name="engine")
+        self._start_loops()
+        self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
+
+    def _start_loops(self) -> None:
+        """A step loop for every replica that has none (at start, and for each one discovery adds)."""
+        for replica in self.pool.targets:
+            if replica.index not in self._loops:
+                self._wakes[replica.index] = asyncio.Event()
+                self._loops[replica.index] = asyncio.create_task(self._replica_loop(replica),
+                                                                 name=f"replica-{replica.index}")
+
+    def _wake(self, replica: int | None = None) -> None:
+        """News for one replica's loop (None: for every loop, e.g. an arrival any of them may admit)."""
+        for i, event in self._wakes.items():
+            if replica is None or i == replica:
+                event.set()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (*self._loops.values(), self._supervisor) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         for r in list(self.requests.values()):
             self._finish(r, "abort")
         with contextlib.suppress(*TRANSPORT_ERRORS):
@@ -145,7 +169,7 @@ class Engine:
         self.requests[req.rid] = req
         self.waiting.append(req)
         self.metrics.on_queued()
-        self._wake.set()
+        self._wake()
 
     def _refuse_a_lost_first_token(self, req: GenRequest) -> None:
         """SLO-aware admission: 503 on arrival when no plan can meet the request's TTFT, counting the
@@ -172,8 +196,9 @@ class Engine:
         """End a request early (client gone, or a stop string the handler found)."""
         req = self.requests.get(rid)
         if req is not None and req.finish_reason is None:
+            replica = req.replica
             self._finish(req, reason, notify=False)
-            self._wake.set()
+            self._wake(replica)
 
     def _finish(self, r: GenRequest, reason: str, error: str | None = None, notify: bool = True,
                 retry_after_s: float | None = None) -> None:
@@ -203,24 +228,45 @@ class Engine:
         self.metrics.on_finished(reason, len(r.prompt), len(r.output), e2e, tpot, r.slo.name, ok,
                                  r.token_times[0] - r.arrival if r.token_times else None)
 
-    # ---- the loop --------------------------------------------------------------------------------
-    async def _loop(self) -> None:
+    # ---- the loops ------------------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        """Every interval: reconnect services that are down, start loops for new replicas, ping the
+        services while nothing runs (one that died while idle is marked down now), send the draft the
+        releases it is owed while nothing speculates, and end waiting requests when no target is up."""
         while True:
-            if not self.running and not self.waiting and not self._owed():
-                self._wake.clear()
+            await asyncio.sleep(RECONNECT_INTERVAL_S)
+            try:
+                if self.pool.needs_reconnect:
+                    back = await self.pool.reconnect(TRANSPORT_ERRORS)
+                    if "draft" in back:
+                        self._draft_lost()  # it may have restarted empty: every request rebuilds its draft state
+                    if back:
+                        self._wake()
+                self._start_loops()
+                if not self.running and not self.waiting:
+                    await self.executor.ping()
+                    await self.executor.release_owed()
+                elif not self.pool.any_target_up:
+                    for r in list(self.waiting):
+                        self._finish(r, "error", "no target replica is available")
                 self._set_load()
-                try:  # idle: wake for work, or every interval to check on the services
-                    await asyncio.wait_for(self._wake.wait(), RECONNECT_INTERVAL_S)
-                except TimeoutError:
-                    await self.executor.ping()  # a service that died while idle is marked down now
-                    if self.pool.needs_reconnect and "draft" in await self.pool.reconnect(TRANSPORT_ERRORS):
-                        self._draft_lost()
+            except Exception:  # a bug here must not stop reconnecting
+                log.exception("the engine's supervisor failed; it goes on")
+
+    async def _replica_loop(self, replica: TargetReplica) -> None:
+        """Replica k's iterations, back to back while it has work; asleep until news otherwise."""
+        wake = self._wakes[replica.index]
+        while True:
+            if not self._has_work(replica):
+                self._views.pop(replica.index, None)
+                wake.clear()
+                await wake.wait()
                 continue
             try:
-                busy = await self._iteration()
+                busy = await self._iteration(replica)
             except Exception:  # a bug in one iteration must not stop serving
-                log.exception("iteration %d failed; its requests are ended", self.step)
-                for r in list(self.running):
+                log.exception("an iteration of target %d failed; its requests are ended", replica.index)
+                for r in self._bound(replica.index):
                     self._finish(r, "error", "internal error in the gateway")
                 busy = True
             if busy:
@@ -228,50 +274,51 @@ class Engine:
                 continue
             # requests wait that no replica takes yet and nothing ran: an iteration that awaits nothing
             # would hold the event loop (no HTTP handler, no arrival); plan again on news or after a tick
-            self._wake.clear()
+            wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), REPLAN_INTERVAL_S)
+                await asyncio.wait_for(wake.wait(), REPLAN_INTERVAL_S)
 
-    def _owed(self) -> bool:
-        services = [t for t in self.pool.targets if t.up]
-        if self.pool.draft is not None and self.pool.draft.up:
-            services.append(self.pool.draft)  # type: ignore[arg-type]
-        return any(s.owed_releases for s in services)
-
-    async def _iteration(self) -> bool:
-        """One iteration; False when it changed nothing (no pass ran, nobody was admitted or refused)."""
-        t0 = time.perf_counter()
-        if self.pool.needs_reconnect and "draft" in await self.pool.reconnect(TRANSPORT_ERRORS):
-            self._draft_lost()  # it may have restarted empty: every request rebuilds its draft state
-        if self.limits.kv_lookahead_tokens > 0:
-            self._grow_reservations()  # before the releases, so a preempted request's go out now
-        await self.executor.release_owed()
-        self._end_requests_of_down_replicas()
-        if not self.pool.any_target_up:
-            for r in list(self.waiting):
-                self._finish(r, "error", "no target replica is available")
-            await asyncio.sleep(RECONNECT_INTERVAL_S)
+    def _has_work(self, replica: TargetReplica) -> bool:
+        if replica.requests or (replica.up and replica.owed_releases):
             return True
-        if not self.running and not self.waiting:
+        return bool(self.waiting) and replica.up and not replica.retired
+
+    def _bound(self, replica: int) -> list[GenRequest]:
+        """The requests bound to a replica, in admission order."""
+        return [r for r in self.running if r.replica == replica]
+
+    async def _iteration(self, replica: TargetReplica) -> bool:
+        """One iteration of a replica; False when it changed nothing (no pass ran, nobody was admitted or
+        refused)."""
+        t0 = time.perf_counter()
+        if self.limits.kv_lookahead_tokens > 0:
+            self._grow_reservations(replica.index)  # before the releases, so a preempted request's go out now
+        await self.executor.release_owed(replica)
+        if not replica.up:
+            if replica.requests:
+                self._end_replica_requests(replica, "the connection was lost")
+            return False
+        if not replica.requests and not self.waiting:
             return True  # only releases were owed
         self.step += 1
         if tracing.ENABLED:
-            traces = {r.rid: r.trace for r in (*self.running, *self.waiting) if r.trace is not None}
+            traces = {r.rid: r.trace for r in (*self._bound(replica.index), *self.waiting) if r.trace is not None}
             with spans.iteration(self.step, t0) as span:
-                record = await self._step(t0)
+                record = await self._step(replica, self.step, t0)
                 spans.record_iteration(span, record, traces)
         else:
-            record = await self._step(t0)
+            record = await self._step(replica, self.step, t0)
         return bool(record.replicas or record.admitted or record.rejected)
 
-    async def _step(self, t0: float) -> IterationRecord:
-        plan = self.scheduler.plan(self._snapshot(t0), self.step)
+    async def _step(self, replica: TargetReplica, step: int, t0: float) -> IterationRecord:
+        plan = self.scheduler.plan(self._snapshot(replica.index, t0), step)
         self._apply_admission(plan)
-        record = IterationRecord(self.step, admitted=len(plan.admitted), deferred=len(plan.deferred),
+        record = IterationRecord(step, admitted=len(plan.admitted), deferred=len(plan.deferred),
                                  rejected=len(plan.rejected))
         if plan.residency is not Residency.KEEP:
             await self._transition(plan, record)
-        decoding = [r for r in self.running if r.decoding and r.rid in plan.shapes]
+        mine = self._bound(replica.index)
+        decoding = [r for r in mine if r.decoding and r.rid in plan.shapes]
         if not self.overlap:
             trees = await self._speculate(plan, decoding, record)
         else:
@@ -279,22 +326,22 @@ class Engine:
             if self.draft_misses:
                 trees.update(await self._speculate(plan, [r for r in decoding if r.rid not in trees], record))
         with tracing.span("policy.select"):
-            passes, selected = self._passes(plan, decoding, trees, record)
+            passes, selected = self._passes(plan, replica.index, mine, decoding, trees, record)
         if passes:
             ahead = self._ahead_items(plan, decoding, trees, selected) if self.overlap else {}
             await self._target_pass(plan, passes, record, ahead)
         record.total_ms = (time.perf_counter() - t0) * 1e3
         record.waiting, record.running = len(self.waiting), len(self.running)
-        self._consume(record)
+        self._consume(record, replica)
         return record
 
     # ---- 1b. KV reservations with a look-ahead ------------------------------------------------------
-    def _grow_reservations(self) -> None:
-        """Each decoding request's reservation covers its committed tokens and the next tree; one that
-        outgrows it takes another look-ahead, preempting lower-priority requests when its replica is
-        short (preempt.py)."""
+    def _grow_reservations(self, replica_index: int) -> None:
+        """Each decoding request's reservation on this replica covers its committed tokens and the next
+        tree; one that outgrows it takes another look-ahead, preempting lower-priority requests when the
+        replica is short (preempt.py)."""
         slack, block = self.limits.tree_slack_tokens, self.pool.block_size
-        for r in list(self.running):
+        for r in self._bound(replica_index):
             if r.finish_reason is not None or not r.decoding or r.replica is None:
                 continue
             if math.ceil((r.committed + slack) / block) <= r.kv_blocks:
@@ -332,25 +379,38 @@ class Engine:
         log.info("preempted %s (%d tokens kept) to free KV on target %d", r.rid, len(r.output), replica.index)
 
     # ---- 2. snapshot -----------------------------------------------------------------------------
-    def _snapshot(self, now: float) -> SchedulerView:
+    def _snapshot(self, replica: int, now: float) -> SchedulerView:
+        """The waiting queue and `replica`'s requests as they are now; the other replicas' requests as their
+        loops' last snapshots saw them (less those that have ended or moved since)."""
         waiting = [WaitingView(r.rid, len(r.context), r.remaining, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
                                r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok or r.resuming)
                    for r in self.waiting]  # a preempted request is never refused: it has streamed already
-        prefilling, decoding = [], []
-        for r in self.running:
-            assert r.replica is not None
+        prefilling: list[PrefillView] = []
+        decoding: list[RequestView] = []
+        for r in self._bound(replica):
             if r.decoding:
                 decoding.append(RequestView(r.rid, r.slo.name, r.slo.tpot_ms, r.slo.ttft_ms, len(r.output) - 1,
-                                            (now - r.token_times[0]) * 1e3, r.remaining, r.accepted, r.replica,
+                                            (now - r.token_times[0]) * 1e3, r.remaining, r.accepted, replica,
                                             len(r.draft_unsent), r.kv_blocks))
             elif r.prefilled < len(r.context):
-                prefilling.append(PrefillView(r.rid, r.replica, len(r.context), r.prefilled, r.slo.name,
+                prefilling.append(PrefillView(r.rid, replica, len(r.context), r.prefilled, r.slo.name,
                                               r.slo.tpot_ms, r.slo.ttft_ms, (now - r.arrival) * 1e3))
+        self._views[replica] = (decoding, prefilling)
+        if len(self._views) > 1:
+            decoding, prefilling = list(decoding), list(prefilling)
+            for other, (dec, pre) in self._views.items():
+                if other != replica:
+                    decoding += [v for v in dec if self._still_on(v.rid, other)]
+                    prefilling += [v for v in pre if self._still_on(v.rid, other)]
         draft = self.pool.draft.view() if self.pool.draft is not None else DraftView(False, False)
         lim = self.limits
         return SchedulerView(waiting, prefilling, decoding, [t.view() for t in self.pool.targets], draft,
                              Limits(lim.max_running, lim.max_prefill_tokens, lim.draft_max_depth,
-                                    lim.draft_max_width))
+                                    lim.draft_max_width), replica=replica)
+
+    def _still_on(self, rid: str, replica: int) -> bool:
+        r = self.requests.get(rid)
+        return r is not None and r.replica == replica
 
     # ---- 3. admission ----------------------------------------------------------------------------
     def _apply_admission(self, plan: IterationPlan) -> None:
@@ -376,6 +436,7 @@ class Engine:
                 r.served_best_effort = True
             replica.requests.add(r.rid)
             replica.reserved_blocks += r.kv_blocks
+            self._wake(a.replica)  # its loop prefills it
             r.events.put_nowait(Admitted(a.replica))
             self.metrics.on_admitted(now - r.arrival)
 
@@ -397,6 +458,7 @@ class Engine:
         items = [self._speculate_item(r, plan) for r in decoding if plan.shapes[r.rid].depth > 0]
         if not items or draft is None or not draft.up:
             return trees
+        epochs = {r.rid: r.draft_epoch for r in decoding}
         result = await self.executor.speculate(items)
         record.draft.requests, record.draft.call_ms = len(items), result.ms
         record.draft.lag = sum(len(item.new_tokens) for item in items)
@@ -406,7 +468,7 @@ class Engine:
         candidates, reply = result.value
         record.draft.service_ms = min(reply.total_ms, result.ms)
         record.draft.catchup_ms, record.draft.beam_ms = reply.catchup_ms, reply.beam_ms
-        self._take_candidates(candidates, items, trees)
+        self._take_candidates(candidates, items, epochs, trees)
         return trees
 
     def _speculate_item(self, r: GenRequest, plan: IterationPlan) -> SpeculateItem:
@@ -458,13 +520,15 @@ class Engine:
             r.ahead = next_tree(guess, tree, r.output[guess.output_len:])
             record.draft.ahead_hits += r.ahead is not None
 
-    def _take_candidates(self, candidates: list[Candidate], items: list[SpeculateItem],
+    def _take_candidates(self, candidates: list[Candidate], items: list[SpeculateItem], epochs: dict[str, int],
                          trees: dict[str, CandidateTree] | None, roots: dict[str, int] | None = None) -> None:
-        """roots: the root each tree must have where it is not the request's newest token (drafting ahead)."""
+        """epochs: each request's `draft_epoch` when its entry was built (one whose draft state was rebuilt
+        while the call ran, by another replica's loop, takes nothing from it); roots: the root each tree
+        must have where it is not the request's newest token (drafting ahead)."""
         sent = {i.rid: len(i.new_tokens) - i.assumed for i in items}
         for cand in candidates:
             r = self.requests.get(cand.rid)
-            if r is None or r.finish_reason is not None:
+            if r is None or r.finish_reason is not None or r.draft_epoch != epochs.get(cand.rid):
                 continue
             root = roots.get(cand.rid, r.output[-1]) if roots else r.output[-1]
             if cand.error is not None or not cand.tokens or cand.tokens[0] != root:
@@ -495,19 +559,23 @@ class Engine:
     def _resync_draft(self, r: GenRequest) -> None:
         """Forget the draft's copy: release it there and resend every committed token next time."""
         r.draft_unsent = r.prompt + r.output if r.output else []
+        r.draft_epoch += 1
         r.ahead = None
         if self.pool.draft is not None:
             self.pool.draft.owed_releases.add(r.rid)
 
     # ---- 5. selection and the passes -------------------------------------------------------------
-    def _passes(self, plan: IterationPlan, decoding: list[GenRequest], trees: dict[str, CandidateTree],
-                record: IterationRecord) -> tuple[list[TargetPass], dict[str, list[int]]]:
-        """The replicas' passes, and the tree nodes selected per request (root included)."""
+    def _passes(self, plan: IterationPlan, replica: int, mine: list[GenRequest], decoding: list[GenRequest],
+                trees: dict[str, CandidateTree], record: IterationRecord) -> tuple[list[TargetPass],
+                                                                                   dict[str, list[int]]]:
+        """The replica's pass (none when it has nothing to do), and the tree nodes selected per request
+        (root included). `mine`: the requests bound to it (the plan's chunks for other replicas' requests
+        are theirs to run)."""
         selected: dict[str, list[int]] = {}
         if trees:  # a replica whose requests all have their root alone has nothing to select
             decoding_of = {r.rid: r for r in decoding}
             for batch in plan.batches:
-                if not any(r.rid in trees for r in batch.requests):
+                if batch.replica != replica or not any(r.rid in trees for r in batch.requests):
                     continue
                 group = {r.rid: trees.get(r.rid) or CandidateTree.root_only(decoding_of[r.rid].output[-1])
                          for r in batch.requests if r.rid in decoding_of}
@@ -520,7 +588,7 @@ class Engine:
                 by_replica[replica] = TargetPass(self.pool.targets[replica], [], [])
             return by_replica[replica]
 
-        for r in self.running:
+        for r in mine:
             n = plan.chunks.get(r.rid, 0)
             if n <= 0 or r.finish_reason is not None:
                 continue
@@ -554,6 +622,7 @@ class Engine:
         for item in sync:
             item.step, item.depth, item.width = draft_step(plan.step, beside=True), 0, 1
         beside = sync + [item for _, item in ahead.values()]
+        epochs = {i.rid: self.requests[i.rid].draft_epoch for i in beside}
         results, sync_result, phase_ms = await self.executor.target_pass(passes, beside)
         record.target_phase_ms = phase_ms
         drafted: dict[str, CandidateTree] = {}
@@ -565,7 +634,7 @@ class Engine:
                                                                      if rid in self.requests], record)
             else:
                 record.draft.sync_service_ms = sync_result.value[1].total_ms
-                self._take_candidates(sync_result.value[0], beside, drafted,
+                self._take_candidates(sync_result.value[0], beside, epochs, drafted,
                                       {rid: guess.root for rid, (guess, _) in ahead.items()})
         steps = {s.rid: s for s in record.requests}
         now = time.perf_counter()
@@ -583,11 +652,6 @@ class Engine:
             self._commit(outputs, {i.rid: len(i.tokens) for i in p.prefill}, steps, now)
         if drafted:
             self._take_ahead(ahead, drafted, record)
-
-    def _end_requests_of_down_replicas(self, why: str = "the connection was lost") -> None:
-        for replica in self.pool.targets:
-            if not replica.up and replica.requests:
-                self._end_replica_requests(replica, why)
 
     def _end_replica_requests(self, replica: TargetReplica, why: str) -> None:
         ended = [self.requests[rid] for rid in sorted(replica.requests) if rid in self.requests]
@@ -666,14 +730,13 @@ class Engine:
             self._finish(r, reason)
 
     # ---- 7. the record's consumers ---------------------------------------------------------------
-    def _consume(self, record: IterationRecord) -> None:
+    def _consume(self, record: IterationRecord, replica: TargetReplica) -> None:
         self.last_record = record
         if not record.replicas:
             self._set_load()
             return
         self.metrics.on_iteration(record)
-        for replica in self.pool.targets:
-            replica.cost.observe_record(record, replica.index, replica.reserved_blocks)
+        replica.cost.observe_record(record, replica.index, replica.reserved_blocks)  # its own passes only
         self.policy.observe(record)
         if self.scheduler.admission is not None:
             self.scheduler.admission.observe(record)

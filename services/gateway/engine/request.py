@@ -57,6 +57,7 @@ class GenRequest:
     verified: list[tuple[int, int]] = field(default_factory=list)  # (engine step, tree nodes sent incl. root)
     draft_unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen
     draft_seen: bool = False  # the draft may hold state for it (it must be released there)
+    draft_epoch: int = 0  # how many times its draft state was rebuilt (a reply to an older entry is stale)
     ahead: CandidateTree | None = None  # its next tree, drafted ahead during the last target pass (--overlap)
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None

@@ -5,7 +5,9 @@ engine. Nothing here does I/O or reads a clock: every time is carried in the sna
 
 - `SchedulerView`: the snapshot. Waiting requests, running requests (still prefilling or decoding),
   the target replicas (up, KV ledger, cost model), the draft's state, the limits, and the
-  scheduler's own FIFO `Proposal` for admission and prefill chunks.
+  scheduler's own FIFO `Proposal` for admission and prefill chunks. Each replica plans its own
+  iterations (engine/core.py): `replica` names it, and the plan's shapes, chunks and preemptions
+  that are carried out are that replica's; admissions go to any replica.
 - `Decision`: what a policy answers through its one decision hook, `Policy.decide(view)`.
 - `IterationPlan`: the decision after the scheduler enforced the hard limits; every deviation from
   the decision carries a reason.
@@ -159,14 +161,21 @@ class SchedulerView:
     draft: DraftView
     limits: Limits
     proposal: Proposal = field(default_factory=lambda: Proposal([], {}, {}, []))
+    replica: int | None = None  # the replica whose iteration this plans (None: every replica's)
     _groups: list[list[RequestView]] | None = field(default=None, repr=False)
 
+    def stepping(self, replica: int) -> bool:
+        """Whether this plan's shapes, chunks and preemptions on `replica` are carried out."""
+        return self.replica is None or replica == self.replica
+
     def batches(self, prefill_tokens: list[int]) -> list[BatchView]:
-        """The decoding requests grouped by replica, with each replica's co-scheduled prompt tokens."""
+        """The decoding requests grouped by replica, with each replica's co-scheduled prompt tokens; when
+        the view plans one replica, the others' batches are empty (their own iterations shape them)."""
         if self._groups is None:
             self._groups = [[] for _ in self.replicas]
             for r in self.decoding:
-                self._groups[r.replica].append(r)
+                if self.stepping(r.replica):
+                    self._groups[r.replica].append(r)
         return [BatchView(g, prefill_tokens[i] if i < len(prefill_tokens) else 0, len(self.waiting),
                           self.draft.usable, i) for i, g in enumerate(self._groups)]
 

@@ -52,7 +52,8 @@ class Scheduler:
     def propose(self, view: SchedulerView) -> Proposal:
         if self.admission is not None:
             self.admission.last = AdmissionCounts()  # what this plan declined, counted once
-        if not view.waiting and not view.prefilling:  # the steady state of decoding: nothing to place
+        if not view.waiting and not any(view.stepping(p.replica) for p in view.prefilling):
+            # the steady state of decoding: nothing to place
             return Proposal([], {}, {}, [0] * len(view.replicas))
         if self.admission is not None:
             return self._slo_proposal(view, self.admission)
@@ -109,8 +110,10 @@ class Scheduler:
         rejected.update({rid: r for rid, r in decision.reject.items() if rid in waiting})
         deferred = {rid: why for rid, why in decision.defer.items() if rid in waiting and rid not in rejected}
         ledgers = _ledgers(view) if decision.admit else []
-        if ledgers and view.proposal.preempt:  # what the preempted give back is there to admit with
-            going = set(view.proposal.preempt)
+        mine = {r.rid for r in view.decoding if view.stepping(r.replica)}
+        preempt = [rid for rid in view.proposal.preempt if rid in mine]  # another replica's are its own
+        if ledgers and preempt:  # what the preempted give back is there to admit with
+            going = set(preempt)
             for r in view.decoding:
                 if r.rid in going:
                     ledgers[r.replica].reserved_blocks -= r.kv_blocks
@@ -155,6 +158,8 @@ class Scheduler:
         shapes: dict[str, Shape] = {}
         wanted = decision.shapes
         for r in view.decoding:
+            if r.rid not in mine:
+                continue
             s = wanted.get(r.rid)
             if s is None or not draft_ok or s.depth <= 0:
                 shapes[r.rid] = NO_DRAFT
@@ -164,13 +169,12 @@ class Scheduler:
                 s = Shape(max(0, min(s.depth, cap)), max(1, min(s.width, limits.max_width)))
             shapes[r.rid] = s
         sync = [r.rid for r in view.decoding if self.sync_draft and draft_ok and r.draft_lag > 0
-                and shapes[r.rid].depth == 0]
+                and r.rid in mine and shapes[r.rid].depth == 0]
 
         replica_of = {p.rid: p.replica for p in view.prefilling}
         replica_of.update({r.rid: r.replica for r in view.decoding})
         replica_of.update({a.rid: a.replica for a in admitted if a.replica is not None})
         batches = view.batches(prefill)
-        preempt = [rid for rid in proposal.preempt if rid in shapes]  # decoding requests only
         for rid in preempt:
             shapes.pop(rid)
         return IterationPlan(step, admitted, deferred, rejected, chunks, shapes, replica_of, batches, residency,

@@ -224,12 +224,16 @@ class Nightjar(Policy):
         residency = self.residence.step(free, len(view.waiting), view.draft.offloaded)
         if residency is not Residency.KEEP or not view.draft.usable:
             self.cold |= live  # the draft's KV pool is (being) freed: these stay non-speculative
-        self.pulled = {}
-        self.prefill_share = {}
+        stepping = [rep.index for rep in view.replicas if view.stepping(rep.index)]
+        for i in stepping:  # the replicas this plan shapes start afresh (the others are mid-iteration)
+            self.pulled.pop(i, None)
+            self.prefill_share.pop(i, None)
         decision = super().decide(view)
         if residency is Residency.OFFLOAD:  # nobody speculates in an iteration that offloads: no arm was pulled
-            decision.shapes, self.pulled = {}, {}
-        if not self.pulled:
+            decision.shapes = {}
+            for i in stepping:
+                self.pulled.pop(i, None)
+        if not any(i in self.pulled for i in stepping):
             self.residence.chose(0)
         decision.residency = residency
         return decision
@@ -258,13 +262,14 @@ class Nightjar(Policy):
 
     def observe(self, record: IterationRecord) -> None:
         self.residence.elapse(record.total_ms)
-        lag_sent = sum(lag for _, _, lag in self.pulled.values())
+        pulled = {s.replica: self.pulled.pop(s.replica) for s in record.replicas if s.replica in self.pulled}
+        lag_sent = sum(lag for _, _, lag in pulled.values())
         if record.draft.requests and lag_sent > 0 and record.draft.failure is None:
             rate = record.draft.catchup_ms / lag_sent
             a = 0.2
             self.catchup_ms_per_token = rate if self.catchup_ms_per_token < 0 else \
                 self.catchup_ms_per_token + a * (rate - self.catchup_ms_per_token)
-        for replica, (i, n, _) in self.pulled.items():
+        for replica, (i, n, _) in pulled.items():
             tokens = sum(s.emitted for s in record.requests if s.replica == replica and s.verified > 0)
             ms = record.total_ms - record.draft.catchup_ms - self.prefill_share.get(replica, 0.0)
             if tokens > 0 and ms > 0:

@@ -49,7 +49,9 @@ class SloGoodput(Policy):
 
     def decide(self, view: SchedulerView) -> Decision:
         self.control.admit(view)
-        self.budget = {}
+        for rep in view.replicas:  # the replicas this plan shapes start afresh (the others are mid-iteration)
+            if view.stepping(rep.index):
+                self.budget.pop(rep.index, None)
         return super().decide(view)
 
     def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
