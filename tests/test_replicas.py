@@ -1,6 +1,8 @@
 """Two target replicas behind one gateway: `specserve up --targets 2` as real processes, the openai client.
 
 - greedy output equals transformers', with the requests spread over both replicas;
+- each replica steps on its own: with one replica frozen mid-pass (SIGSTOP), the other finishes its
+  requests, and the frozen one's finish exactly once it runs again;
 - killing one replica ends only its own requests with an error; the other keeps serving and takes
   new requests; `up` restarts the killed one and it rejoins (new requests reach it again);
 - an error on one entry (a stranger released a request on its replica) ends that request alone;
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -27,7 +31,7 @@ from specserve.gateway.backends.pool import ServicePool, TargetReplica
 from specserve.gateway.perf.cost import PassCost
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_client import PrefillItem, TargetClient
-from tests.gateway_procs import Up, await_health, health, kill, wait_health
+from tests.gateway_procs import Up, await_health, health, kill, service_pid, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
 
@@ -79,6 +83,33 @@ def test_greedy_equals_transformers_and_spreads_over_both(up2, reference):
     assert [r.choices[0].text for r in results] == reference
     replicas = [r.model_extra["specserve"]["replica"] for r in results]
     assert set(replicas) == {0, 1}, replicas
+    wait_idle(up2)
+
+
+def test_a_frozen_replica_holds_only_its_own_requests(up2, reference):
+    """Replica 1 is frozen (SIGSTOP) once /health shows both replicas running two requests: replica 0
+    serves its two to the end while replica 1's are still running there and it is still up (one loop for
+    both replicas would hold replica 0's until replica 1's call ran out its deadline, then end replica
+    1's with an error). Thawed, replica 1 finishes its requests exactly."""
+    wait_replicas_up(up2.url, 2)
+    pid = service_pid("target", up2.addresses["target-1"])
+
+    async def run():
+        load = asyncio.ensure_future(run_all(up2.url, PROMPTS[:4]))
+        seen = await await_health(up2.url, lambda h: [r["running"] for r in h["replicas"]] == [2, 2], until=load)
+        assert seen is not None, "the load ended before both replicas ran their requests"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            body = await await_health(up2.url, lambda h: h["replicas"][0]["running"] == 0, until=load)
+            assert body is not None, "every request ended while replica 1 was frozen"
+            assert body["replicas"][1]["up"] and body["replicas"][1]["running"] == 2, body
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return await load
+
+    out = asyncio.run(run())
+    assert [r.choices[0].text for r in out] == reference[:4]
+    assert sorted(r.model_extra["specserve"]["replica"] for r in out) == [0, 0, 1, 1]
     wait_idle(up2)
 
 
