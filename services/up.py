@@ -2,7 +2,7 @@
 
 The draft and target listen on Unix sockets in a private temporary directory (mode 0700), removed
 when `up` exits (the services remove their own sockets, so a SIGKILLed `up` leaves it empty): on
-one host a call costs less through them than through loopback TCP (docs/benchmarks.md).
+one host a call costs less through them than through loopback TCP (docs/benchmarks/call_cost.md).
 `--tcp-services` gives them fixed free TCP ports instead. Either way the address is fixed, so that
 a service that crashes is restarted on the same address and the gateway reconnects to it. The
 gateway's HTTP API is TCP (`--host`, `--port`).

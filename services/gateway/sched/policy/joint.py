@@ -8,7 +8,7 @@ acceptance MLE and the three-service step-time model, refitted online):
    time t it is
    - *lost* when not even a chain of K_max accepted whole every step could keep that pace: it
      never drafts (its root still runs). Only this best case condemns a request, never the
-     estimated acceptance rate (why: docs/benchmarks.md, "The default: joint");
+     estimated acceptance rate (why: docs/benchmarks/sweep_default.md, "The default: `joint`");
    - *at risk* when its root alone cannot keep its pace (t > pace);
    - *slack* otherwise.
 2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
