@@ -24,7 +24,8 @@ from specserve.gateway.sched.policy.turbospec import TurboSpec
 from specserve.shared.settings import Settings, option
 
 SPECINFER_TREE = [1, 1, 3, 1, 1, 1, 1, 1]
-DEFAULT_POLICY = "joint"  # `--policy` of the gateway and of `specserve up` (docs/benchmarks/sweep_default.md, "The default: `joint`")
+# `--policy` of the gateway and of `specserve up` (docs/benchmarks/sweep_default.md, "The default: `joint`")
+DEFAULT_POLICY = "joint"
 
 
 @dataclass(slots=True, kw_only=True)
