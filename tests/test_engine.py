@@ -186,3 +186,16 @@ def test_waiting_requests_no_replica_takes_leave_the_event_loop_free(services, p
     assert policy.calls < 200, f"{policy.calls} plans while nothing could run: the loop spun"
     assert ticks >= 50  # 1 s held: the other tasks ran all along
     asyncio.run(idle(services))
+
+
+def test_a_request_larger_than_every_pool_is_named_with_the_pool_size():
+    """`pool_tokens_short`: the largest replica's pool in tokens when even it cannot hold the request's
+    worst case (prompt + max_tokens + the tree slack), None when it can or while no pool is known."""
+    replicas = [TargetReplica(0, "unix:/a", PassCost(16, 10.0)), TargetReplica(1, "unix:/b", PassCost(16, 10.0))]
+    policy = Steered()
+    engine = Engine(policy, Scheduler(policy, RoundRobin()), ServicePool(replicas, None), GatewayMetrics("t"),
+                    EngineLimits(tree_slack_tokens=64))
+    assert engine.pool_tokens_short(10_000, 10_000) is None  # no pool size known yet
+    replicas[0].total_blocks, replicas[1].total_blocks = 8, 20  # 128 and 320 tokens
+    assert engine.pool_tokens_short(100, 156) is None  # 100 + 156 + 64 = 320 tokens: the larger pool
+    assert engine.pool_tokens_short(100, 157) == 320

@@ -92,7 +92,8 @@ class Engine:
         self.draft_misses = draft_misses  # with overlap: a wrong guess drafts before the pass (else: root alone)
         self.executor = Executor(pool, call_timeout_s)
         self.waiting: list[GenRequest] = []
-        self.running: list[GenRequest] = []  # admitted, in admission order
+        self.running: dict[str, GenRequest] = {}  # admitted, in admission order
+        self._on: dict[int, dict[str, GenRequest]] = {}  # per replica: its admitted requests, in admission order
         self.requests: dict[str, GenRequest] = {}
         self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
         self._loops: dict[int, asyncio.Task[None]] = {}  # per replica: its step loop
@@ -140,9 +141,13 @@ class Engine:
     def target_up(self) -> bool:
         return self.pool.any_target_up
 
-    @property
-    def total_blocks(self) -> int:
-        return self.pool.largest_pool_blocks
+    def pool_tokens_short(self, prompt_tokens: int, max_tokens: int) -> int | None:
+        """The largest replica's whole KV pool, in tokens, when even it cannot hold this request's worst
+        case (prompt + max_tokens + the tree slack); None when it can, or while no pool size is known."""
+        blocks = self.pool.largest_pool_blocks
+        if blocks and self.kv_blocks_for(prompt_tokens, max_tokens) > blocks:
+            return blocks * self.pool.block_size
+        return None
 
     # ---- requests --------------------------------------------------------------------------------
     def kv_blocks_for(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -177,7 +182,7 @@ class Engine:
         deadline = req.arrival + req.slo.ttft_ms / 1e3
         ahead = sum(len(r.context) - r.prefilled for r in self.waiting
                     if not r.best_effort_ok and r.arrival + r.slo.ttft_ms / 1e3 <= deadline)
-        ahead += sum(len(r.context) - r.prefilled for r in self.running if not r.decoding)
+        ahead += sum(len(r.context) - r.prefilled for r in self.running.values() if not r.decoding)
         costs = [t.cost for t in self.pool.targets if t.up and not t.retired]
         bound = first_token_bound_ms(len(req.prompt), ahead, costs, self.limits.max_prefill_tokens)
         if bound > req.slo.ttft_ms:
@@ -215,8 +220,7 @@ class Engine:
             replica.owed_releases.add(r.rid)
             if self.pool.draft is not None and r.draft_seen:
                 self.pool.draft.owed_releases.add(r.rid)
-            with contextlib.suppress(ValueError):
-                self.running.remove(r)
+            self._unbind(r)
         self.requests.pop(r.rid, None)
         if notify:
             r.events.put_nowait(Finished(reason, error, retry_after_s))
@@ -285,7 +289,17 @@ class Engine:
 
     def _bound(self, replica: int) -> list[GenRequest]:
         """The requests bound to a replica, in admission order."""
-        return [r for r in self.running if r.replica == replica]
+        return list(self._on.get(replica, {}).values())
+
+    def _bind(self, r: GenRequest, replica: int) -> None:
+        r.replica = replica
+        self.running[r.rid] = r
+        self._on.setdefault(replica, {})[r.rid] = r
+
+    def _unbind(self, r: GenRequest) -> None:
+        self.running.pop(r.rid, None)
+        if r.replica is not None:
+            self._on.get(r.replica, {}).pop(r.rid, None)
 
     async def _iteration(self, replica: TargetReplica) -> bool:
         """One iteration of a replica; False when it changed nothing (no pass ran, nobody was admitted or
@@ -351,8 +365,8 @@ class Engine:
             free = replica.total_blocks - replica.reserved_blocks
             if want > free:
                 best = self.scheduler.admission.best_effort if self.scheduler.admission is not None else set()
-                holders = [Holder(x.rid, x.kv_blocks, x.rid in best, x.admitted_at or 0.0) for x in self.running
-                           if x.replica == r.replica and x.finish_reason is None]
+                holders = [Holder(x.rid, x.kv_blocks, x.rid in best, x.admitted_at or 0.0)
+                           for x in self._bound(replica_index) if x.finish_reason is None]
                 for rid in victims(holders, r.rid, want, free):
                     self._preempt(self.requests[rid])
                 if r.replica is None:  # it was the one preempted
@@ -369,7 +383,7 @@ class Engine:
         replica.owed_releases.add(r.rid)
         if r.draft_seen:
             self._resync_draft(r)
-        self.running.remove(r)
+        self._unbind(r)
         r.replica, r.prefilled, r.out_of_blocks = None, 0, 0
         r.resuming = bool(r.output)
         r.preemptions += 1
@@ -430,8 +444,8 @@ class Engine:
             assert a.replica is not None
             replica = self.pool.targets[a.replica]
             self.waiting.remove(r)
-            self.running.append(r)
-            r.replica, r.admitted_at = a.replica, now
+            self._bind(r, a.replica)
+            r.admitted_at = now
             if admission is not None and a.rid in admission.best_effort:
                 r.served_best_effort = True
             replica.requests.add(r.rid)
@@ -552,7 +566,7 @@ class Engine:
 
     def _draft_lost(self) -> None:
         """The draft is gone (or restarted empty): every request rebuilds its draft state."""
-        for r in self.running:
+        for r in self.running.values():
             if r.draft_seen:
                 self._resync_draft(r)
 
@@ -615,8 +629,7 @@ class Engine:
                            ahead: dict[str, tuple[Guess, SpeculateItem]]) -> None:
         """The passes, and beside them one draft call: the eager sync's d = 0 entries and, with --overlap,
         the entries drafting ahead."""
-        sync_ids = set(plan.draft_sync)
-        sync_reqs = [r for r in self.running if r.rid in sync_ids and r.draft_unsent]
+        sync_reqs = [r for rid in plan.draft_sync if (r := self.running.get(rid)) is not None and r.draft_unsent]
         draft = self.pool.draft
         sync = [self._speculate_item(r, plan) for r in sync_reqs] if draft is not None and draft.up else []
         for item in sync:

@@ -72,9 +72,10 @@ def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: 
         raise ApiError(f"This model's maximum context length is {info.max_model_len} tokens; {len(prompt)} prompt "
                        f"tokens + max_tokens {max_tokens} exceed it.", param="max_tokens",
                        code="context_length_exceeded")
-    if engine.total_blocks and engine.kv_blocks_for(len(prompt), max_tokens) > engine.total_blocks:
+    pool_tokens = engine.pool_tokens_short(len(prompt), max_tokens)
+    if pool_tokens is not None:
         raise ApiError(f"{len(prompt)} prompt tokens + max_tokens {max_tokens} need more KV than the target's "
-                       f"whole pool ({engine.total_blocks * engine.pool.block_size} tokens)", param="max_tokens")
+                       f"whole pool ({pool_tokens} tokens)", param="max_tokens")
     spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
                         None if sampling.seed is None else sampling.seed % 2**63)
     return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo,
