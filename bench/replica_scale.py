@@ -14,7 +14,9 @@ once, then again; the median and range over the rounds are reported, and the rat
 
 The services are simulated (docs/simulation.md): every figure here is SIMULATED. `--baseline DIR`
 runs an earlier checkout's gateway and services beside this one (as bench/call_cost.py does: its
-packages first on PYTHONPATH through a symlink tree), so a change's effect is measured side by side.
+packages first on PYTHONPATH through a symlink tree), so a change's effect is measured side by side;
+`--checkout DIR` runs a frozen copy as the later version. A checkout is `git archive REV services
+shared | tar -x -C DIR` with `models` and `bench/workloads` linked to this checkout's.
 
 Results: bench/results/replica_scale.json.
 """
@@ -77,15 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-below", type=float, default=0.3, help="stop a scan at the first point below this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", default=None, help="an earlier checkout to run beside this one")
+    ap.add_argument("--checkout", default=None, help="the later checkout (default: this one), e.g. a frozen copy "
+                    "so that edits made while the bench runs do not reach it")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     args.per_replica = [float(x) for x in args.per_replica.split(",")]
     counts = [int(x) for x in args.targets.split(",")]
     ns = argparse.Namespace(profile=args.profile, simulate=args.simulate)
     args.profile = str(admission.profile_for(ns))
-    versions = {"after": None}
+    after = str(package_tree(Path(args.checkout).resolve())) if args.checkout else None
+    versions = {"after": after}
     if args.baseline:
-        versions = {"before": str(package_tree(Path(args.baseline).resolve())), "after": None}
+        versions = {"before": str(package_tree(Path(args.baseline).resolve())), "after": after}
 
     runs: list[dict] = []
     for r in range(args.rounds):
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
               "setting": {"policy": args.policy, "admission": "slo", "router": args.router, "mix": admission.MIX,
                           "duration_s": args.duration_s, "per_replica": args.per_replica,
                           "gateway_args": args.gateway_args.split(), "baseline": args.baseline,
+                          "checkout": args.checkout,
                           "profile": args.profile},
               "summary": summary, "runs": runs}
     Path(args.out).write_text(json.dumps(relative_paths(result), indent=1) + "\n")

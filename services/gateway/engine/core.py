@@ -394,8 +394,9 @@ class Engine:
 
     # ---- 2. snapshot -----------------------------------------------------------------------------
     def _snapshot(self, replica: int, now: float) -> SchedulerView:
-        """The waiting queue and `replica`'s requests as they are now; the other replicas' requests as their
-        loops' last snapshots saw them (less those that have ended or moved since)."""
+        """The waiting queue and `replica`'s requests as they are now; while requests wait, the other
+        replicas' requests too, as their loops' last snapshots saw them (less those that have ended or
+        moved since), for admission to weigh every replica's load."""
         waiting = [WaitingView(r.rid, len(r.context), r.remaining, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
                                r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok or r.resuming)
                    for r in self.waiting]  # a preempted request is never refused: it has streamed already
@@ -410,7 +411,7 @@ class Engine:
                 prefilling.append(PrefillView(r.rid, replica, len(r.context), r.prefilled, r.slo.name,
                                               r.slo.tpot_ms, r.slo.ttft_ms, (now - r.arrival) * 1e3))
         self._views[replica] = (decoding, prefilling)
-        if len(self._views) > 1:
+        if self.waiting and len(self._views) > 1:  # admission weighs every replica's load
             decoding, prefilling = list(decoding), list(prefilling)
             for other, (dec, pre) in self._views.items():
                 if other != replica:
@@ -420,7 +421,7 @@ class Engine:
         lim = self.limits
         return SchedulerView(waiting, prefilling, decoding, [t.view() for t in self.pool.targets], draft,
                              Limits(lim.max_running, lim.max_prefill_tokens, lim.draft_max_depth,
-                                    lim.draft_max_width), replica=replica)
+                                    lim.draft_max_width), replica=replica, live=self.running.keys())
 
     def _still_on(self, rid: str, replica: int) -> bool:
         r = self.requests.get(rid)
@@ -753,16 +754,21 @@ class Engine:
         self.policy.observe(record)
         if self.scheduler.admission is not None:
             self.scheduler.admission.observe(record)
-        self._set_load()
+        self._set_load(replica)
 
-    def _set_load(self) -> None:
+    def _set_load(self, only: TargetReplica | None = None) -> None:
+        """The load gauges: running, waiting and the KV in use over all replicas, and each replica's own
+        series (`only`: just that replica's; the supervisor refreshes them all every second)."""
         used = total = 0
         for t in self.pool.targets:
+            t_used = t.total_blocks - t.free_blocks if t.up and t.total_blocks else 0
+            if t.up and t.total_blocks:
+                used, total = used + t_used, total + t.total_blocks
+            if only is not None and t is not only:
+                continue
             if t.retired and not t.up:  # dropped (discovery.py): no series of its own any more
                 self.metrics.drop_replica(str(t.index))
             elif t.up and t.total_blocks:
-                t_used = t.total_blocks - t.free_blocks
-                used, total = used + t_used, total + t.total_blocks
                 self.metrics.set_replica(str(t.index), True, len(t.requests), t_used / t.total_blocks)
             else:
                 self.metrics.set_replica(str(t.index), False, len(t.requests), 0.0)

@@ -18,6 +18,7 @@ engine. Nothing here does I/O or reads a clock: every time is carried in the sna
 from __future__ import annotations
 
 import enum
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from specserve.gateway.perf.cost import PassCost
@@ -162,7 +163,16 @@ class SchedulerView:
     limits: Limits
     proposal: Proposal = field(default_factory=lambda: Proposal([], {}, {}, []))
     replica: int | None = None  # the replica whose iteration this plans (None: every replica's)
+    live: AbstractSet[str] | None = None  # every admitted request's id, all replicas (None: those in this view)
     _groups: list[list[RequestView]] | None = field(default=None, repr=False)
+
+    @property
+    def live_rids(self) -> AbstractSet[str]:
+        """The ids of the requests still admitted, on every replica: per-request state of any other id
+        may be forgotten (a view that plans one replica may hold only that replica's requests)."""
+        if self.live is not None:
+            return self.live
+        return {r.rid for r in self.decoding} | {p.rid for p in self.prefilling}
 
     def stepping(self, replica: int) -> bool:
         """Whether this plan's shapes, chunks and preemptions on `replica` are carried out."""

@@ -340,11 +340,10 @@ class SloAdmission:
 
     def _prune(self, view: SchedulerView) -> None:
         """Forget requests that are gone (the scheduler never hears of a finish)."""
-        live = len(view.decoding) + len(view.prefilling)
-        if len(self.tier_of) > 2 * live + 64:
-            keep = {r.rid for r in view.decoding} | {p.rid for p in view.prefilling}
+        keep = view.live_rids
+        if len(self.tier_of) > 2 * len(keep) + 64:
             self.tier_of = {k: v for k, v in self.tier_of.items() if k in keep}
-            self.best_effort &= keep
+            self.best_effort = {rid for rid in self.best_effort if rid in keep}
 
     @staticmethod
     def _count(where: dict[str, int], tier: str) -> None:

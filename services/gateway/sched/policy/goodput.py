@@ -15,6 +15,7 @@ here is fed by the IterationRecord (`observe`) and is pure arithmetic (no I/O, n
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 A_MIN, A_MAX = 0.01, 0.99  # the estimate is clamped: eq. 4 is singular at a = 1 (digest errata 9)
@@ -66,7 +67,7 @@ class Acceptance:
         a = (mine[0] + g * self.prior_weight) / (mine[0] + mine[1] + self.prior_weight)
         return min(A_MAX, max(A_MIN, a))
 
-    def forget(self, keep: set[str]) -> None:
+    def forget(self, keep: AbstractSet[str]) -> None:
         """Drop the counts of requests that are gone."""
         for rid in [r for r in self.per_request if r not in keep]:
             del self.per_request[rid]

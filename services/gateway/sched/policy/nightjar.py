@@ -216,14 +216,16 @@ class Nightjar(Policy):
         self.prefill_share: dict[int, float] = {}  # replica -> predicted prefill ms in this iteration's pass
 
     def decide(self, view: SchedulerView) -> Decision:
-        live = {r.rid for r in view.decoding}
-        self.cold &= live
+        live = view.live_rids
+        self.cold = {rid for rid in self.cold if rid in live}
         up = [r for r in view.replicas if r.up]
         total = sum(r.total_blocks for r in up)
         free = sum(r.free_blocks for r in up) / total if total else 1.0
         residency = self.residence.step(free, len(view.waiting), view.draft.offloaded)
         if residency is not Residency.KEEP or not view.draft.usable:
-            self.cold |= live  # the draft's KV pool is (being) freed: these stay non-speculative
+            # the draft's KV pool is (being) freed: these stay non-speculative (another replica's
+            # decoding requests are marked by its own iterations' plans)
+            self.cold |= {r.rid for r in view.decoding}
         stepping = [rep.index for rep in view.replicas if view.stepping(rep.index)]
         for i in stepping:  # the replicas this plan shapes start afresh (the others are mid-iteration)
             self.pulled.pop(i, None)

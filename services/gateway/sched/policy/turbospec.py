@@ -51,9 +51,10 @@ class GoodputControl:
     # ---- per iteration -----------------------------------------------------------------------------
     def admit(self, view: SchedulerView) -> None:
         """New decoding requests: skip their draft prefill under load; forget finished ones."""
-        live = {r.rid for r in view.decoding}
-        running = len(view.decoding)
-        for r in view.decoding:
+        live = view.live_rids
+        mine = [r for r in view.decoding if view.stepping(r.replica)]
+        running = len(mine)  # on the replica this plan steps (thr is a replica's batch size)
+        for r in mine:
             if r.rid not in self.draft_ok:
                 ok = running <= self.thr
                 self.draft_ok[r.rid] = ok
