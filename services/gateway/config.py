@@ -79,6 +79,11 @@ class GatewayConfig(Settings):
     slo_classes: list[str] = option(default_factory=list, flag="--slo-class",
                                     help="add or override an SLO class: NAME=TPOT_MS[:TTFT_MS]")
     threads: int = option(1, "torch threads of a target started to profile")
+    frontends: int = option(0, "0: this process serves HTTP beside the engine; N > 0: N front-end processes serve "
+                            "it on the same port (parsing, tokenizing, detokenizing, streaming) and this process "
+                            "runs the engine, joined by msgspec messages over a Unix socket")
+    frontend_of: str | None = option(None, "run as one of those front ends, for the engine process listening on "
+                                     "this Unix socket (set by the engine process; not for direct use)")
 
     @classmethod
     def add_all_flags(cls, parser: argparse.ArgumentParser) -> None:

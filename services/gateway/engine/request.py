@@ -66,6 +66,7 @@ class GenRequest:
     served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
     trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
+    reported: dict | None = None  # a front end's copy (--frontends): the report the engine process sent at its end
 
     @property
     def committed(self) -> int:
@@ -93,6 +94,8 @@ class GenRequest:
 
     def report(self) -> dict:
         """The `specserve` extension object of a response: SLO and speculation per step."""
+        if self.reported is not None:
+            return self.reported
         tpot = self.tpot_s()
         return {"slo": {"tier": self.slo.name, "tpot_ms": self.slo.tpot_ms, "ttft_ms": self.slo.ttft_ms},
                 "replica": self.replica,

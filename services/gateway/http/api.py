@@ -14,7 +14,8 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specserve.gateway.engine.core import Engine, ServiceUnavailable
+from specserve.gateway.engine.core import ServiceUnavailable
+from specserve.gateway.engine.front import EngineApi
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
 from specserve.gateway.http.protocol import ApiError, Sampling, SloSpec
@@ -55,7 +56,7 @@ def allows_best_effort(tier: str | None, slo: SloSpec | None) -> bool:
     return tier == "flex" or (tier is None and slo is None)
 
 
-def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: Sampling, slo: SloClass,
+def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], sampling: Sampling, slo: SloClass,
                   prefix: str) -> GenRequest:
     """Check the prompt and limits against the model and the KV pool; 400 with a clear reason otherwise."""
     if not prompt:
@@ -85,7 +86,7 @@ def build_request(info: ModelInfo, engine: Engine, prompt: list[int], sampling: 
 class Generation:
     """One submitted request's output as text pieces; aborts the request if the consumer leaves."""
 
-    def __init__(self, engine: Engine, req: GenRequest, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]):
+    def __init__(self, engine: EngineApi, req: GenRequest, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]):
         self.engine, self.req = engine, req
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt)
         self.stop = StopMatcher(stops)
@@ -107,6 +108,8 @@ class Generation:
             return
         assert isinstance(event, Finished), event
         self.finish_reason, self.error = event.reason, event.error
+        if event.reason == "invalid":  # refused by the engine process's own checks (--frontends)
+            raise ApiError(event.error or "invalid request", param="max_tokens")
         if event.reason in ("rejected", "error"):
             raise ServiceUnavailable(event.error or "the request was refused", event.retry_after_s)
         self._early = event

@@ -12,12 +12,13 @@ import gc
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import struct
 import sys
-import time
-from collections.abc import Callable
+import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from specserve.gateway.backends.discovery import stop as stop_discovery
 from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.core import Engine, EngineLimits, ServiceUnavailable
+from specserve.gateway.engine.front import EngineApi, LocalEngine
 from specserve.gateway.http.api import Generation, ModelInfo, allows_best_effort, build_request, resolve_slo
 from specserve.gateway.http.protocol import (
     ApiError,
@@ -49,7 +51,7 @@ from specserve.gateway.sched.admission.slo import SloAdmission
 from specserve.gateway.sched.policy import Policy, make_policy, option_classes
 from specserve.gateway.sched.routing import make_router
 from specserve.gateway.sched.scheduler import Scheduler
-from specserve.gateway.sched.slo import SloClass, default_classes, parse_class
+from specserve.gateway.sched.slo import default_classes, parse_class
 from specserve.shared import tracing
 from specserve.shared.auth import AuthError, load_secret
 from specserve.shared.lifeline import follow_parent
@@ -73,10 +75,15 @@ def error_response(exc: ApiError) -> web.Response:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, engine: Engine,
-                 classes: dict[str, SloClass], profile_path: Path):
+    """The HTTP front end: the engine it serves is in this process (`LocalEngine`) or in another one
+    (`frontend.remote.RemoteEngine`, with `--frontends N`)."""
+
+    def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, engine: EngineApi):
         self.config, self.tokenizer, self.info, self.engine = config, tokenizer, info, engine
-        self.classes, self.profile_path = classes, profile_path
+        # a front end of --frontends names itself in its streams' headers (which process a client reached)
+        self.stream_headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if config.frontend_of:
+            self.stream_headers["X-Specserve-Frontend"] = str(os.getpid())
         self.tokenizing = Tokenizing(tokenizer, info.max_model_len)  # off the event loop
 
     def app(self) -> web.Application:
@@ -95,7 +102,7 @@ class Gateway:
         try:
             return await handler(request)
         except ApiError as exc:
-            self.engine.metrics.on_error(exc.code or "invalid_request")
+            self.engine.count_error(exc.code or "invalid_request")
             return error_response(exc)
         except ServiceUnavailable as exc:
             resp = error_response(ApiError(str(exc), status=503, type="service_unavailable"))
@@ -137,30 +144,15 @@ class Gateway:
             "root": self.config.model, "max_model_len": self.info.max_model_len}]})
 
     async def slo_classes(self, _request: web.Request) -> web.Response:
-        targets = self.engine.pool.targets
-        cost = targets[0].cost
-        return web.json_response({
-            "classes": {n: {"tpot_ms": c.tpot_ms, "ttft_ms": c.ttft_ms} for n, c in self.classes.items()},
-            "budget_tokens": cost.budget_tokens, "baseline_iteration_ms": cost.baseline_iteration_ms,
-            "policy": self.engine.policy.describe(), "profile": str(self.profile_path),
-            "cost_error": {str(t.index): t.cost.error_summary() for t in targets}})
+        return web.json_response(await self.engine.slo_classes())
 
     async def health(self, _request: web.Request) -> web.Response:
-        e = self.engine
-        draft = e.pool.draft
-        now = time.monotonic()
-        replicas = [{"index": t.index, "address": t.address, "up": t.ready, "state": t.state,
-                     "running": len(t.requests), **t.readiness(now)} for t in e.pool.targets]
-        target_ready = any(t.ready and not t.retired for t in e.pool.targets)
-        body = {"status": "ok" if target_ready else "degraded", "target": target_ready,
-                "draft": draft.ready if draft is not None else None,
-                **({f"draft_{k}": v for k, v in draft.readiness(now).items()} if draft is not None else {}),
-                "draft_offloaded": draft.offloaded if draft is not None else None,
-                "replicas": replicas, "running": len(e.running), "waiting": len(e.waiting)}
-        return web.json_response(body, status=200 if target_ready else 503)
+        status, body = await self.engine.health()
+        return web.json_response(body, status=status)
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self.engine.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+        text = await self.engine.metrics_text()
+        return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     # ---- one generation ----------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -171,7 +163,7 @@ class Gateway:
     async def _serve(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                      prefix: str, chat: bool) -> web.StreamResponse:
         sampling = sampling_of(req)
-        slo = resolve_slo(self.classes, req.service_tier, req.slo)
+        slo = resolve_slo(self.engine.classes, req.service_tier, req.slo)
         gen_req = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix)
         gen_req.best_effort_ok = allows_best_effort(req.service_tier, req.slo)
         self.engine.submit(gen_req)
@@ -194,7 +186,7 @@ class Gateway:
                                   "usage": gen.usage(), "service_tier": slo.name, "specserve": gen_req.report()})
 
     async def _stream(self, request: web.Request, gen: Generation, chat: bool, usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers=self.stream_headers)
         self._bound(request)
         await resp.prepare(request)
         base = {"id": gen.req.rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -253,7 +245,7 @@ class Gateway:
     def _cut(self, request: web.Request, resp: web.StreamResponse, gen: Generation) -> web.StreamResponse:
         """End a stream whose client stopped reading: its request is already ended; the connection is
         dropped with what it still holds."""
-        self.engine.metrics.on_error("client_too_slow")
+        self.engine.count_error("client_too_slow")
         log.warning("request %s: the client took no bytes for %g s with its buffers full (%d bytes each); "
                     "cut after %d tokens", gen.req.rid, self.config.stream_stall_s, self.config.stream_buffer_bytes,
                     len(gen.req.output))
@@ -354,34 +346,96 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
                     config.overlap_miss == "draft")
     await engine.start()
     rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None
-    gateway = Gateway(config, tokenizer, info, engine, classes, profile_path)
+    local = LocalEngine(engine, classes, profile_path)
+    if config.frontends > 0:
+        serving = await _start_frontends(config, local)
+    else:
+        serving = await _serve_http(config, Gateway(config, tokenizer, info, local), reuse_port=False)
+    log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, cost.budget_tokens,
+             cost.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
+    await _until_stopped()
+    await stop_discovery(rediscover)
+    await serving()
+    await engine.close()
+    tracing.shutdown()  # export the spans still buffered
+    return 0
+
+
+async def _serve_http(config: GatewayConfig, gateway: Gateway, reuse_port: bool,
+                      role: str = "gateway") -> Callable[[], Awaitable[None]]:
+    """The HTTP server on config.host:port, the ready line; returns its cleanup."""
     # keepalive_timeout also bounds a new connection that does not finish a request head (slow headers)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None,
                            keepalive_timeout=config.client_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=reuse_port or None)
     with port_in_use_as_error(config.port):
         await site.start()
     port = runner.addresses[0][1]
-    # What startup loaded (torch, transformers, the tokenizer: some 350,000 objects) lives as long as the
-    # process: take it out of the cyclic collector's generations, or every full collection walks it all
-    # again, a pause of tens of ms that lands in whichever iteration allocates (docs/simulation.md, Scale).
+    _freeze_startup_objects()
+    print(f"ready {role} http://{config.host}:{port}", flush=True)
+    return runner.cleanup
+
+
+async def _start_frontends(config: GatewayConfig, local: LocalEngine) -> Callable[[], Awaitable[None]]:
+    """--frontends N: the link on a Unix socket in a private directory, then N front ends on one port."""
+    from specserve.gateway.frontend.link import FrontendLink
+    from specserve.gateway.frontend.procs import Frontends, frontend_command
+    from specserve.launch import free_port
+
+    directory = tempfile.mkdtemp(prefix="specserve-frontends-")
+    path = os.path.join(directory, "engine.sock")
+    server = await FrontendLink(local).start(path)
+    port = config.port or free_port(config.host)
+    frontends = Frontends(config.frontends, frontend_command(sys.argv, port, path))
+    await frontends.start()
+    _freeze_startup_objects()
+    print(f"ready gateway http://{config.host}:{port}", flush=True)
+
+    async def cleanup() -> None:
+        await frontends.stop()
+        server.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+    return cleanup
+
+
+async def run_frontend(config: GatewayConfig) -> int:
+    """One front end (--frontend-of): HTTP, tokenization and streaming for the engine process."""
+    from specserve.gateway.frontend.remote import RemoteEngine
+
+    tracing.setup("gateway-frontend")
+    tokenizer, info = model_info(config)
+    assert config.frontend_of is not None
+    remote = await RemoteEngine.connect(config.frontend_of)
+    cleanup = await _serve_http(config, Gateway(config, tokenizer, info, remote), reuse_port=True, role="frontend")
+    stopped = asyncio.ensure_future(_until_stopped())
+    gone = asyncio.ensure_future(remote.closed.wait())
+    await asyncio.wait([stopped, gone], return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, gone):
+        task.cancel()
+    await cleanup()
+    await remote.close()
+    tracing.shutdown()
+    return 0 if stopped.done() and not gone.done() else 1
+
+
+def _freeze_startup_objects() -> None:
+    """What startup loaded (torch, transformers, the tokenizer: some 350,000 objects) lives as long as
+    the process: take it out of the cyclic collector's generations, or every full collection walks it
+    all again, a pause of tens of ms that lands in whichever iteration allocates (docs/simulation.md,
+    Scale)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    print(f"ready gateway http://{config.host}:{port}", flush=True)
-    log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, cost.budget_tokens,
-             cost.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
+
+
+async def _until_stopped() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await stop_discovery(rediscover)
-    await runner.cleanup()
-    await engine.close()
-    tracing.shutdown()  # export the spans still buffered
-    return 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -394,14 +448,16 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    follow_parent()  # started by `specserve up`: die with it
+    follow_parent()  # started by `specserve up` (or a front end by its engine process): die with it
+    import uvloop
+
+    if config.frontend_of:  # its engine process checked the port; its siblings share it
+        return uvloop.run(run_frontend(config))
     load_secret()  # the services' shared secret: none is one line and exit 2, before anything loads
     check_port_free(config.host, config.port)  # taken: one line and exit 1 (the bind says the same)
     import torch
 
     torch.set_num_threads(config.threads)
-    import uvloop
-
     try:
         return uvloop.run(run(config, policy))
     except AuthError as exc:

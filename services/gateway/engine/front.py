@@ -1,0 +1,85 @@
+"""What an HTTP front end asks of the engine: `EngineApi`, and `LocalEngine`, the engine in the same
+process. A front end in a process of its own uses `frontend.remote.RemoteEngine` instead, whose
+questions the engine process answers through a `LocalEngine` (frontend/link.py).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Protocol
+
+from specserve.gateway.engine.core import Engine
+from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.sched.slo import SloClass
+
+
+class EngineApi(Protocol):
+    classes: dict[str, SloClass]  # the SLO classes requests are resolved against
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue the request; ServiceUnavailable (503) when it is refused at once. Its events arrive in
+        `req.events`."""
+
+    def abort(self, rid: str, reason: str = "abort") -> None: ...
+
+    def count_error(self, code: str) -> None:
+        """An error the front end answered itself (specserve:request_errors_total)."""
+
+    def pool_tokens_short(self, prompt_tokens: int, max_tokens: int) -> int | None:
+        """The largest KV pool in tokens when even it cannot hold the request (400); None when it can
+        or when the engine checks it itself on submit."""
+
+    async def health(self) -> tuple[int, dict]:
+        """/health: (HTTP status, body)."""
+
+    async def slo_classes(self) -> dict: ...
+
+    async def metrics_text(self) -> str: ...
+
+
+class LocalEngine:
+    """The engine in this process."""
+
+    def __init__(self, engine: Engine, classes: dict[str, SloClass], profile_path: Path):
+        self.engine, self.classes, self.profile_path = engine, classes, profile_path
+
+    def submit(self, req: GenRequest) -> None:
+        self.engine.submit(req)
+
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        self.engine.abort(rid, reason)
+
+    def count_error(self, code: str) -> None:
+        self.engine.metrics.on_error(code)
+
+    def pool_tokens_short(self, prompt_tokens: int, max_tokens: int) -> int | None:
+        return self.engine.pool_tokens_short(prompt_tokens, max_tokens)
+
+    async def health(self) -> tuple[int, dict]:
+        e = self.engine
+        draft = e.pool.draft
+        now = time.monotonic()
+        replicas = [{"index": t.index, "address": t.address, "up": t.ready, "state": t.state,
+                     "running": len(t.requests), **t.readiness(now)} for t in e.pool.targets]
+        target_ready = any(t.ready and not t.retired for t in e.pool.targets)
+        body = {"status": "ok" if target_ready else "degraded", "target": target_ready,
+                "draft": draft.ready if draft is not None else None,
+                **({f"draft_{k}": v for k, v in draft.readiness(now).items()} if draft is not None else {}),
+                "draft_offloaded": draft.offloaded if draft is not None else None,
+                "replicas": replicas, "running": len(e.running), "waiting": len(e.waiting)}
+        return 200 if target_ready else 503, body
+
+    async def slo_classes(self) -> dict:
+        targets = self.engine.pool.targets
+        cost = targets[0].cost
+        return {"classes": {n: {"tpot_ms": c.tpot_ms, "ttft_ms": c.ttft_ms} for n, c in self.classes.items()},
+                "budget_tokens": cost.budget_tokens, "baseline_iteration_ms": cost.baseline_iteration_ms,
+                "policy": self.engine.policy.describe(), "profile": str(self.profile_path),
+                "cost_error": {str(t.index): t.cost.error_summary() for t in targets}}
+
+    async def metrics_text(self) -> str:
+        return self.engine.metrics.render()
+
+
+__all__ = ["EngineApi", "LocalEngine"]

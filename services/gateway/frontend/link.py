@@ -1,0 +1,139 @@
+"""The engine process's side of the front ends: a Unix socket server, one connection per front end.
+
+A `Submit` becomes a `GenRequest` whose events, instead of waiting in a queue for an HTTP handler of
+this process, go into its connection's outbox; one writer task per connection sends the outbox as
+one `Events` frame per wake-up (every event since the last frame, so tokens of many requests and
+iterations travel together when the front end reads slowly). A request refused at once (503) or
+too large for every KV pool (400) is answered with its `FINISHED` event. When a connection ends (a
+front end died or stopped), every request it submitted that is still running is aborted: the other
+front ends' requests are not touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import msgspec
+
+from specserve.gateway.engine.core import ServiceUnavailable
+from specserve.gateway.engine.front import LocalEngine
+from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.frontend import wire
+from specserve.gateway.sched.slo import SloClass
+
+log = logging.getLogger("specserve.gateway")
+
+
+class _Connection:
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.outbox: list[wire.Event] = []
+        self.wake = asyncio.Event()
+        self.rids: set[str] = set()  # its requests still running
+
+    def emit(self, event: wire.Event) -> None:
+        self.outbox.append(event)
+        self.wake.set()
+
+    def send(self, message: wire.ToFrontend) -> None:
+        self.writer.write(wire.frame(message))
+
+    async def flush_loop(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            items, self.outbox = self.outbox, []
+            self.send(wire.Events(items))
+            await self.writer.drain()
+
+
+class _Sink(asyncio.Queue):
+    """A request's event queue that forwards every event to its front end's connection."""
+
+    def __init__(self, connection: _Connection, req: GenRequest):
+        super().__init__()
+        self.connection, self.req = connection, req
+
+    def put_nowait(self, item: Admitted | Tokens | Finished) -> None:
+        rid = self.req.rid
+        if isinstance(item, Tokens):
+            self.connection.emit(wire.Event(rid, wire.TOKENS, item.tokens))
+        elif isinstance(item, Admitted):
+            self.connection.emit(wire.Event(rid, wire.ADMITTED, replica=item.replica))
+        else:
+            self.connection.rids.discard(rid)
+            self.connection.emit(wire.Event(rid, wire.FINISHED, reason=item.reason, error=item.error,
+                                            retry_after_s=item.retry_after_s,
+                                            report=msgspec.json.encode(self.req.report())))
+
+
+class FrontendLink:
+    def __init__(self, local: LocalEngine):
+        self.local = local
+        self.connections: set[_Connection] = set()
+
+    async def start(self, path: str) -> asyncio.Server:
+        return await asyncio.start_unix_server(self._serve, path=path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(writer)
+        self.connections.add(conn)
+        classes = {n: (c.tpot_ms, c.ttft_ms) for n, c in self.local.classes.items()}
+        conn.send(wire.Hello(classes))
+        flusher = asyncio.create_task(conn.flush_loop())
+        try:
+            while True:
+                message = await wire.read(reader, wire.to_engine)
+                if isinstance(message, wire.Submit):
+                    self._submit(conn, message)
+                elif isinstance(message, wire.Abort):
+                    conn.rids.discard(message.rid)
+                    self.local.abort(message.rid, message.reason)
+                elif isinstance(message, wire.Count):
+                    self.local.count_error(message.code)
+                elif isinstance(message, wire.Query):
+                    conn.send(await self._answer(message))
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
+            if not isinstance(exc, asyncio.IncompleteReadError) or exc.partial:
+                log.warning("a front end's connection failed: %s", exc)
+        finally:
+            self.connections.discard(conn)
+            if conn.rids:
+                log.warning("a front end went away: aborting its %d running requests", len(conn.rids))
+            for rid in list(conn.rids):
+                self.local.abort(rid)
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            writer.close()
+
+    def _submit(self, conn: _Connection, m: wire.Submit) -> None:
+        short = self.local.pool_tokens_short(len(m.prompt), m.max_tokens)
+        if short is not None:
+            conn.emit(wire.Event(m.rid, wire.FINISHED, reason="invalid", error=(
+                f"{len(m.prompt)} prompt tokens + max_tokens {m.max_tokens} need more KV than the target's whole "
+                f"pool ({short} tokens)")))
+            return
+        req = GenRequest(m.rid, m.prompt, m.sampling, m.max_tokens, SloClass(m.tier, m.tpot_ms, m.ttft_ms),
+                         frozenset(m.stop_ids), best_effort_ok=m.best_effort_ok)
+        req.events = _Sink(conn, req)
+        try:
+            self.local.submit(req)
+        except ServiceUnavailable as exc:
+            conn.emit(wire.Event(m.rid, wire.FINISHED, reason="rejected", error=str(exc),
+                                 retry_after_s=exc.retry_after_s))
+            return
+        conn.rids.add(m.rid)
+
+    async def _answer(self, q: wire.Query) -> wire.Answer:
+        if q.what == "health":
+            status, body = await self.local.health()
+            return wire.Answer(q.qid, status, json.dumps(body).encode())
+        if q.what == "slo_classes":
+            return wire.Answer(q.qid, 200, json.dumps(await self.local.slo_classes()).encode())
+        if q.what == "metrics":
+            return wire.Answer(q.qid, 200, (await self.local.metrics_text()).encode())
+        return wire.Answer(q.qid, 404, b"{}")

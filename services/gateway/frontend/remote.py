@@ -1,0 +1,136 @@
+"""A front end's side: `RemoteEngine`, the engine as the HTTP handlers of a front-end process see it.
+
+It keeps one connection to the engine process. `submit` sends the tokenized request and keeps the
+handler's `GenRequest` by id; a reader task hands each `Events` frame's events to their requests'
+queues (so a handler sees `Admitted`, `Tokens` and `Finished` as it would beside the engine), and
+each `Answer` to the query waiting for it. When the connection ends, every request still running
+ends with an error, and so does every later submit, until the process is stopped (the engine
+process restarts front ends, and a front end dies with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+
+import msgspec
+
+from specserve.gateway.engine.core import ServiceUnavailable
+from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.frontend import wire
+from specserve.gateway.sched.slo import SloClass
+
+log = logging.getLogger("specserve.gateway")
+ENGINE_GONE = "the engine process is gone"
+
+
+class RemoteEngine:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, classes: dict[str, SloClass]):
+        self.reader, self.writer, self.classes = reader, writer, classes
+        self.requests: dict[str, GenRequest] = {}
+        self._answers: dict[int, asyncio.Future[wire.Answer]] = {}
+        self._qids = itertools.count()
+        self.closed = asyncio.Event()
+        self._reader_task = asyncio.create_task(self._read())
+
+    @classmethod
+    async def connect(cls, path: str) -> RemoteEngine:
+        reader, writer = await asyncio.open_unix_connection(path)
+        hello = await wire.read(reader, wire.to_frontend)
+        if not isinstance(hello, wire.Hello):
+            raise ConnectionError(f"the engine said {type(hello).__name__} first, not Hello")
+        classes = {n: SloClass(n, tpot, ttft) for n, (tpot, ttft) in hello.classes.items()}
+        return cls(reader, writer, classes)
+
+    async def close(self) -> None:
+        self._reader_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader_task
+        self.writer.close()
+
+    # ---- EngineApi --------------------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> None:
+        if self.closed.is_set():
+            raise ServiceUnavailable(ENGINE_GONE, 1.0)
+        self.requests[req.rid] = req
+        self._send(wire.Submit(req.rid, req.prompt, req.sampling, req.max_tokens, req.slo.name, req.slo.tpot_ms,
+                               req.slo.ttft_ms, sorted(req.stop_ids), req.best_effort_ok))
+
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        if self.requests.pop(rid, None) is not None:
+            self._send(wire.Abort(rid, reason))
+
+    def count_error(self, code: str) -> None:
+        self._send(wire.Count(code))
+
+    def pool_tokens_short(self, prompt_tokens: int, max_tokens: int) -> int | None:
+        return None  # the engine process checks it on submit (a 400 comes back as a FINISHED "invalid")
+
+    async def health(self) -> tuple[int, dict]:
+        answer = await self._query("health")
+        return answer.status, json.loads(answer.body)
+
+    async def slo_classes(self) -> dict:
+        body: dict = json.loads((await self._query("slo_classes")).body)
+        return body
+
+    async def metrics_text(self) -> str:
+        return (await self._query("metrics")).body.decode()
+
+    # ---- the connection ---------------------------------------------------------------------------
+    def _send(self, message: wire.ToEngine) -> None:
+        if not self.closed.is_set():
+            self.writer.write(wire.frame(message))
+
+    async def _query(self, what: str) -> wire.Answer:
+        if self.closed.is_set():
+            raise ServiceUnavailable(ENGINE_GONE, 1.0)
+        qid = next(self._qids)
+        future: asyncio.Future[wire.Answer] = asyncio.get_running_loop().create_future()
+        self._answers[qid] = future
+        self._send(wire.Query(qid, what))
+        try:
+            return await future
+        finally:
+            self._answers.pop(qid, None)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await wire.read(self.reader, wire.to_frontend)
+                if isinstance(message, wire.Events):
+                    for event in message.items:
+                        self._deliver(event)
+                elif isinstance(message, wire.Answer):
+                    future = self._answers.get(message.qid)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
+            log.error("the connection to the engine process ended (%s): its requests end", exc)
+        finally:
+            self.closed.set()
+            for req in self.requests.values():
+                req.events.put_nowait(Finished("error", ENGINE_GONE))
+            self.requests.clear()
+            for future in self._answers.values():
+                if not future.done():
+                    future.set_exception(ServiceUnavailable(ENGINE_GONE, 1.0))
+
+    def _deliver(self, event: wire.Event) -> None:
+        req = self.requests.get(event.rid)
+        if req is None:  # aborted here while its events were on the way
+            return
+        if event.kind == wire.TOKENS:
+            req.output.extend(event.tokens)
+            req.events.put_nowait(Tokens(event.tokens))
+        elif event.kind == wire.ADMITTED:
+            req.replica = event.replica
+            req.events.put_nowait(Admitted(event.replica))
+        else:
+            del self.requests[event.rid]
+            if event.report:
+                req.reported = json.loads(event.report)
+            req.events.put_nowait(Finished(event.reason, event.error, event.retry_after_s))

@@ -1,0 +1,97 @@
+"""The messages between a front end and the engine, and their frames (a u32 length, then msgpack).
+
+Front end -> engine: `Submit` (a tokenized request), `Abort`, `Count` (an error the front end
+answered itself, for the engine's metrics), `Query` (health, SLO classes, metrics text).
+Engine -> front end: `Hello` (on connect: the SLO classes), `Events` (every request event since the
+last frame, in order), `Answer` (to a `Query`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import cast
+
+import msgspec
+
+from specserve.shared.messages import SamplingSpec
+
+LENGTH = struct.Struct("!I")
+MAX_FRAME_BYTES = 64 * 2**20
+
+
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    rid: str
+    prompt: list[int]
+    sampling: SamplingSpec
+    max_tokens: int
+    tier: str
+    tpot_ms: float
+    ttft_ms: float
+    stop_ids: list[int]
+    best_effort_ok: bool
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    rid: str
+    reason: str
+
+
+class Count(msgspec.Struct, tag=True, array_like=True):
+    code: str  # an error code for specserve:request_errors_total
+
+
+class Query(msgspec.Struct, tag=True, array_like=True):
+    qid: int
+    what: str  # "health", "slo_classes" or "metrics"
+
+
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    classes: dict[str, tuple[float, float]]  # name -> (tpot_ms, ttft_ms)
+
+
+ADMITTED, TOKENS, FINISHED = 0, 1, 2
+
+
+class Event(msgspec.Struct, array_like=True, omit_defaults=True):
+    rid: str
+    kind: int  # ADMITTED, TOKENS or FINISHED
+    tokens: list[int] = []
+    replica: int = -1  # ADMITTED
+    reason: str = ""  # FINISHED: stop, length, abort, error, rejected or invalid (a 400)
+    error: str | None = None
+    retry_after_s: float | None = None
+    report: bytes = b""  # FINISHED: the request's `specserve` report, JSON
+
+
+class Events(msgspec.Struct, tag=True, array_like=True):
+    items: list[Event]
+
+
+class Answer(msgspec.Struct, tag=True, array_like=True):
+    qid: int
+    status: int
+    body: bytes  # JSON (health, slo_classes) or the Prometheus text (metrics)
+
+
+ToEngine = Submit | Abort | Count | Query
+ToFrontend = Hello | Events | Answer
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def frame(message: ToEngine | ToFrontend) -> bytes:
+    body = _encoder.encode(message)
+    return LENGTH.pack(len(body)) + body
+
+
+async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder) -> ToEngine | ToFrontend:
+    """The next message; asyncio.IncompleteReadError at the end of the stream."""
+    (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+    if n > MAX_FRAME_BYTES:
+        raise ConnectionError(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
+    return cast(ToEngine | ToFrontend, decoder.decode(await reader.readexactly(n)))
+
+
+to_engine = msgspec.msgpack.Decoder(ToEngine)
+to_frontend = msgspec.msgpack.Decoder(ToFrontend)

@@ -1,0 +1,130 @@
+"""`--frontends 2`: the gateway process runs the engine, two front-end processes serve HTTP on one port
+(`specserve up -- --frontends 2`, real processes, the openai client and plain HTTP).
+
+- greedy output equals transformers', streamed and not; /health, /metrics, /v1/slo_classes answer
+  through a front end; a bad request is a 400 there and is counted in the engine's metrics;
+- a front end killed mid-stream (SIGKILL) costs only the streams it served: the other front end's
+  streams finish exactly, the engine aborts the dead one's requests (nothing keeps running on the
+  target), new requests are served, and the dead front end is started again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.gateway_procs import Up, health, wait_health
+from tests.test_gateway import MAX_TOKENS, PROMPTS
+from tests.test_replicas import run_all
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def up_fe(suite_profile):
+    server = Up("--profile", str(suite_profile), "--", "--frontends", "2")
+    yield server
+    server.interrupt()
+
+
+def frontend_pids() -> set[int]:
+    """The pids of the running front-end processes (`specserve gateway ... --frontend-of SOCKET`)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"specserve.cli" in argv and b"--frontend-of" in argv:
+                out.add(int(entry))
+    return out
+
+
+async def stream_text(client: httpx.AsyncClient, prompt: str, started: asyncio.Queue) -> str | Exception:
+    """One streamed completion by hand (so the serving front end's pid is seen in the headers): its text,
+    or the error that cut it. Puts (pid, index) on `started` once the first event arrived."""
+    body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    text = ""
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            pid = int(resp.headers["x-specserve-frontend"])
+            first = True
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                text += event["choices"][0]["text"] if event["choices"] else ""
+                if first:
+                    first = False
+                    await started.put(pid)
+    except (httpx.HTTPError, ConnectionError) as exc:
+        return exc
+    return text
+
+
+def test_two_frontends_serve_exactly(up_fe, reference):
+    assert len(frontend_pids()) == 2
+    out = asyncio.run(run_all(up_fe.url, PROMPTS))
+    assert [r.choices[0].text for r in out] == reference
+
+    async def streamed() -> list[str | Exception]:
+        started: asyncio.Queue = asyncio.Queue()
+        async with httpx.AsyncClient(base_url=up_fe.url, timeout=300) as c:
+            return list(await asyncio.gather(*[stream_text(c, p, started) for p in PROMPTS[:4]]))
+
+    assert asyncio.run(streamed()) == reference[:4]
+    body = health(up_fe.url)
+    assert body["status"] == "ok" and body["running"] == 0, body
+    assert "classes" in httpx.get(f"{up_fe.url}/v1/slo_classes", timeout=30).json()
+    bad = httpx.post(f"{up_fe.url}/v1/completions", timeout=30,
+                     json={"model": "target", "prompt": "x", "max_tokens": 100_000})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded", bad.text
+    metrics = httpx.get(f"{up_fe.url}/metrics", timeout=30).text
+    counted = [line for line in metrics.splitlines()
+               if line.startswith("specserve:request_errors_total") and 'code="context_length_exceeded"' in line]
+    assert counted and float(counted[0].split()[-1]) >= 1, counted
+
+
+def aborted(url: str) -> float:
+    """vllm:request_success_total{finished_reason="abort"} from the engine's metrics (through a front end)."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.split()[-1])
+    raise AssertionError("no abort series")
+
+
+def test_a_killed_frontend_costs_only_its_streams(up_fe, reference):
+    before = frontend_pids()
+    assert len(before) == 2
+    aborted_before = aborted(up_fe.url)
+
+    async def run() -> tuple[int, list[str | Exception]]:
+        started: asyncio.Queue = asyncio.Queue()
+        async with httpx.AsyncClient(base_url=up_fe.url, timeout=300,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            tasks = [asyncio.ensure_future(stream_text(c, p, started)) for p in PROMPTS[:6]]
+            victim = await started.get()  # the front end serving the first stream to start
+            os.kill(victim, signal.SIGKILL)
+            return victim, list(await asyncio.gather(*tasks))
+
+    victim, out = asyncio.run(run())
+    cut = [i for i, r in enumerate(out) if isinstance(r, Exception)]
+    assert cut, "no stream was on the killed front end"
+    for i, r in enumerate(out):
+        assert isinstance(r, Exception) or r == reference[i], (i, r)
+    # its requests were aborted in the engine: nothing runs on after their clients are gone
+    wait_health(up_fe.url, lambda h: h["running"] == 0 and h["waiting"] == 0, "the dead front end's requests ended")
+    assert aborted(up_fe.url) > aborted_before, "the engine did not abort the dead front end's requests"
+    later = asyncio.run(run_all(up_fe.url, PROMPTS[:4]))
+    assert [r.choices[0].text for r in later] == reference[:4]
+    # the engine process started a new front end in its place
+    wait_health(up_fe.url, lambda h: len(frontend_pids()) == 2 and victim not in frontend_pids(),
+                "the killed front end started again")
