@@ -53,10 +53,26 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14 and 15 of stat)
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (Linux /proc), e.g. the gateway's front ends (--frontends N)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
 def cpu_of(stack: Stack) -> dict[str, float | None]:
-    """CPU seconds so far: the gateway, the targets and the draft (summed), and this process."""
+    """CPU seconds so far: the gateway (with its front-end processes, if any), the targets and the draft
+    (summed), and this process. A front end started again mid-point would lose its predecessor's share."""
     own = os.times()
-    out: dict[str, float | None] = {"gateway": cpu_seconds(stack.gateway.proc.pid),
+    pid = stack.gateway.proc.pid
+    gateway = [cpu_seconds(p) for p in (pid, *children(pid))]
+    out: dict[str, float | None] = {"gateway": None if gateway[0] is None else sum(v or 0.0 for v in gateway),
                                     "load_generator": own.user + own.system}
     for kind in ("target", "draft"):
         vals = [cpu_seconds(p.proc.pid) for p in stack.procs if p.kind == kind]
@@ -74,11 +90,15 @@ def one_point(stack: Stack, tmp: Path, b: int, args: argparse.Namespace) -> dict
     iters = it["iterations"]
     per_iter = {p: s / iters * 1e3 for p, s in it["seconds"].items()} if iters else {}
     cpu = {k: (cpu1[k] - cpu0[k]) if cpu1[k] is not None and cpu0[k] is not None else None for k in cpu0}
+    tokens = (n - summary["errors"]) * args.max_tokens  # output tokens of the point (EOS is ignored)
     return {"requests": n, "errors": summary["errors"], "iterations": iters, "iteration_ms": it["mean_ms"],
             "per_iteration_ms": per_iter, "share": it["share"], "tokens_per_step": summary["tokens_per_step"],
             "tpot_p50_ms": summary["tpot_p50_ms"], "throughput_tok_s": summary["throughput_tok_s"],
             "started_unix_s": started, "wall_s": wall, "cpu_s": cpu,
             "cpu_ms_per_iteration": {k: v / iters * 1e3 for k, v in cpu.items() if v is not None} if iters else {},
+            "output_tokens": tokens,
+            "gateway_cpu_us_per_output_token": cpu["gateway"] / tokens * 1e6 if cpu["gateway"] is not None and tokens
+            else None,
             "cores_busy": sum(v for v in cpu.values() if v is not None) / wall}
 
 
@@ -97,7 +117,7 @@ def median_point(runs: list[dict]) -> dict:
     first = runs[0]
     out = {"runs": len(runs), "requests": first["requests"], "errors": sum(r["errors"] for r in runs)}
     for key in ("iterations", "iteration_ms", "tokens_per_step", "tpot_p50_ms", "throughput_tok_s", "wall_s",
-                "cores_busy"):
+                "cores_busy", "gateway_cpu_us_per_output_token"):
         out[key] = med(lambda r, k=key: r[k])
     out["per_iteration_ms"] = {p: med(lambda r, p=p: r["per_iteration_ms"].get(p)) for p in first["per_iteration_ms"]}
     out["share"] = {p: med(lambda r, p=p: r["share"].get(p)) for p in first["share"]}
@@ -106,7 +126,8 @@ def median_point(runs: list[dict]) -> dict:
     out["range"] = {"iteration_ms": rng(lambda r: r["iteration_ms"]),
                     "schedule_ms": rng(lambda r: r["per_iteration_ms"].get("schedule")),
                     "schedule_share": rng(lambda r: r["share"].get("schedule")),
-                    "gateway_cpu_ms_per_iteration": rng(lambda r: r["cpu_ms_per_iteration"].get("gateway"))}
+                    "gateway_cpu_ms_per_iteration": rng(lambda r: r["cpu_ms_per_iteration"].get("gateway")),
+                    "gateway_cpu_us_per_output_token": rng(lambda r: r["gateway_cpu_us_per_output_token"])}
     out["each_run"] = runs
     return out
 
@@ -165,6 +186,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--policy", default="adaserve")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--gateway-args", default="", help="more flags for the gateway (e.g. --frontends 2)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per point (medians and range are reported)")
     ap.add_argument("--py-spy", dest="py_spy", default=None, metavar="DIR",
                     help="also profile the gateway with py-spy in one extra run per point, into DIR")
@@ -185,7 +207,8 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "profile": json.loads(profile.read_text()), "points": {}}
     # the gateway must admit b requests per replica at once
-    gateway_args = ["--max-running", str(max(batches)), "--max-waiting", str(2 * max(batches) * args.targets)]
+    gateway_args = ["--max-running", str(max(batches)), "--max-waiting", str(2 * max(batches) * args.targets),
+                    *args.gateway_args.split()]
     result["gateway_args"] = gateway_args
     runs: dict[int, list[dict]] = {b: [] for b in batches}
     with Stack(args.policy, profile, 1, gateway_args, args.preset, targets=args.targets) as stack:
@@ -196,7 +219,8 @@ def main() -> None:
                 p = runs[b][-1]
                 print(f"run {i + 1} b={b}: iteration {p['iteration_ms']:.1f} ms, schedule "
                       f"{p['per_iteration_ms'].get('schedule', 0):.1f} ms, gateway CPU "
-                      f"{p['cpu_ms_per_iteration'].get('gateway', 0):.1f} ms/it", file=sys.stderr, flush=True)
+                      f"{p['cpu_ms_per_iteration'].get('gateway', 0):.1f} ms/it, "
+                      f"{p['gateway_cpu_us_per_output_token'] or 0:.0f} us/token", file=sys.stderr, flush=True)
                 result["points"][str(b)] = median_point(runs[b])
                 if args.runs:
                     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
