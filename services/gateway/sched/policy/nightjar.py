@@ -214,11 +214,13 @@ class Nightjar(Policy):
         self.pulled: dict[int, tuple[int, int, int]] = {}  # replica -> (arm, batch size, lag) this iteration
         self.catchup_ms_per_token = -1.0  # EMA of the draft's catch-up cost (-1: not seen)
         self.prefill_share: dict[int, float] = {}  # replica -> predicted prefill ms in this iteration's pass
+        self.stepping_replicas = 1  # replicas whose loops iterate side by side (their records each advance time)
 
     def decide(self, view: SchedulerView) -> Decision:
         live = view.live_rids
         self.cold = {rid for rid in self.cold if rid in live}
         up = [r for r in view.replicas if r.up]
+        self.stepping_replicas = max(1, len(up)) if view.replica is not None else 1
         total = sum(r.total_blocks for r in up)
         free = sum(r.free_blocks for r in up) / total if total else 1.0
         residency = self.residence.step(free, len(view.waiting), view.draft.offloaded)
@@ -263,7 +265,9 @@ class Nightjar(Policy):
         return {rid: list(range(len(tree.tokens))) for rid, tree in candidates.items()}
 
     def observe(self, record: IterationRecord) -> None:
-        self.residence.elapse(record.total_ms)
+        # each replica's loop records its own iterations, side by side: the wall time that passed is
+        # about one replica's iteration, so the dwell clock advances by the share of this one
+        self.residence.elapse(record.total_ms / self.stepping_replicas)
         pulled = {s.replica: self.pulled.pop(s.replica) for s in record.replicas if s.replica in self.pulled}
         lag_sent = sum(lag for _, _, lag in pulled.values())
         if record.draft.requests and lag_sent > 0 and record.draft.failure is None:
