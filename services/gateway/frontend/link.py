@@ -22,6 +22,7 @@ from specserve.gateway.engine.core import ServiceUnavailable
 from specserve.gateway.engine.front import LocalEngine
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.frontend import wire
+from specserve.gateway.http.api import kv_pool_error
 from specserve.gateway.sched.slo import SloClass
 
 log = logging.getLogger("specserve.gateway")
@@ -111,11 +112,9 @@ class FrontendLink:
             writer.close()
 
     def _submit(self, conn: _Connection, m: wire.Submit) -> None:
-        short = self.local.pool_tokens_short(len(m.prompt), m.max_tokens)
-        if short is not None:
-            conn.emit(wire.Event(m.rid, wire.FINISHED, reason="invalid", error=(
-                f"{len(m.prompt)} prompt tokens + max_tokens {m.max_tokens} need more KV than the target's whole "
-                f"pool ({short} tokens)")))
+        too_large = kv_pool_error(self.local, len(m.prompt), m.max_tokens)
+        if too_large is not None:
+            conn.emit(wire.Event(m.rid, wire.FINISHED, reason="invalid", error=too_large))
             return
         req = GenRequest(m.rid, m.prompt, m.sampling, m.max_tokens, SloClass(m.tier, m.tpot_ms, m.ttft_ms),
                          frozenset(m.stop_ids), best_effort_ok=m.best_effort_ok)

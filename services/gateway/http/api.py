@@ -73,14 +73,22 @@ def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], samplin
         raise ApiError(f"This model's maximum context length is {info.max_model_len} tokens; {len(prompt)} prompt "
                        f"tokens + max_tokens {max_tokens} exceed it.", param="max_tokens",
                        code="context_length_exceeded")
-    pool_tokens = engine.pool_tokens_short(len(prompt), max_tokens)
-    if pool_tokens is not None:
-        raise ApiError(f"{len(prompt)} prompt tokens + max_tokens {max_tokens} need more KV than the target's "
-                       f"whole pool ({pool_tokens} tokens)", param="max_tokens")
+    too_large = kv_pool_error(engine, len(prompt), max_tokens)
+    if too_large is not None:
+        raise ApiError(too_large, param="max_tokens")
     spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
                         None if sampling.seed is None else sampling.seed % 2**63)
     return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo,
                       frozenset() if sampling.ignore_eos else info.stop_ids)
+
+
+def kv_pool_error(engine: EngineApi, prompt_tokens: int, max_tokens: int) -> str | None:
+    """Why the request cannot run even alone on the largest replica's KV pool (a 400), or None."""
+    pool_tokens = engine.pool_tokens_short(prompt_tokens, max_tokens)
+    if pool_tokens is None:
+        return None
+    return (f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} need more KV than the target's whole pool "
+            f"({pool_tokens} tokens)")
 
 
 class Generation:
