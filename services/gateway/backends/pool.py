@@ -49,9 +49,6 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 class _Service:
-    async def mark_down(self) -> None:
-        raise NotImplementedError
-
     def __init__(self, address: str):
         self.address = address
         self.owed_releases: set[str] = set()  # request ids whose state this service must drop
@@ -74,6 +71,13 @@ class _Service:
         never = self.last_ok == -math.inf
         return {"readiness": "ready" if self.ready else ("down" if never else "restarting"),
                 "since_last_ok_s": None if never else round(now - self.last_ok, 3)}
+
+    async def mark_down(self) -> None:
+        """Drop the connection (the executor saw a transport failure); `reconnect` tries again later."""
+        client, self.client = self.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
 
     def due(self, now: float) -> bool:
         """Time for another reconnect attempt."""
@@ -117,12 +121,6 @@ class TargetReplica(_Service):
         # out after it ran) is released with the next owed releases.
         self.owed_releases.update(set(stats.request_ids) - self.requests)
 
-    async def mark_down(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
-
     def view(self) -> ReplicaView:
         return ReplicaView(self.index, self.up and not self.retired, self.total_blocks, self.reserved_blocks,
                            len(self.requests), self.cost)
@@ -149,12 +147,6 @@ class DraftService(_Service):
         # Its state for any request is stale now (every request rebuilds its draft state after a
         # reconnect), so everything it holds is released with the next owed releases.
         self.owed_releases.update(stats.request_ids)
-
-    async def mark_down(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
 
     def view(self) -> DraftView:
         return DraftView(self.up, self.offloaded)
