@@ -169,7 +169,7 @@ class Engine:
         if self.scheduler.admission is not None and not req.best_effort_ok:
             self._refuse_a_lost_first_token(req)
         req.kv_blocks = self.reserve_blocks_for(len(req.prompt), req.max_tokens)
-        if tracing.ENABLED:
+        if tracing.ENABLED and req.trace is None:  # (a front end's request comes with its span)
             req.trace = spans.current()  # the request span (the handler's), for the iterations' links
         self.requests[req.rid] = req
         self.waiting.append(req)

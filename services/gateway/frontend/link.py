@@ -23,6 +23,7 @@ from specserve.gateway.engine.front import LocalEngine
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.frontend import wire
 from specserve.gateway.http.api import kv_pool_error
+from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo import SloClass
 
 log = logging.getLogger("specserve.gateway")
@@ -119,6 +120,7 @@ class FrontendLink:
         req = GenRequest(m.rid, m.prompt, m.sampling, m.max_tokens, SloClass(m.tier, m.tpot_ms, m.ttft_ms),
                          frozenset(m.stop_ids), best_effort_ok=m.best_effort_ok)
         req.events = _Sink(conn, req)
+        req.trace = spans.from_wire(m.trace)  # the iterations link to the front end's request span
         try:
             self.local.submit(req)
         except ServiceUnavailable as exc:

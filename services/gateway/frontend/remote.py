@@ -21,7 +21,9 @@ import msgspec
 from specserve.gateway.engine.core import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.frontend import wire
+from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo import SloClass
+from specserve.shared import tracing
 
 log = logging.getLogger("specserve.gateway")
 ENGINE_GONE = "the engine process is gone"
@@ -57,7 +59,8 @@ class RemoteEngine:
             raise ServiceUnavailable(ENGINE_GONE, 1.0)
         self.requests[req.rid] = req
         self._send(wire.Submit(req.rid, req.prompt, req.sampling, req.max_tokens, req.slo.name, req.slo.tpot_ms,
-                               req.slo.ttft_ms, sorted(req.stop_ids), req.best_effort_ok))
+                               req.slo.ttft_ms, sorted(req.stop_ids), req.best_effort_ok,
+                               spans.to_wire(spans.current()) if tracing.ENABLED else b""))
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         if self.requests.pop(rid, None) is not None:

@@ -30,6 +30,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     ttft_ms: float
     stop_ids: list[int]
     best_effort_ok: bool
+    trace: bytes = b""  # the front end's request span (obs/spans.to_wire), while tracing is on
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

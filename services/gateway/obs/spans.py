@@ -103,6 +103,21 @@ def current() -> trace.SpanContext | None:
     return ctx if ctx.is_valid else None
 
 
+def to_wire(ctx: trace.SpanContext | None) -> bytes:
+    """A span context as 25 bytes (trace id, span id, flags), for the front-end link; b"": none."""
+    if ctx is None:
+        return b""
+    return ctx.trace_id.to_bytes(16, "big") + ctx.span_id.to_bytes(8, "big") + bytes([int(ctx.trace_flags)])
+
+
+def from_wire(data: bytes) -> trace.SpanContext | None:
+    """The span context `to_wire` wrote (a remote one: a front end's request span)."""
+    if len(data) != 25:
+        return None
+    return trace.SpanContext(int.from_bytes(data[:16], "big"), int.from_bytes(data[16:24], "big"), is_remote=True,
+                             trace_flags=trace.TraceFlags(data[24]))
+
+
 # ---- the engine iteration ------------------------------------------------------------------------
 @contextlib.contextmanager
 def iteration(step: int, t0: float) -> Iterator[trace.Span]:
