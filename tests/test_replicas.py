@@ -7,7 +7,9 @@
   new requests; `up` restarts the killed one and it rejoins (new requests reach it again);
 - an error on one entry (a stranger released a request on its replica) ends that request alone;
 - a poison request on one replica leaves every other request and both replicas untouched;
-- the executor tells a remote error from a dead service and from a missed deadline (real target).
+- the executor tells a remote error from a dead service and from a missed deadline (real target);
+- the draft window: two replicas' `Speculate` entries go in one call when the window holds the
+  first until the second is ready, in two calls without it (real draft).
 
 The fault tests wait on what /health reports (requests running per replica, a replica ready), never
 on fixed sleeps; the loop that ran them 20 times in a row on one core beside a busy loop is in
@@ -27,10 +29,10 @@ import openai
 import pytest
 
 from specserve.gateway.backends.executor import Executor
-from specserve.gateway.backends.pool import ServicePool, TargetReplica
+from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
 from specserve.gateway.perf.cost import PassCost
 from specserve.launch import ServiceProcess, free_port
-from specserve.shared.service_client import PrefillItem, TargetClient
+from specserve.shared.service_client import PrefillItem, SpeculateItem, TargetClient
 from tests.gateway_procs import Up, await_health, health, kill, service_pid, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
@@ -247,3 +249,40 @@ def test_executor_tells_remote_errors_from_dead_services_and_deadlines():
         asyncio.run(run())
     finally:
         target.stop()
+
+
+def test_the_draft_window_batches_a_replica_that_comes_later():
+    """Replica 1's entries are queued a few event-loop turns after replica 0's. With a window that
+    waits for both replicas, one draft call serves both (the same reply), and it goes as soon as the
+    second has queued, not when the window ends; with no window, replica 0's call has left, and
+    replica 1's goes in a call of its own."""
+    target, draft = ServiceProcess("target", threads=1), ServiceProcess("draft", threads=1)
+    try:
+        async def run(window_ms: float) -> tuple[bool, float]:
+            pool = ServicePool([TargetReplica(i, target.address, PassCost(8, 10.0)) for i in (0, 1)],
+                               DraftService(draft.address))
+            await pool.connect_all()
+            executor = Executor(pool, call_timeout_s=30, draft_window_ms=window_ms, expected=lambda: 2)
+            prompt = list(range(5, 25))
+
+            def entry(rid: str) -> list[SpeculateItem]:
+                return [SpeculateItem(rid, 1, prompt, len(prompt), depth=2, width=1)]
+
+            t0 = time.perf_counter()
+            first = asyncio.ensure_future(executor.speculate(entry(f"a{window_ms}"), 0))
+            await asyncio.sleep(0.01)  # replica 0's call has been sent by now, unless the window holds it
+            second = await executor.speculate(entry(f"b{window_ms}"), 1)
+            first_result = await first
+            assert first_result.value is not None and second.value is not None
+            assert [c.rid for c in first_result.value[0]] == [f"a{window_ms}"]  # each gets its own candidates
+            assert [c.rid for c in second.value[0]] == [f"b{window_ms}"]
+            await pool.close()
+            return first_result.value[1] is second.value[1], time.perf_counter() - t0
+
+        one_call, waited_s = asyncio.run(run(60_000.0))
+        assert one_call and waited_s < 30  # it went when replica 1 queued, not after the 60 s window
+        one_call, _ = asyncio.run(run(0.0))
+        assert not one_call
+    finally:
+        target.stop()
+        draft.stop()

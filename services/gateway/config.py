@@ -68,6 +68,10 @@ class GatewayConfig(Settings):
                                    "specserve:request_errors_total) and the connection is closed")
     call_timeout_s: float = option(30.0, "deadline of every draft and target call, seconds; a service that misses "
                                    "it is marked down and reconnected")
+    draft_window_ms: float = option(0.0, "with several target replicas, a draft call waits up to this many ms "
+                                    "for the other replicas with requests to queue their entries, so that one "
+                                    "call drafts for all of them (0: only those ready in the same turn of the "
+                                    "event loop, or while the previous call runs)")
     draft_sync: str = option("lazy", "lazy: requests that do not speculate send their committed tokens to the "
                              "draft with their next speculation; eager: every iteration, beside the target pass",
                              choices=("lazy", "eager"))

@@ -10,12 +10,15 @@ Each replica's step loop calls its own target pass (and beside it, with the eage
 depth-0 Speculate call that keeps the draft's view of committed tokens current). The draft serves
 every replica: `speculate` queues a replica's entries, and one call carries the entries of every
 replica that is ready in the same turn of the event loop, or while the previous call runs (the
-draft answers one call at a time); it never waits for a replica that is not ready.
+draft answers one call at a time). With a draft window of w ms, the call also waits up to w ms after
+its first entry for the other replicas that have requests (`expected`), and goes as soon as every one
+of them has queued: a replica that is not ready costs the others at most w.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -62,10 +65,14 @@ class TargetPass:
 
 
 class Executor:
-    def __init__(self, pool: ServicePool, call_timeout_s: float):
+    def __init__(self, pool: ServicePool, call_timeout_s: float, draft_window_ms: float = 0.0,
+                 expected: Callable[[], int] | None = None):
         self.pool = pool
         self.call_timeout_s = call_timeout_s  # deadline of every service call, seconds
-        self._queued: list[tuple[list[SpeculateItem], asyncio.Future[SpeculateResult]]] = []
+        self.draft_window_s = draft_window_ms / 1e3  # a draft call waits this long for the other replicas
+        self.expected = expected or (lambda: sum(t.up for t in pool.targets))  # replicas that may join a call
+        self._queued: list[tuple[int, list[SpeculateItem], asyncio.Future[SpeculateResult]]] = []
+        self._all_queued = asyncio.Event()  # every expected replica has entries in the queue
         self._sender: asyncio.Task[None] | None = None
         self._releasing: dict[str, asyncio.Lock] = {}  # per service address: one release call at a time
 
@@ -155,23 +162,30 @@ class Executor:
             draft.offloaded = result.value.offloaded
         return result
 
-    async def speculate(self, items: list[SpeculateItem]) -> SpeculateResult:
-        """One replica's entries, sent with the entries of the other replicas that are ready now; the
-        reply holds this caller's candidates (and the whole call's times and failure)."""
+    async def speculate(self, items: list[SpeculateItem], replica: int = 0) -> SpeculateResult:
+        """One replica's entries, sent with the entries of the other replicas that are ready now (or
+        within the draft window); the reply holds this caller's candidates (and the whole call's times
+        and failure)."""
         if sum(t.up for t in self.pool.targets) <= 1:
             return await self._speculate_now(items)  # nobody to batch with: no turn of the event loop lost
         future: asyncio.Future[SpeculateResult] = asyncio.get_running_loop().create_future()
-        self._queued.append((items, future))
+        self._queued.append((replica, items, future))
+        if len({i for i, _, _ in self._queued}) >= self.expected():
+            self._all_queued.set()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.ensure_future(self._send_queued())
         return await future
 
     async def _send_queued(self) -> None:
         while self._queued:
-            await asyncio.sleep(0)  # the window: the replicas that are ready in this turn join the call
+            await asyncio.sleep(0)  # the replicas that are ready in this turn join the call
+            if self.draft_window_s > 0 and not self._all_queued.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._all_queued.wait(), self.draft_window_s)
+            self._all_queued.clear()
             batch, self._queued = self._queued, []
-            result = await self._speculate_now([item for items, _ in batch for item in items])
-            for items, future in batch:
+            result = await self._speculate_now([item for _, items, _ in batch for item in items])
+            for _, items, future in batch:
                 if future.done():  # its loop was cancelled
                     continue
                 if result.value is None or len(batch) == 1:
@@ -210,7 +224,8 @@ class Executor:
         # while the target computes.
         others = [asyncio.ensure_future(self._guard(p.replica, forward(p), span="target/Forward"))
                   for p in passes[1:]]
-        sync_call = asyncio.ensure_future(self.speculate(sync)) if sync else None
+        sync_call = asyncio.ensure_future(self.speculate(sync, passes[0].replica.index if passes else 0)) \
+            if sync else None
         results = [await self._guard(passes[0].replica, forward(passes[0]), span="target/Forward")] if passes else []
         results += [await task for task in others]
         synced = await sync_call if sync_call is not None else None

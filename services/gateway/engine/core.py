@@ -85,12 +85,12 @@ class EngineLimits:
 class Engine:
     def __init__(self, policy: Policy, scheduler: Scheduler, pool: ServicePool, metrics: GatewayMetrics,
                  limits: EngineLimits, call_timeout_s: float = 30.0, overlap: bool = False,
-                 draft_misses: bool = False):
+                 draft_misses: bool = False, draft_window_ms: float = 0.0):
         self.policy, self.scheduler, self.pool, self.metrics = policy, scheduler, pool, metrics
         self.limits = limits
         self.overlap = overlap  # draft the next trees beside the target pass (ahead.py)
         self.draft_misses = draft_misses  # with overlap: a wrong guess drafts before the pass (else: root alone)
-        self.executor = Executor(pool, call_timeout_s)
+        self.executor = Executor(pool, call_timeout_s, draft_window_ms, self._replicas_with_requests)
         self.waiting: list[GenRequest] = []
         self.running: dict[str, GenRequest] = {}  # admitted, in admission order
         self._on: dict[int, dict[str, GenRequest]] = {}  # per replica: its admitted requests, in admission order
@@ -281,6 +281,10 @@ class Engine:
             wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), REPLAN_INTERVAL_S)
+
+    def _replicas_with_requests(self) -> int:
+        """The replicas a draft call may wait for (the draft window): up, with requests bound."""
+        return sum(1 for t in self.pool.targets if t.up and t.requests)
 
     def _has_work(self, replica: TargetReplica) -> bool:
         if replica.requests or (replica.up and replica.owed_releases):
@@ -474,7 +478,7 @@ class Engine:
         if not items or draft is None or not draft.up:
             return trees
         epochs = {r.rid: r.draft_epoch for r in decoding}
-        result = await self.executor.speculate(items)
+        result = await self.executor.speculate(items, decoding[0].replica or 0)
         record.draft.requests, record.draft.call_ms = len(items), result.ms
         record.draft.lag = sum(len(item.new_tokens) for item in items)
         if result.value is None:

@@ -343,7 +343,7 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     metrics = GatewayMetrics(info.name)
     metrics.prime_tiers(classes)  # every tier's labelled series, at 0
     engine = Engine(policy, scheduler, pool, metrics, limits, config.call_timeout_s, config.overlap,
-                    config.overlap_miss == "draft")
+                    config.overlap_miss == "draft", config.draft_window_ms)
     await engine.start()
     rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None
     local = LocalEngine(engine, classes, profile_path)
