@@ -5,7 +5,10 @@
   through a front end; a bad request is a 400 there and is counted in the engine's metrics;
 - a front end killed mid-stream (SIGKILL) costs only the streams it served: the other front end's
   streams finish exactly, the engine aborts the dead one's requests (nothing keeps running on the
-  target), new requests are served, and the dead front end is started again.
+  target), new requests are served, and the dead front end is started again;
+- a front end run on its own (`specserve gateway --frontend-of HOST:PORT`, the engine started with
+  `--frontend-link HOST:PORT`) serves exactly over TCP; one with another secret exits with a clear
+  error, and a connection that sends a request before the handshake is closed unserved.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
 
+from specserve.gateway.frontend import wire
+from specserve.launch import free_port
+from specserve.shared.messages import SamplingSpec
 from tests.gateway_procs import Up, health, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS
 from tests.test_replicas import run_all
@@ -25,9 +33,24 @@ from tests.test_replicas import run_all
 pytestmark = pytest.mark.slow
 
 
+SECRET = "the-frontends-test-secret-0123456789"
+
+
+def _env(secret: str) -> dict[str, str]:
+    env = {**os.environ, "SPECSERVE_SECRET": secret}
+    env.pop("SPECSERVE_SECRET_FILE", None)
+    return env
+
+
 @pytest.fixture(scope="module")
-def up_fe(suite_profile):
-    server = Up("--profile", str(suite_profile), "--", "--frontends", "2")
+def link_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def up_fe(suite_profile, link_port):
+    server = Up("--profile", str(suite_profile), "--", "--frontends", "2", "--frontend-link",
+                f"127.0.0.1:{link_port}", env=_env(SECRET))
     yield server
     server.interrupt()
 
@@ -128,3 +151,56 @@ def test_a_killed_frontend_costs_only_its_streams(up_fe, reference):
     # the engine process started a new front end in its place
     wait_health(up_fe.url, lambda h: len(frontend_pids()) == 2 and victim not in frontend_pids(),
                 "the killed front end started again")
+
+
+class OwnFrontend:
+    """`specserve gateway --frontend-of 127.0.0.1:PORT --port 0`, started by hand as a Deployment would;
+    `url` is its ready line's address, None when it exited instead."""
+
+    def __init__(self, link_port: int, secret: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "gateway", "--frontend-of",
+                                      f"127.0.0.1:{link_port}", "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(secret))
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # the ready line, or "" when it exits first
+        self.url = line.split()[-1] if line.startswith("ready frontend") else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+async def submit_unauthenticated(port: int) -> bytes:
+    """A Submit sent first thing on a new link connection: what comes back before the engine closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(wire.frame(wire.Submit("intruder", [1, 2, 3], SamplingSpec(), 8, "standard", 100.0, 1000.0,
+                                        [], True)))
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 60)  # b"" once the engine closes it
+    writer.close()
+    return data
+
+
+def test_a_frontend_of_its_own_over_tcp(up_fe, reference, link_port):
+    assert asyncio.run(submit_unauthenticated(link_port)) == b""
+    wrong = OwnFrontend(link_port, "not-the-engines-secret-0123456789")
+    assert wrong.url is None and wrong.proc.wait(60) == 1
+    assert "cannot authenticate to the engine" in wrong.proc.stderr.read()
+    own = OwnFrontend(link_port, SECRET)
+    assert own.url is not None, own.proc.stderr.read()
+    try:
+        out = asyncio.run(run_all(own.url, PROMPTS[:4]))
+        assert [r.choices[0].text for r in out] == reference[:4]
+
+        async def streamed() -> list[str | Exception]:
+            async with httpx.AsyncClient(base_url=own.url, timeout=300) as c:
+                return list(await asyncio.gather(*[stream_text(c, p, asyncio.Queue()) for p in PROMPTS[4:6]]))
+
+        assert asyncio.run(streamed()) == reference[4:6]
+        assert health(own.url)["status"] == "ok"
+    finally:
+        own.stop()
+    body = health(up_fe.url)  # the intruder's Submit was never queued
+    assert body["running"] == 0 and body["waiting"] == 0, body
+    later = asyncio.run(run_all(up_fe.url, PROMPTS[:2]))
+    assert [r.choices[0].text for r in later] == reference[:2]

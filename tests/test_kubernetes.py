@@ -6,7 +6,9 @@
   schema (an unknown field fails it: shown on a broken copy);
 - the target replicas sit behind a headless Service, the name the gateway resolves with
   --discover-targets; the target requests a GPU; the ServiceMonitor selects Services that exist and
-  ports they name; every SPECSERVE_* variable is one the services read.
+  ports they name; every SPECSERVE_* variable is one the services read;
+- the front ends' Deployment connects to the gateway's link: the address it is given is the gateway
+  Service's `link` port, the port the gateway listens on for front ends.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def test_kubectl_renders_the_kustomization():
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in rendered())
     assert kinds == sorted([("Namespace", "specserve"), ("Deployment", "draft"), ("Service", "draft"),
                             ("Deployment", "target"), ("Service", "target"), ("Deployment", "gateway"),
-                            ("Service", "gateway"), ("ServiceMonitor", "specserve")])
+                            ("Service", "gateway"), ("Deployment", "frontend"), ("Service", "frontend"),
+                            ("ServiceMonitor", "specserve")])
 
 
 def test_objects_pass_the_kubernetes_schema(docs):
@@ -59,7 +62,7 @@ def test_objects_pass_the_kubernetes_schema(docs):
             continue  # a CRD (Prometheus Operator): checked by test_service_monitor_selects_the_services
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         checked += 1
-    assert checked == 7
+    assert checked == 9
     broken = copy.deepcopy(find(docs, "Deployment", "target"))
     broken["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -94,3 +97,16 @@ def test_service_monitor_selects_the_services(docs):
     assert {s["metadata"]["name"] for s in services} == {"gateway", "draft", "target"}
     ports = {p["name"] for s in services for p in s["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+
+
+def test_frontends_connect_to_the_gateways_link(docs):
+    frontend, gateway = env_of(find(docs, "Deployment", "frontend")), env_of(find(docs, "Deployment", "gateway"))
+    host, port = frontend["SPECSERVE_GATEWAY_FRONTEND_OF"].split(":")
+    service = find(docs, "Service", "gateway")
+    link = next(p for p in service["spec"]["ports"] if p["name"] == "link")
+    assert host == "gateway" and int(port) == link["port"]
+    assert gateway["SPECSERVE_GATEWAY_FRONTEND_LINK"].split(":")[1] == port
+    container = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "link", "containerPort": int(port)} in container["ports"]
+    clients = find(docs, "Service", "frontend")
+    assert clients["spec"]["selector"] == find(docs, "Deployment", "frontend")["spec"]["selector"]["matchLabels"]

@@ -86,8 +86,13 @@ class GatewayConfig(Settings):
     frontends: int = option(0, "0: this process serves HTTP beside the engine; N > 0: N front-end processes serve "
                             "it on the same port (parsing, tokenizing, detokenizing, streaming) and this process "
                             "runs the engine, joined by msgspec messages over a Unix socket")
-    frontend_of: str | None = option(None, "run as one of those front ends, for the engine process listening on "
-                                     "this Unix socket (set by the engine process; not for direct use)")
+    frontend_link: str | None = option(None, "also accept front ends run on their own (`specserve gateway "
+                                       "--frontend-of HOST:PORT`, e.g. a Deployment of their own) on this "
+                                       "host:port; each proves the shared secret")
+    frontend_of: str | None = option(None, "run as a front end of the engine process at this link: unix:/path "
+                                     "(set by the engine process for --frontends) or host:port (its "
+                                     "--frontend-link); it waits for the engine at start, and exits when the "
+                                     "engine goes away")
 
     @classmethod
     def add_all_flags(cls, parser: argparse.ArgumentParser) -> None:

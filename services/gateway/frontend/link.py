@@ -1,4 +1,5 @@
-"""The engine process's side of the front ends: a Unix socket server, one connection per front end.
+"""The engine process's side of the front ends: a socket server (Unix, or TCP for front ends run on
+their own), one connection per front end, each first authenticated with the shared secret.
 
 A `Submit` becomes a `GenRequest` whose events, instead of waiting in a queue for an HTTP handler of
 this process, go into its connection's outbox; one writer task per connection sends the outbox as
@@ -25,8 +26,11 @@ from specserve.gateway.frontend import wire
 from specserve.gateway.http.api import kv_pool_error
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo import SloClass
+from specserve.shared.auth import ServerHandshake
+from specserve.shared.messages import AuthChallenge, AuthHello, AuthProof
 
 log = logging.getLogger("specserve.gateway")
+HANDSHAKE_TIMEOUT_S = 10.0  # a front end must prove the shared secret within this
 
 
 class _Connection:
@@ -73,14 +77,43 @@ class _Sink(asyncio.Queue):
 
 
 class FrontendLink:
-    def __init__(self, local: LocalEngine):
+    def __init__(self, local: LocalEngine, secret: bytes):
         self.local = local
+        self.secret = secret
         self.connections: set[_Connection] = set()
 
-    async def start(self, path: str) -> asyncio.Server:
-        return await asyncio.start_unix_server(self._serve, path=path)
+    async def start(self, address: str) -> asyncio.Server:
+        """Serve front ends on "unix:/path" or "host:port"."""
+        return await wire.serve_link(self._serve, address)
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The handshake (shared/auth.py) within HANDSHAKE_TIMEOUT_S; False: close the connection."""
+        handshake = ServerHandshake(self.secret)
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                hello = await wire.read(reader, wire.to_engine)
+                if not isinstance(hello, wire.AuthHello):
+                    raise ConnectionError(f"{type(hello).__name__} before the handshake")
+                challenge = handshake.answer(AuthHello(hello.nonce))
+                if not isinstance(challenge, AuthChallenge):
+                    raise ConnectionError(str(challenge))
+                writer.write(wire.frame(wire.AuthChallenge(challenge.nonce, challenge.proof)))
+                proof = await wire.read(reader, wire.to_engine)
+                if not isinstance(proof, wire.AuthProof):
+                    raise ConnectionError(f"{type(proof).__name__} instead of AuthProof")
+                answer = handshake.answer(AuthProof(proof.proof))
+                if not handshake.authenticated:
+                    raise ConnectionError(getattr(answer, "message", "unauthenticated"))
+            return True
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
+            peer = writer.get_extra_info("peername") or "a local socket"
+            log.warning("a front end from %s was refused: %s", peer, exc or type(exc).__name__)
+            return False
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not await self._authenticate(reader, writer):
+            writer.close()
+            return
         conn = _Connection(writer)
         self.connections.add(conn)
         classes = {n: (c.tpot_ms, c.ttft_ms) for n, c in self.local.classes.items()}

@@ -1,4 +1,4 @@
-"""The engine process's front ends: N processes of `specserve gateway ... --frontend-of SOCKET`.
+"""The engine process's front ends: N processes of `specserve gateway ... --frontend-of unix:SOCKET`.
 
 Each is started with the engine process's own gateway arguments (so it parses, validates and
 streams exactly as the engine process would), the fixed HTTP port they share (SO_REUSEPORT: the
@@ -25,12 +25,12 @@ RESTART_INTERVAL_S = 1.0
 STOP_GRACE_S = 10.0
 
 
-def frontend_command(argv: list[str], port: int, socket_path: str) -> list[str]:
+def frontend_command(argv: list[str], port: int, link: str) -> list[str]:
     """The command of one front end: this gateway's arguments (those after `gateway`), its port and the
-    engine's socket last (argparse takes the last of a repeated flag)."""
+    engine's link (unix:/path) last (argparse takes the last of a repeated flag)."""
     rest = argv[argv.index("gateway") + 1:] if "gateway" in argv else argv[1:]
     return [sys.executable, "-m", "specserve.cli", "gateway", *rest, "--port", str(port), "--frontends", "0",
-            "--frontend-of", socket_path]
+            "--frontend-of", link]
 
 
 class Frontends:

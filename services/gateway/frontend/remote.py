@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import logging
+import time
 
 import msgspec
 
@@ -24,6 +25,8 @@ from specserve.gateway.frontend import wire
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo import SloClass
 from specserve.shared import tracing
+from specserve.shared.auth import AuthError, ClientHandshake
+from specserve.shared.messages import AuthChallenge
 
 log = logging.getLogger("specserve.gateway")
 ENGINE_GONE = "the engine process is gone"
@@ -39,13 +42,45 @@ class RemoteEngine:
         self._reader_task = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, path: str) -> RemoteEngine:
-        reader, writer = await asyncio.open_unix_connection(path)
-        hello = await wire.read(reader, wire.to_frontend)
-        if not isinstance(hello, wire.Hello):
-            raise ConnectionError(f"the engine said {type(hello).__name__} first, not Hello")
+    async def connect(cls, address: str, secret: bytes) -> RemoteEngine:
+        """Connect to the engine's link ("unix:/path" or "host:port") and authenticate (AuthError: the
+        secrets differ; ConnectionError / OSError: no engine there, or it closed the connection)."""
+        reader, writer = await wire.open_link(address)
+        try:
+            handshake = ClientHandshake(secret)
+            writer.write(wire.frame(wire.AuthHello(handshake.hello().nonce)))
+            challenge = await wire.read(reader, wire.to_frontend)
+            if not isinstance(challenge, wire.AuthChallenge):
+                raise ConnectionError(f"the engine said {type(challenge).__name__}, not AuthChallenge")
+            proof = handshake.prove(AuthChallenge(challenge.nonce, challenge.proof))
+            writer.write(wire.frame(wire.AuthProof(proof.proof)))
+            hello = await wire.read(reader, wire.to_frontend)
+            if not isinstance(hello, wire.Hello):
+                raise ConnectionError(f"the engine said {type(hello).__name__}, not Hello")
+        except asyncio.IncompleteReadError:
+            writer.close()
+            raise ConnectionError("the engine closed the connection during the handshake") from None
+        except BaseException:
+            writer.close()
+            raise
         classes = {n: SloClass(n, tpot, ttft) for n, (tpot, ttft) in hello.classes.items()}
         return cls(reader, writer, classes)
+
+    @classmethod
+    async def connect_retrying(cls, address: str, secret: bytes, timeout_s: float) -> RemoteEngine:
+        """`connect`, tried every second until timeout_s while nothing listens there yet (a front end
+        started before its engine); a wrong secret fails at once."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await cls.connect(address, secret)
+            except AuthError:
+                raise
+            except (ConnectionError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"no engine at {address} within {timeout_s:g} s: {exc}") from None
+                log.info("waiting for the engine at %s (%s)", address, exc)
+                await asyncio.sleep(1.0)
 
     async def close(self) -> None:
         self._reader_task.cancel()

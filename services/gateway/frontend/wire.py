@@ -2,19 +2,25 @@
 
 Front end -> engine: `Submit` (a tokenized request), `Abort`, `Count` (an error the front end
 answered itself, for the engine's metrics), `Query` (health, SLO classes, metrics text).
-Engine -> front end: `Hello` (on connect: the SLO classes), `Events` (every request event since the
-last frame, in order), `Answer` (to a `Query`).
+Engine -> front end: `Hello` (the SLO classes), `Events` (every request event since the last frame,
+in order), `Answer` (to a `Query`).
+
+A connection opens with the services' mutual handshake over the shared secret (shared/auth.py), in
+the link's own messages: `AuthHello` -> `AuthChallenge` -> `AuthProof`, then `Hello` (authenticated)
+or the connection is closed. Only then does the engine read anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import msgspec
 
 from specserve.shared.messages import SamplingSpec
+from specserve.shared.rpc import parse_address
 
 LENGTH = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 * 2**20
@@ -47,6 +53,19 @@ class Query(msgspec.Struct, tag=True, array_like=True):
     what: str  # "health", "slo_classes" or "metrics"
 
 
+class AuthHello(msgspec.Struct, tag=True, array_like=True):
+    nonce: bytes  # shared/auth.py's AuthHello, as a link message
+
+
+class AuthChallenge(msgspec.Struct, tag=True, array_like=True):
+    nonce: bytes
+    proof: bytes
+
+
+class AuthProof(msgspec.Struct, tag=True, array_like=True):
+    proof: bytes
+
+
 class Hello(msgspec.Struct, tag=True, array_like=True):
     classes: dict[str, tuple[float, float]]  # name -> (tpot_ms, ttft_ms)
 
@@ -75,8 +94,8 @@ class Answer(msgspec.Struct, tag=True, array_like=True):
     body: bytes  # JSON (health, slo_classes) or the Prometheus text (metrics)
 
 
-ToEngine = Submit | Abort | Count | Query
-ToFrontend = Hello | Events | Answer
+ToEngine = Submit | Abort | Count | Query | AuthHello | AuthProof
+ToFrontend = Hello | Events | Answer | AuthChallenge
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -96,3 +115,20 @@ async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder) -
 
 to_engine = msgspec.msgpack.Decoder(ToEngine)
 to_frontend = msgspec.msgpack.Decoder(ToFrontend)
+
+
+async def open_link(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to an engine's link: "unix:/path" or "host:port" (shared/rpc.py's address forms)."""
+    host, port = parse_address(address)
+    if host == "unix":
+        return await asyncio.open_unix_connection(cast(str, port))
+    return await asyncio.open_connection(host, port)
+
+
+async def serve_link(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+                     address: str) -> asyncio.Server:
+    """The engine's side: serve `handler` on "unix:/path" or "host:port" (port 0: any free)."""
+    host, port = parse_address(address)
+    if host == "unix":
+        return await asyncio.start_unix_server(handler, path=cast(str, port))
+    return await asyncio.start_server(handler, host, port)

@@ -68,6 +68,7 @@ _json = msgspec.json.Encoder()
 # streams allocates tens of thousands of short-lived containers (messages, views, SSE chunks); at 700
 # many are caught alive mid-iteration, promoted, and the older generations then fill and get walked.
 GC_YOUNG_THRESHOLD = 50_000
+ENGINE_WAIT_S = 120.0  # a front end waits this long for its engine's link to accept it
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -347,6 +348,7 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     await engine.start()
     rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None
     local = LocalEngine(engine, classes, profile_path)
+    link = await _open_link(config.frontend_link, local) if config.frontend_link else None
     if config.frontends > 0:
         serving = await _start_frontends(config, local)
     else:
@@ -356,6 +358,8 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     await _until_stopped()
     await stop_discovery(rediscover)
     await serving()
+    if link is not None:
+        link.close()
     await engine.close()
     tracing.shutdown()  # export the spans still buffered
     return 0
@@ -384,10 +388,10 @@ async def _start_frontends(config: GatewayConfig, local: LocalEngine) -> Callabl
     from specserve.launch import free_port
 
     directory = tempfile.mkdtemp(prefix="specserve-frontends-")
-    path = os.path.join(directory, "engine.sock")
-    server = await FrontendLink(local).start(path)
+    address = "unix:" + os.path.join(directory, "engine.sock")
+    server = await FrontendLink(local, load_secret()).start(address)
     port = config.port or free_port(config.host)
-    frontends = Frontends(config.frontends, frontend_command(sys.argv, port, path))
+    frontends = Frontends(config.frontends, frontend_command(sys.argv, port, address))
     await frontends.start()
     _freeze_startup_objects()
     print(f"ready gateway http://{config.host}:{port}", flush=True)
@@ -400,6 +404,15 @@ async def _start_frontends(config: GatewayConfig, local: LocalEngine) -> Callabl
     return cleanup
 
 
+async def _open_link(address: str, local: LocalEngine) -> asyncio.Server:
+    """--frontend-link HOST:PORT: the engine also serves front ends run on their own there."""
+    from specserve.gateway.frontend.link import FrontendLink
+
+    server = await FrontendLink(local, load_secret()).start(address)
+    log.info("front ends are accepted at %s (they prove the shared secret)", address)
+    return server
+
+
 async def run_frontend(config: GatewayConfig) -> int:
     """One front end (--frontend-of): HTTP, tokenization and streaming for the engine process."""
     from specserve.gateway.frontend.remote import RemoteEngine
@@ -407,7 +420,14 @@ async def run_frontend(config: GatewayConfig) -> int:
     tracing.setup("gateway-frontend")
     tokenizer, info = model_info(config)
     assert config.frontend_of is not None
-    remote = await RemoteEngine.connect(config.frontend_of)
+    try:
+        remote = await RemoteEngine.connect_retrying(config.frontend_of, load_secret(), ENGINE_WAIT_S)
+    except AuthError as exc:
+        print(f"error: cannot authenticate to the engine at {config.frontend_of}: {exc}", file=sys.stderr)
+        return 1
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     cleanup = await _serve_http(config, Gateway(config, tokenizer, info, remote), reuse_port=True, role="frontend")
     stopped = asyncio.ensure_future(_until_stopped())
     gone = asyncio.ensure_future(remote.closed.wait())
@@ -451,9 +471,9 @@ def main(args: argparse.Namespace) -> int:
     follow_parent()  # started by `specserve up` (or a front end by its engine process): die with it
     import uvloop
 
-    if config.frontend_of:  # its engine process checked the port; its siblings share it
-        return uvloop.run(run_frontend(config))
     load_secret()  # the services' shared secret: none is one line and exit 2, before anything loads
+    if config.frontend_of:  # no port check: front ends share their port (SO_REUSEPORT)
+        return uvloop.run(run_frontend(config))
     check_port_free(config.host, config.port)  # taken: one line and exit 1 (the bind says the same)
     import torch
 
