@@ -170,11 +170,13 @@ class OwnFrontend:
         self.proc.wait(60)
 
 
-async def submit_unauthenticated(port: int) -> bytes:
-    """A Submit sent first thing on a new link connection: what comes back before the engine closes it."""
+INTRUDER = wire.frame(wire.Submit("intruder", [1, 2, 3], SamplingSpec(), 8, "standard", 100.0, 1000.0, [], True))
+
+
+async def unauthenticated(port: int, data: bytes) -> bytes:
+    """`data` sent first thing on a new link connection: what comes back before the engine closes it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(wire.frame(wire.Submit("intruder", [1, 2, 3], SamplingSpec(), 8, "standard", 100.0, 1000.0,
-                                        [], True)))
+    writer.write(data)
     await writer.drain()
     data = await asyncio.wait_for(reader.read(), 60)  # b"" once the engine closes it
     writer.close()
@@ -182,7 +184,7 @@ async def submit_unauthenticated(port: int) -> bytes:
 
 
 def test_a_frontend_of_its_own_over_tcp(up_fe, reference, link_port):
-    assert asyncio.run(submit_unauthenticated(link_port)) == b""
+    assert asyncio.run(unauthenticated(link_port, INTRUDER)) == b""
     wrong = OwnFrontend(link_port, "not-the-engines-secret-0123456789")
     assert wrong.url is None and wrong.proc.wait(60) == 1
     assert "cannot authenticate to the engine" in wrong.proc.stderr.read()

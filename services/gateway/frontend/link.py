@@ -30,7 +30,6 @@ from specserve.shared.auth import ServerHandshake
 from specserve.shared.messages import AuthChallenge, AuthHello, AuthProof
 
 log = logging.getLogger("specserve.gateway")
-HANDSHAKE_TIMEOUT_S = 10.0  # a front end must prove the shared secret within this
 
 
 class _Connection:
@@ -87,18 +86,18 @@ class FrontendLink:
         return await wire.serve_link(self._serve, address)
 
     async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """The handshake (shared/auth.py) within HANDSHAKE_TIMEOUT_S; False: close the connection."""
+        """The handshake (shared/auth.py) within wire.HANDSHAKE_TIMEOUT_S; False: close the connection."""
         handshake = ServerHandshake(self.secret)
         try:
-            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                hello = await wire.read(reader, wire.to_engine)
+            async with asyncio.timeout(wire.HANDSHAKE_TIMEOUT_S):
+                hello = await wire.read(reader, wire.to_engine, wire.MAX_HANDSHAKE_BYTES)
                 if not isinstance(hello, wire.AuthHello):
                     raise ConnectionError(f"{type(hello).__name__} before the handshake")
                 challenge = handshake.answer(AuthHello(hello.nonce))
                 if not isinstance(challenge, AuthChallenge):
                     raise ConnectionError(str(challenge))
                 writer.write(wire.frame(wire.AuthChallenge(challenge.nonce, challenge.proof)))
-                proof = await wire.read(reader, wire.to_engine)
+                proof = await wire.read(reader, wire.to_engine, wire.MAX_HANDSHAKE_BYTES)
                 if not isinstance(proof, wire.AuthProof):
                     raise ConnectionError(f"{type(proof).__name__} instead of AuthProof")
                 answer = handshake.answer(AuthProof(proof.proof))

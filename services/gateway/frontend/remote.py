@@ -47,16 +47,17 @@ class RemoteEngine:
         secrets differ; ConnectionError / OSError: no engine there, or it closed the connection)."""
         reader, writer = await wire.open_link(address)
         try:
-            handshake = ClientHandshake(secret)
-            writer.write(wire.frame(wire.AuthHello(handshake.hello().nonce)))
-            challenge = await wire.read(reader, wire.to_frontend)
-            if not isinstance(challenge, wire.AuthChallenge):
-                raise ConnectionError(f"the engine said {type(challenge).__name__}, not AuthChallenge")
-            proof = handshake.prove(AuthChallenge(challenge.nonce, challenge.proof))
-            writer.write(wire.frame(wire.AuthProof(proof.proof)))
-            hello = await wire.read(reader, wire.to_frontend)
-            if not isinstance(hello, wire.Hello):
-                raise ConnectionError(f"the engine said {type(hello).__name__}, not Hello")
+            async with asyncio.timeout(wire.HANDSHAKE_TIMEOUT_S):  # (TimeoutError is an OSError: tried again)
+                handshake = ClientHandshake(secret)
+                writer.write(wire.frame(wire.AuthHello(handshake.hello().nonce)))
+                challenge = await wire.read(reader, wire.to_frontend)
+                if not isinstance(challenge, wire.AuthChallenge):
+                    raise ConnectionError(f"the engine said {type(challenge).__name__}, not AuthChallenge")
+                proof = handshake.prove(AuthChallenge(challenge.nonce, challenge.proof))
+                writer.write(wire.frame(wire.AuthProof(proof.proof)))
+                hello = await wire.read(reader, wire.to_frontend)
+                if not isinstance(hello, wire.Hello):
+                    raise ConnectionError(f"the engine said {type(hello).__name__}, not Hello")
         except asyncio.IncompleteReadError:
             writer.close()
             raise ConnectionError("the engine closed the connection during the handshake") from None

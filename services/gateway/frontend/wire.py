@@ -24,6 +24,8 @@ from specserve.shared.rpc import parse_address
 
 LENGTH = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 * 2**20
+HANDSHAKE_TIMEOUT_S = 10.0  # each side of a new connection must finish the handshake within this
+MAX_HANDSHAKE_BYTES = 1024  # the engine reads no larger frame before a connection is authenticated
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
@@ -105,11 +107,12 @@ def frame(message: ToEngine | ToFrontend) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder) -> ToEngine | ToFrontend:
+async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder,
+               max_bytes: int = MAX_FRAME_BYTES) -> ToEngine | ToFrontend:
     """The next message; asyncio.IncompleteReadError at the end of the stream."""
     (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-    if n > MAX_FRAME_BYTES:
-        raise ConnectionError(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
+    if n > max_bytes:
+        raise ConnectionError(f"a frame of {n} bytes (at most {max_bytes})")
     return cast(ToEngine | ToFrontend, decoder.decode(await reader.readexactly(n)))
 
 
