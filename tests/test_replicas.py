@@ -155,22 +155,26 @@ def test_entry_error_ends_only_that_request(up2, reference):
 
 
 def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
-    """Replica 1 is killed once /health shows both replicas running their three requests (an event,
-    not a fixed sleep); it is back when /health says it is ready."""
+    """Replica 1 is killed once /health shows both replicas running requests (an event, not a fixed
+    sleep; SLO admission may admit the six at different times on a loaded machine, so not necessarily
+    three each at once); it is back when /health says it is ready. Every request that replica 0 ran
+    finishes exactly; those on replica 1 fail (at most those it ran then, and those waiting then), except
+    one that finished between /health and the kill."""
     async def run():
         load = asyncio.ensure_future(run_all(up2.url, PROMPTS[:6]))
-        seen = await await_health(up2.url, lambda h: [r["running"] for r in h["replicas"]] == [3, 3], until=load)
+        seen = await await_health(up2.url, lambda h: all(r["running"] >= 1 for r in h["replicas"]), until=load)
         assert seen is not None, "the load ended before both replicas ran their requests"
         kill("target", up2.addresses["target-1"])
-        return await load
+        return seen, await load
 
-    out = asyncio.run(run())
+    seen, out = asyncio.run(run())
     ok = [(i, r) for i, r in enumerate(out) if not isinstance(r, BaseException)]
     failed = [r for r in out if isinstance(r, BaseException)]
     assert failed, "no request was on the killed replica"
-    assert ok, "the surviving replica's requests failed too"
+    assert 1 <= len(failed) <= seen["replicas"][1]["running"] + seen["waiting"], (len(failed), seen)
+    assert any(r.model_extra["specserve"]["replica"] == 0 for _, r in ok), "replica 0's requests failed too"
     for i, r in ok:
-        assert r.model_extra["specserve"]["replica"] == 0 and r.choices[0].text == reference[i]
+        assert r.choices[0].text == reference[i], (i, r.model_extra["specserve"]["replica"])
     for exc in failed:
         assert isinstance(exc, openai.APIError), exc
     # while replica 1 is down (or being restarted), new requests are still served, exactly
