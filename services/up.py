@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
         url = procs["gateway"].address
         _wait_healthy(url)
         print(f"specserve is up: {url}/v1 (policy {config.policy}, {config.targets} target replica"
-              f"{'s' if config.targets > 1 else ''}{'; SIMULATED, preset ' + config.simulate if sim else ''}; "
+              f"{'s' if config.targets > 1 else ''}{f'; SIMULATED, preset {config.simulate}' if sim else ''}; "
               "Ctrl-C stops them all)", flush=True)
         while not stopping.wait(0.5):
             for name in [*targets, "draft"]:

@@ -18,7 +18,7 @@ each compose service would run inside its container, on this machine:
   runs the service's own healthcheck command (with 127.0.0.1 replaced by that process's address).
 
 Not run: prometheus, grafana, jaeger (images of other projects); OTEL_EXPORTER_OTLP_ENDPOINT is
-dropped because no jaeger listens (test_prometheus.py runs the real Prometheus binary instead).
+dropped because no jaeger listens (test_dashboard.py runs the real Prometheus binary instead).
 """
 
 from __future__ import annotations
