@@ -27,7 +27,7 @@ from specserve.gateway.http.api import kv_pool_error
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo import SloClass
 from specserve.shared.auth import ServerHandshake
-from specserve.shared.messages import AuthChallenge, AuthHello, AuthProof
+from specserve.shared.messages import AuthChallenge
 
 log = logging.getLogger("specserve.gateway")
 
@@ -90,17 +90,13 @@ class FrontendLink:
         handshake = ServerHandshake(self.secret)
         try:
             async with asyncio.timeout(wire.HANDSHAKE_TIMEOUT_S):
-                hello = await wire.read(reader, wire.to_engine, wire.MAX_HANDSHAKE_BYTES)
-                if not isinstance(hello, wire.AuthHello):
-                    raise ConnectionError(f"{type(hello).__name__} before the handshake")
-                challenge = handshake.answer(AuthHello(hello.nonce))
+                hello = await wire.read(reader, wire.auth_hello, wire.MAX_HANDSHAKE_BYTES)
+                challenge = handshake.answer(hello)
                 if not isinstance(challenge, AuthChallenge):
                     raise ConnectionError(str(challenge))
-                writer.write(wire.frame(wire.AuthChallenge(challenge.nonce, challenge.proof)))
-                proof = await wire.read(reader, wire.to_engine, wire.MAX_HANDSHAKE_BYTES)
-                if not isinstance(proof, wire.AuthProof):
-                    raise ConnectionError(f"{type(proof).__name__} instead of AuthProof")
-                answer = handshake.answer(AuthProof(proof.proof))
+                writer.write(wire.frame(challenge))
+                proof = await wire.read(reader, wire.auth_proof, wire.MAX_HANDSHAKE_BYTES)
+                answer = handshake.answer(proof)
                 if not handshake.authenticated:
                     raise ConnectionError(getattr(answer, "message", "unauthenticated"))
             return True

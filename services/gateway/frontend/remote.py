@@ -26,7 +26,6 @@ from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo import SloClass
 from specserve.shared import tracing
 from specserve.shared.auth import AuthError, ClientHandshake
-from specserve.shared.messages import AuthChallenge
 
 log = logging.getLogger("specserve.gateway")
 ENGINE_GONE = "the engine process is gone"
@@ -49,18 +48,15 @@ class RemoteEngine:
         try:
             async with asyncio.timeout(wire.HANDSHAKE_TIMEOUT_S):  # (TimeoutError is an OSError: tried again)
                 handshake = ClientHandshake(secret)
-                writer.write(wire.frame(wire.AuthHello(handshake.hello().nonce)))
-                challenge = await wire.read(reader, wire.to_frontend)
-                if not isinstance(challenge, wire.AuthChallenge):
-                    raise ConnectionError(f"the engine said {type(challenge).__name__}, not AuthChallenge")
-                proof = handshake.prove(AuthChallenge(challenge.nonce, challenge.proof))
-                writer.write(wire.frame(wire.AuthProof(proof.proof)))
+                writer.write(wire.frame(handshake.hello()))
+                writer.write(wire.frame(handshake.prove(await wire.read(reader, wire.auth_challenge))))
                 hello = await wire.read(reader, wire.to_frontend)
                 if not isinstance(hello, wire.Hello):
                     raise ConnectionError(f"the engine said {type(hello).__name__}, not Hello")
-        except asyncio.IncompleteReadError:
+        except (asyncio.IncompleteReadError, msgspec.DecodeError) as exc:
             writer.close()
-            raise ConnectionError("the engine closed the connection during the handshake") from None
+            raise ConnectionError(f"the engine closed the connection or answered out of turn during the "
+                                  f"handshake ({type(exc).__name__})") from None
         except BaseException:
             writer.close()
             raise

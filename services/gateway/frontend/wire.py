@@ -5,9 +5,9 @@ answered itself, for the engine's metrics), `Query` (health, SLO classes, metric
 Engine -> front end: `Hello` (the SLO classes), `Events` (every request event since the last frame,
 in order), `Answer` (to a `Query`).
 
-A connection opens with the services' mutual handshake over the shared secret (shared/auth.py), in
-the link's own messages: `AuthHello` -> `AuthChallenge` -> `AuthProof`, then `Hello` (authenticated)
-or the connection is closed. Only then does the engine read anything else.
+A connection opens with the services' mutual handshake over the shared secret (shared/auth.py's
+messages and checks, in this framing): `AuthHello` -> `AuthChallenge` -> `AuthProof`, then `Hello`
+(authenticated) or the connection is closed. Only then does the engine read anything else.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import TypeVar, cast
 
 import msgspec
 
-from specserve.shared.messages import SamplingSpec
+from specserve.shared.messages import AuthChallenge, AuthHello, AuthProof, SamplingSpec
 from specserve.shared.rpc import parse_address
 
+T = TypeVar("T")
 LENGTH = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 * 2**20
 HANDSHAKE_TIMEOUT_S = 10.0  # each side of a new connection must finish the handshake within this
@@ -55,19 +56,6 @@ class Query(msgspec.Struct, tag=True, array_like=True):
     what: str  # "health", "slo_classes" or "metrics"
 
 
-class AuthHello(msgspec.Struct, tag=True, array_like=True):
-    nonce: bytes  # shared/auth.py's AuthHello, as a link message
-
-
-class AuthChallenge(msgspec.Struct, tag=True, array_like=True):
-    nonce: bytes
-    proof: bytes
-
-
-class AuthProof(msgspec.Struct, tag=True, array_like=True):
-    proof: bytes
-
-
 class Hello(msgspec.Struct, tag=True, array_like=True):
     classes: dict[str, tuple[float, float]]  # name -> (tpot_ms, ttft_ms)
 
@@ -96,28 +84,32 @@ class Answer(msgspec.Struct, tag=True, array_like=True):
     body: bytes  # JSON (health, slo_classes) or the Prometheus text (metrics)
 
 
-ToEngine = Submit | Abort | Count | Query | AuthHello | AuthProof
-ToFrontend = Hello | Events | Answer | AuthChallenge
+ToEngine = Submit | Abort | Count | Query
+ToFrontend = Hello | Events | Answer
 
 _encoder = msgspec.msgpack.Encoder()
 
 
-def frame(message: ToEngine | ToFrontend) -> bytes:
+def frame(message: msgspec.Struct) -> bytes:
+    """One message (a link message, or one of shared/auth.py's during the handshake) as a frame."""
     body = _encoder.encode(message)
     return LENGTH.pack(len(body)) + body
 
 
-async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder,
-               max_bytes: int = MAX_FRAME_BYTES) -> ToEngine | ToFrontend:
+async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder[T],
+               max_bytes: int = MAX_FRAME_BYTES) -> T:
     """The next message; asyncio.IncompleteReadError at the end of the stream."""
     (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
     if n > max_bytes:
         raise ConnectionError(f"a frame of {n} bytes (at most {max_bytes})")
-    return cast(ToEngine | ToFrontend, decoder.decode(await reader.readexactly(n)))
+    return decoder.decode(await reader.readexactly(n))
 
 
-to_engine = msgspec.msgpack.Decoder(ToEngine)
-to_frontend = msgspec.msgpack.Decoder(ToFrontend)
+to_engine: msgspec.msgpack.Decoder[ToEngine] = msgspec.msgpack.Decoder(ToEngine)
+to_frontend: msgspec.msgpack.Decoder[ToFrontend] = msgspec.msgpack.Decoder(ToFrontend)
+auth_hello = msgspec.msgpack.Decoder(AuthHello)
+auth_challenge = msgspec.msgpack.Decoder(AuthChallenge)
+auth_proof = msgspec.msgpack.Decoder(AuthProof)
 
 
 async def open_link(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
