@@ -185,6 +185,21 @@ class PassCost:
         c0, c1 = self.line.theta
         return max(1e-3, at(near) + c1 * (tokens - near))
 
+    def target_ms_many(self, tokens: np.ndarray, kv: int = 0) -> np.ndarray:
+        """`target_ms` at every count of `tokens` at once (the same table, interpolation and line)."""
+        kv = min(max(kv, self.kv_min), self.kv_max)
+        if self.seen:
+            keys = np.asarray(self._keys, dtype=np.float64)
+            held = np.array([self.seen[n] for n in self._keys], dtype=np.float64)
+        else:
+            keys = np.array([float(ANCHOR_TOKENS)])
+            held = np.array([[self.baseline_iteration_ms, float(kv)]])
+        at = held[:, 0] + self.kv_ms_per_block * (kv - held[:, 1])
+        x = np.asarray(tokens, dtype=np.float64)
+        beyond = x - np.clip(x, keys[0], keys[-1])  # past the table: along the line from its nearest count
+        out: np.ndarray = np.maximum(1e-3, np.interp(x, keys, at) + self.line.theta[1] * beyond)
+        return out
+
     def draft_ms(self, depth: int, spec: int, width: int, lag: int) -> float:
         return self.draft.predict([1.0, float(depth), float(depth * spec * width), float(lag)])
 
@@ -195,6 +210,16 @@ class PassCost:
         if depth > 0 and spec > 0:
             t += max(self.r_d, 0.0) + self.draft_ms(depth, spec, width, lag)
         return max(t, 1e-3)
+
+    def iteration_ms_many(self, tokens: np.ndarray, depth: np.ndarray, spec: np.ndarray, width: int = 1,
+                          lag: np.ndarray | int = 0, kv: int = 0) -> np.ndarray:
+        """`iteration_ms` elementwise over arrays of passes (one kv and width for all)."""
+        depth, spec = np.asarray(depth), np.asarray(spec)
+        e0, e1, e2, e3 = self.draft.theta
+        draft = max(self.r_d, 0.0) + e0 + e1 * depth + e2 * depth * spec * width + e3 * np.asarray(lag)
+        t = max(self.r_t, 0.0) + self.target_ms_many(tokens, kv) + max(self.gateway, 0.0)
+        out: np.ndarray = np.maximum(np.where((depth > 0) & (spec > 0), t + draft, t), 1e-3)
+        return out
 
     # ---- the planner's view --------------------------------------------------------------------------
     def margin_ms(self, tokens: int) -> float:
