@@ -8,7 +8,10 @@
   target), new requests are served, and the dead front end is started again;
 - a front end run on its own (`specserve gateway --frontend-of HOST:PORT`, the engine started with
   `--frontend-link HOST:PORT`) serves exactly over TCP; one with another secret exits with a clear
-  error, and a connection that sends a request before the handshake is closed unserved.
+  error, and a connection that sends a request before the handshake is closed unserved, as is one
+  that announces a frame over wire.MAX_HANDSHAKE_BYTES before it (at once: the body is never awaited);
+- a front end started before its engine waits for it (RemoteEngine.connect_retrying) and serves once
+  the engine's link accepts connections.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -206,3 +211,72 @@ def test_a_frontend_of_its_own_over_tcp(up_fe, reference, link_port):
     assert body["running"] == 0 and body["waiting"] == 0, body
     later = asyncio.run(run_all(up_fe.url, PROMPTS[:2]))
     assert [r.choices[0].text for r in later] == reference[:2]
+
+
+def wait_for_line(lines, text: str, timeout_s: float = 60.0) -> str:
+    """The first line of `lines` (a growing sequence, read by another thread) that contains `text`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = next((line for line in list(lines) if text in line), None)
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no line with {text!r} within {timeout_s:g} s: {''.join(list(lines)[-20:])}")
+
+
+def test_a_frame_over_the_handshake_limit_is_refused_before_its_body(up_fe, link_port):
+    """A header announcing 1 GiB, and nothing after it: the engine closes the connection at once,
+    saying why, instead of waiting for the body until the handshake's deadline."""
+    huge = 2**30
+    assert asyncio.run(unauthenticated(link_port, wire.LENGTH.pack(huge))) == b""
+    line = wait_for_line(up_fe.stderr, f"a frame of {huge} bytes")
+    assert f"(at most {wire.MAX_HANDSHAKE_BYTES})" in line and "was refused" in line
+
+
+class Forwarder:
+    """A TCP port that forwards every connection to another port, started when the test says so (a
+    link address where, at first, nothing listens)."""
+
+    def __init__(self, to_port: int):
+        self.port, self.to_port = free_port(), to_port
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def start(self) -> None:
+        asyncio.run_coroutine_threadsafe(asyncio.start_server(self._pipe, "127.0.0.1", self.port),
+                                         self.loop).result(30)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.to_port)
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer), return_exceptions=True)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_frontend_started_before_its_engine_waits_for_it(up_fe, reference, link_port):
+    forwarder = Forwarder(link_port)  # nothing listens on forwarder.port yet
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "gateway", "--frontend-of",
+                             f"127.0.0.1:{forwarder.port}", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(SECRET))
+    try:
+        err: list[str] = []
+        threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+        wait_for_line(err, f"waiting for the engine at 127.0.0.1:{forwarder.port}")
+        assert proc.poll() is None
+        forwarder.start()  # the engine's link is there now
+        line = proc.stdout.readline()
+        assert line.startswith("ready frontend"), line + "".join(err)
+        out = asyncio.run(run_all(line.split()[-1], PROMPTS[:2]))
+        assert [r.choices[0].text for r in out] == reference[:2]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        forwarder.stop()

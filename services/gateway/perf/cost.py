@@ -145,6 +145,7 @@ class PassCost:
                                  prior_points=[[1.0, float(n)] for n, _ in self.curve] if len(self.curve) > 1 else None)
         self.seen: dict[int, tuple[float, float]] = {}  # tokens -> moving averages of (service ms, kv blocks)
         self._keys: list[int] = []
+        self._table: tuple[np.ndarray, np.ndarray] | None = None  # `seen` as arrays (target_ms_many)
         self.kv_slope = [0.0, 0.0]  # decayed sums of d_kv * d_ms and d_kv ** 2 at one token count
         self.kv_min, self.kv_max = 0, 0  # the least and most KV blocks a timed pass held: the term stays within
         step = DRAFT_STEP_SHARE * max(baseline_iteration_ms, 1e-3)
@@ -189,14 +190,16 @@ class PassCost:
         """`target_ms` at every count of `tokens` at once (the same table, interpolation and line)."""
         kv = min(max(kv, self.kv_min), self.kv_max)
         if self.seen:
-            keys = np.asarray(self._keys, dtype=np.float64)
-            held = np.array([self.seen[n] for n in self._keys], dtype=np.float64)
+            if self._table is None:  # rebuilt after a pass changed the table
+                self._table = (np.asarray(self._keys, dtype=np.float64),
+                               np.array([self.seen[n] for n in self._keys], dtype=np.float64))
+            keys, held = self._table
         else:
             keys = np.array([float(ANCHOR_TOKENS)])
             held = np.array([[self.baseline_iteration_ms, float(kv)]])
         at = held[:, 0] + self.kv_ms_per_block * (kv - held[:, 1])
         x = np.asarray(tokens, dtype=np.float64)
-        beyond = x - np.clip(x, keys[0], keys[-1])  # past the table: along the line from its nearest count
+        beyond = x - np.minimum(np.maximum(x, keys[0]), keys[-1])  # past the table: along the line from its nearest count
         out: np.ndarray = np.maximum(1e-3, np.interp(x, keys, at) + self.line.theta[1] * beyond)
         return out
 
@@ -214,11 +217,10 @@ class PassCost:
     def iteration_ms_many(self, tokens: np.ndarray, depth: np.ndarray, spec: np.ndarray, width: int = 1,
                           lag: np.ndarray | int = 0, kv: int = 0) -> np.ndarray:
         """`iteration_ms` elementwise over arrays of passes (one kv and width for all)."""
-        depth, spec = np.asarray(depth), np.asarray(spec)
         e0, e1, e2, e3 = self.draft.theta
-        draft = max(self.r_d, 0.0) + e0 + e1 * depth + e2 * depth * spec * width + e3 * np.asarray(lag)
-        t = max(self.r_t, 0.0) + self.target_ms_many(tokens, kv) + max(self.gateway, 0.0)
-        out: np.ndarray = np.maximum(np.where((depth > 0) & (spec > 0), t + draft, t), 1e-3)
+        draft = (max(self.r_d, 0.0) + e0) + e1 * depth + e2 * width * (depth * spec) + e3 * lag
+        t = self.target_ms_many(tokens, kv) + (max(self.r_t, 0.0) + max(self.gateway, 0.0))
+        out: np.ndarray = np.maximum(t + draft * ((depth > 0) & (spec > 0)), 1e-3)
         return out
 
     # ---- the planner's view --------------------------------------------------------------------------
@@ -288,6 +290,7 @@ class PassCost:
         if tokens >= (self._keys[0] if self._keys else ANCHOR_TOKENS):  # below the table the line is no reference
             ms = min(ms, OUTLIER_FACTOR * self.target_ms(tokens, int(kv)))  # one stalled pass cannot set a count's time
         self.line.observe([1.0, float(tokens)], ms)
+        self._table = None
         old = self.seen.get(tokens)
         if old is None:
             self.seen[tokens] = (ms, kv)

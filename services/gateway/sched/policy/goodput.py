@@ -90,7 +90,7 @@ class Acceptance:
         counts = np.array([self.per_request.get(rid, none) for rid in rids], dtype=np.float64).reshape(-1, 2)
         known = np.fromiter((rid in self.per_request for rid in rids), bool, len(rids))
         mine = (counts[:, 0] + g * w) / (counts.sum(axis=1) + w)
-        return np.where(known, np.clip(mine, A_MIN, A_MAX), g)
+        return np.where(known, np.minimum(np.maximum(mine, A_MIN), A_MAX), g)
 
     def forget(self, keep: AbstractSet[str]) -> None:
         """Drop the counts of requests that are gone."""
