@@ -199,7 +199,7 @@ class PassCost:
             held = np.array([[self.baseline_iteration_ms, float(kv)]])
         at = held[:, 0] + self.kv_ms_per_block * (kv - held[:, 1])
         x = np.asarray(tokens, dtype=np.float64)
-        beyond = x - np.minimum(np.maximum(x, keys[0]), keys[-1])  # past the table: along the line from its nearest count
+        beyond = x - np.minimum(np.maximum(x, keys[0]), keys[-1])  # past the table: along the line from the end
         out: np.ndarray = np.maximum(1e-3, np.interp(x, keys, at) + self.line.theta[1] * beyond)
         return out
 
