@@ -225,9 +225,10 @@ def wait_for_line(lines, text: str, timeout_s: float = 60.0) -> str:
 
 
 def test_a_frame_over_the_handshake_limit_is_refused_before_its_body(up_fe, link_port):
-    """A header announcing 1 GiB, and nothing after it: the engine closes the connection at once,
-    saying why, instead of waiting for the body until the handshake's deadline."""
-    huge = 2**30
+    """A header announcing 1 MiB (a frame the link takes once authenticated), and nothing after it: the
+    engine closes the connection at once, saying why, instead of waiting for the body until the
+    handshake's deadline."""
+    huge = 2**20
     assert asyncio.run(unauthenticated(link_port, wire.LENGTH.pack(huge))) == b""
     line = wait_for_line(up_fe.stderr, f"a frame of {huge} bytes")
     assert f"(at most {wire.MAX_HANDSHAKE_BYTES})" in line and "was refused" in line
