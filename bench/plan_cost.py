@@ -1,6 +1,7 @@
-"""One replica's plan per iteration, in-process: `Scheduler.plan` with a policy and SLO admission.
+"""One replica's plan per iteration, in-process: the cost model's refit and `Scheduler.plan`.
 
-What a step loop pays to plan one iteration of one replica in the steady state of decoding: `running`
+What a step loop pays to plan one iteration of one replica in the steady state of decoding (the last
+iteration's pass fitted into the replica's cost model, then the plan): `running`
 decoding requests on the replica in AdaServe's 60/20/20 mix of three tiers (TPOT 12 / 30 / 100 ms, a
 spread of output so far and left), nobody waiting, the draft up. The replica's cost model has timed
 passes of 1..`--table` tokens (the table a replica builds as it serves), and each request has a few
@@ -58,7 +59,7 @@ def snapshot(running: int, cost: PassCost, rng: random.Random) -> SchedulerView:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", default="joint")
-    ap.add_argument("--running", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--running", type=int, nargs="+", default=[1, 4, 8, 16, 32, 128])
     ap.add_argument("--table", type=int, default=160, help="token counts the cost model has timed")
     ap.add_argument("--repeats", type=int, default=300)
     ap.add_argument("--out", required=True)
@@ -74,9 +75,12 @@ def main() -> None:
                     control.acceptance.observe(f"r{i}", 3, rng.randint(0, 3))
         cost = cost_model(args.table)
         views = [snapshot(running, cost, random.Random(step)) for step in range(args.repeats)]
+        passes = [PassSample(n, 15.0 + 0.05 * n, 15.3 + 0.05 * n, 16.0 + 0.05 * n, 0.4, kv=16 * running)
+                  for n in (rng.randint(running, running + 8) for _ in views)]
         times = []
         for step, view in enumerate(views):
             t0 = time.perf_counter()
+            cost.observe(passes[step])
             scheduler.plan(view, step)
             times.append((time.perf_counter() - t0) * 1e6)
         rows.append({"running": running, "median_us": round(statistics.median(times), 1),

@@ -145,7 +145,8 @@ class PassCost:
                                  prior_points=[[1.0, float(n)] for n, _ in self.curve] if len(self.curve) > 1 else None)
         self.seen: dict[int, tuple[float, float]] = {}  # tokens -> moving averages of (service ms, kv blocks)
         self._keys: list[int] = []
-        self._table: tuple[np.ndarray, np.ndarray] | None = None  # `seen` as arrays (target_ms_many)
+        self._xs = np.empty(0)  # `_keys` and `seen`'s values as arrays, kept beside them (target_ms_many)
+        self._held = np.empty((0, 2))
         self.kv_slope = [0.0, 0.0]  # decayed sums of d_kv * d_ms and d_kv ** 2 at one token count
         self.kv_min, self.kv_max = 0, 0  # the least and most KV blocks a timed pass held: the term stays within
         step = DRAFT_STEP_SHARE * max(baseline_iteration_ms, 1e-3)
@@ -190,10 +191,7 @@ class PassCost:
         """`target_ms` at every count of `tokens` at once (the same table, interpolation and line)."""
         kv = min(max(kv, self.kv_min), self.kv_max)
         if self.seen:
-            if self._table is None:  # rebuilt after a pass changed the table
-                self._table = (np.asarray(self._keys, dtype=np.float64),
-                               np.array([self.seen[n] for n in self._keys], dtype=np.float64))
-            keys, held = self._table
+            keys, held = self._xs, self._held
         else:
             keys = np.array([float(ANCHOR_TOKENS)])
             held = np.array([[self.baseline_iteration_ms, float(kv)]])
@@ -290,16 +288,18 @@ class PassCost:
         if tokens >= (self._keys[0] if self._keys else ANCHOR_TOKENS):  # below the table the line is no reference
             ms = min(ms, OUTLIER_FACTOR * self.target_ms(tokens, int(kv)))  # one stalled pass cannot set a count's time
         self.line.observe([1.0, float(tokens)], ms)
-        self._table = None
         old = self.seen.get(tokens)
+        i = bisect.bisect_left(self._keys, tokens)
         if old is None:
             self.seen[tokens] = (ms, kv)
-            bisect.insort(self._keys, tokens)
+            self._keys.insert(i, tokens)
+            self._xs = np.insert(self._xs, i, float(tokens))
+            self._held = np.insert(self._held, i, (ms, kv), axis=0)
         else:
             d_kv, d_ms = kv - old[1], ms - old[0]
             decay = self.line.decay
             self.kv_slope = [self.kv_slope[0] * decay + d_kv * d_ms, self.kv_slope[1] * decay + d_kv * d_kv]
-            self.seen[tokens] = (old[0] + a * d_ms, old[1] + a * d_kv)
+            self.seen[tokens] = self._held[i] = (old[0] + a * d_ms, old[1] + a * d_kv)
         self.kv_min = int(kv) if len(self.seen) == 1 and old is None else min(self.kv_min, int(kv))
         self.kv_max = max(self.kv_max, int(kv))
 
