@@ -74,37 +74,9 @@ def test_the_planner_and_the_policy_price_one_iteration_the_same():
         for _ in range(5):
             cost.observe_record(record(nodes=n, service_ms=8.0 + 0.5 * n, total_ms=10.0 + 0.5 * n), 0)
     batch = BatchView([RequestView(f"r{i}", "t", 50.0, 1000.0, 3, 90.0, 100) for i in range(4)])
-    chains = GoodputControl().prices(batch, cost)
-    policy_ms = chains.step_ms(chains.mask(batch.requests))[0]
+    _, policy_ms = GoodputControl().step_ms(batch, cost, batch.requests, 0)
     assert policy_ms == pytest.approx(cost.iteration_ms(4))
     assert cost.planned_ms(4) >= policy_ms  # the planner adds its margin to the same prediction
-
-
-def test_the_vector_prices_equal_the_scalar_ones():
-    """`iteration_ms_many` (the policies' tables over k) against `iteration_ms`, pass by pass: before any
-    pass is timed, then with a table, a KV term and a draft fit, at counts inside, between and beyond it."""
-    import numpy as np
-
-    rng = random.Random(3)
-    for trial in range(30):
-        cost = PassCost(32, rng.uniform(5.0, 30.0), [(8, 10.0), (64, 10.0 + rng.uniform(0, 40))] if trial % 3 else None)
-        for _ in range(rng.choice([0, 1, 5, 40])):
-            n, d, spec = rng.choice([1, 2, 3, 8, 12, 40, 100]), rng.randint(0, 4), rng.randint(0, 8)
-            ms = 5.0 + 0.3 * n + rng.uniform(-1, 1)
-            cost.observe(PassSample(n, ms, ms + 0.4, ms + 1.2 + 2.0 * d * (spec > 0), 0.3, kv=rng.randint(0, 90),
-                                    depth=d, spec=spec, width=1, lag=rng.randint(0, 6),
-                                    draft_service_ms=2.0 * d if spec else 0.0, draft_call_ms=2.3 * d if spec else 0.0))
-        tokens = [rng.randint(1, 300) for _ in range(12)] + sorted(cost.seen)[:3]
-        depth = [rng.randint(0, 7) for _ in tokens]
-        spec = [rng.randint(0, 5) for _ in tokens]
-        lag = [rng.randint(0, 9) for _ in tokens]
-        kv = rng.randint(0, 120)
-        for _ in range(2):  # and again after one more pass changed the table
-            many = cost.iteration_ms_many(np.array(tokens), np.array(depth), np.array(spec), 1, np.array(lag), kv)
-            for i, n in enumerate(tokens):
-                assert many[i] == pytest.approx(cost.iteration_ms(n, depth[i], spec[i], 1, lag[i], kv), rel=1e-12)
-            n = rng.choice(tokens)
-            cost.observe(PassSample(n, 50.0, 50.5, 52.0, 0.3, kv=rng.randint(0, 90)))
 
 
 def test_one_stalled_pass_does_not_set_a_counts_time_for_good():

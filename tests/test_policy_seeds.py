@@ -134,53 +134,16 @@ def test_goodput_hand_computed():
     # k = 2: target 6 + 0.5 * 6 = 9, draft 3.875 + R_d 0.5 -> 1 + 9 + 2 + 4.375 = 16.375 ms
     assert sm.iteration_ms(6, 2, 2, 1) == pytest.approx(16.375)
     p = TurboSpec()
-
-    def goodput(batch: BatchView, spec: list[RequestView]) -> list[float]:
-        chains = p.control.prices(batch, sm)
-        return chains.goodput(chains.mask(spec)).tolist()
-
     b = BatchView([req("a"), req("b")])
     spec = b.requests
     # a = 0.6 (the prior): G(0) = 2 / 10; G(2) = 2 * 1.96 / 16.375
-    assert goodput(b, spec)[0] == pytest.approx(0.2)
-    assert goodput(b, spec)[2] == pytest.approx(3.92 / 16.375)
-    # a request outside the drafting group verifies its root alone: k = 2 for "a" only -> 4 tokens in the
-    # pass, one drafter: 1 + (6 + 0.5 * 4) + 2 + 0.5 + (0.5 + 1.5 * 2 + 1.5 / 16 * 2) ms for 1.96 + 1 tokens
-    assert goodput(b, spec[:1])[2] == pytest.approx(2.96 / (1 + 8 + 2 + 0.5 + 0.5 + 3.0 + 0.1875))
+    assert p.control.goodput(b, sm, spec, 0) == pytest.approx(0.2)
+    assert p.control.goodput(b, sm, spec, 2) == pytest.approx(3.92 / 16.375)
     # prefill tokens in the same pass count in the target's tokens: k = 0 -> 1 + (6 + 0.5 * 12) + 2
-    assert goodput(BatchView(spec, prefill_tokens=10), spec)[0] == pytest.approx(2 / 15)
+    assert p.control.goodput(BatchView(spec, prefill_tokens=10), sm, spec, 0) == pytest.approx(2 / 15)
     # a draft lag is caught up in the call: +0.05 ms per token
     lagged = [req("a", lag=20), req("b")]
-    assert goodput(BatchView(lagged), lagged)[2] == pytest.approx(3.92 / 17.375)
-    # a chain never runs past the request's last token: remaining 2 -> at most 1 draft token
-    short = [req("a", remaining=2), req("b", remaining=2)]
-    assert goodput(BatchView(short), short)[2] == pytest.approx(goodput(BatchView(short), short)[1])
-
-
-def test_the_goodput_tables_equal_the_per_request_formulas_on_random_batches():
-    """The arrays (goodput.Chains, Joint.value) against the textbook loop over requests for each k."""
-    rng = random.Random(5)
-    for trial in range(40):
-        sm = latency(baseline=rng.uniform(5.0, 20.0))
-        p = Joint()
-        reqs = [req(f"r{i}", tpot=rng.uniform(5.0, 80.0), decoded=rng.randint(1, 50), elapsed=rng.uniform(0, 2000),
-                    remaining=rng.randint(1, 12), lag=rng.randint(0, 5)) for i in range(rng.randint(1, 20))]
-        for r in reqs:
-            for _ in range(rng.randint(0, 6)):
-                p.control.acceptance.observe(r.rid, 4, rng.randint(0, 4))
-        batch = BatchView(reqs, prefill_tokens=rng.choice([0, 0, 17]))
-        group = [r for r in reqs if rng.random() < 0.6]
-        chains = p.control.prices(batch, sm)
-        table, values = chains.goodput(chains.mask(group)), p.value(chains, chains.mask(group))
-        for k in range(p.control.max_k + 1):
-            ks = {r.rid: min(k, r.remaining - 1) for r in group}
-            t = sm.iteration_ms(len(reqs) + sum(ks.values()) + batch.prefill_tokens, max(ks.values(), default=0),
-                                sum(1 for x in ks.values() if x > 0), 1,
-                                sum(r.draft_lag for r in group if ks[r.rid] > 0), 0)
-            tokens = {r.rid: expected_tokens(p.control.acceptance.rate_of(r.rid), ks.get(r.rid, 0)) for r in reqs}
-            assert table[k] == pytest.approx(sum(tokens.values()) / t, rel=1e-12), (trial, k)
-            kept = sum(x for r in reqs if t <= r.pace_ms() * (x := tokens[r.rid]))
-            assert values[k] == pytest.approx(kept / t, rel=1e-12), (trial, k)
+    assert p.control.goodput(BatchView(lagged), sm, lagged, 2) == pytest.approx(3.92 / 17.375)
 
 
 def test_best_depth_keeps_current_within_margin():
@@ -210,6 +173,23 @@ def test_mle_acceptance_recovers_the_truth_where_accepted_over_proposed_is_biase
         accepted, proposed = accepted + m, proposed + k
     assert est.rate == pytest.approx(truth, abs=0.01)
     assert accepted / proposed < truth - 0.05  # the naive ratio is biased low
+
+
+def test_the_rates_a_plan_prices_with_are_each_requests_own():
+    """`Acceptance.rates` (computed once per plan) equals `rate_of`, and a goodput priced with them equals
+    one priced without."""
+    rng = random.Random(2)
+    p = TurboSpec()
+    reqs = [req(f"r{i}", remaining=rng.randint(1, 9), lag=rng.randint(0, 4)) for i in range(12)]
+    for r in reqs[:9]:
+        for _ in range(rng.randint(1, 5)):
+            p.control.acceptance.observe(r.rid, 4, rng.randint(0, 4))
+    rates = p.control.acceptance.rates(reqs)
+    assert rates == {r.rid: p.control.acceptance.rate_of(r.rid) for r in reqs}
+    assert len(set(rates.values())) > 3  # requests with their own counts differ from the global rate
+    b, sm = BatchView(reqs), latency()
+    for k in range(8):
+        assert p.control.goodput(b, sm, reqs[2:], k, rates) == p.control.goodput(b, sm, reqs[2:], k)
 
 
 def test_acceptance_per_request_is_shrunk_toward_the_global_rate():
@@ -370,16 +350,12 @@ def test_joint_states():
     # pace = (tpot * (decoded + remaining) - elapsed) / remaining; remaining = 100
     u = req("u", tpot=10.0, decoded=20, elapsed=230.0)
     assert u.pace_ms() == pytest.approx(9.7)
-    batch = BatchView([u, req("f", tpot=1000.0), req("x", tpot=1.0, decoded=20, elapsed=10000.0)])
-    chains = p.control.prices(batch, latency())
-
-    def states(t_ms: float) -> list[str]:
-        return p.states(chains, t_ms).tolist()
-
-    assert states(10.0) == [AT_RISK, SLACK, LOST]  # u's root alone (10 ms a token) falls behind 9.7; x is
-    assert states(9.7)[0] == SLACK  # past its deadline
+    assert p.state(u, 10.0) == AT_RISK  # its root alone (10 ms a token) falls behind 9.7
+    assert p.state(u, 9.7) == SLACK
+    assert p.state(req("f", tpot=1000.0), 10.0) == SLACK
     # lost only when a chain of K_max = 7 accepted whole (8 tokens a step) could not keep 9.7 ms a token
-    assert states(77.0)[0] == AT_RISK and states(78.0)[0] == LOST
+    assert p.state(u, 77.0) == AT_RISK and p.state(u, 78.0) == LOST
+    assert p.state(req("x", tpot=1.0, decoded=20, elapsed=10000.0), 10.0) == LOST  # past its deadline
 
 
 TIGHT_CURVE = [(1, 10.0), (8, 12.0), (16, 16.0), (64, 40.0)]  # verification costs: 0.5 ms a token above 8
@@ -398,8 +374,8 @@ def test_joint_drafts_for_the_at_risk_where_turbospec_would_not_draft_at_all():
     k = p.control.current[0]
     assert k > 0 and shapes == {**{r.rid: Shape(0, 1) for r in fine}, **{r.rid: Shape(k, 1) for r in urgent}}
     assert all(s.depth == 0 for s in turbo.shapes(BatchView([*fine, *urgent]), lat).values())
-    chains = p.control.prices(BatchView([*fine, *urgent]), lat)
-    assert p.value(chains, chains.mask(urgent))[k] > p.value(chains, chains.mask([*fine, *urgent]))[k]
+    assert p.value(BatchView([*fine, *urgent]), lat, urgent, k) > p.value(BatchView([*fine, *urgent]), lat,
+                                                                             [*fine, *urgent], k)
 
 
 def test_joint_is_turbospec_when_every_request_keeps_its_pace_and_lost_ones_never_draft():

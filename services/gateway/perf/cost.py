@@ -145,8 +145,6 @@ class PassCost:
                                  prior_points=[[1.0, float(n)] for n, _ in self.curve] if len(self.curve) > 1 else None)
         self.seen: dict[int, tuple[float, float]] = {}  # tokens -> moving averages of (service ms, kv blocks)
         self._keys: list[int] = []
-        self._xs = np.empty(0)  # `_keys` and `seen`'s values as arrays, kept beside them (target_ms_many)
-        self._held = np.empty((0, 2))
         self.kv_slope = [0.0, 0.0]  # decayed sums of d_kv * d_ms and d_kv ** 2 at one token count
         self.kv_min, self.kv_max = 0, 0  # the least and most KV blocks a timed pass held: the term stays within
         step = DRAFT_STEP_SHARE * max(baseline_iteration_ms, 1e-3)
@@ -187,20 +185,6 @@ class PassCost:
         c0, c1 = self.line.theta
         return max(1e-3, at(near) + c1 * (tokens - near))
 
-    def target_ms_many(self, tokens: np.ndarray, kv: int = 0) -> np.ndarray:
-        """`target_ms` at every count of `tokens` at once (the same table, interpolation and line)."""
-        kv = min(max(kv, self.kv_min), self.kv_max)
-        if self.seen:
-            keys, held = self._xs, self._held
-        else:
-            keys = np.array([float(ANCHOR_TOKENS)])
-            held = np.array([[self.baseline_iteration_ms, float(kv)]])
-        at = held[:, 0] + self.kv_ms_per_block * (kv - held[:, 1])
-        x = np.asarray(tokens, dtype=np.float64)
-        beyond = x - np.minimum(np.maximum(x, keys[0]), keys[-1])  # past the table: along the line from the end
-        out: np.ndarray = np.maximum(1e-3, np.interp(x, keys, at) + self.line.theta[1] * beyond)
-        return out
-
     def draft_ms(self, depth: int, spec: int, width: int, lag: int) -> float:
         return self.draft.predict([1.0, float(depth), float(depth * spec * width), float(lag)])
 
@@ -211,15 +195,6 @@ class PassCost:
         if depth > 0 and spec > 0:
             t += max(self.r_d, 0.0) + self.draft_ms(depth, spec, width, lag)
         return max(t, 1e-3)
-
-    def iteration_ms_many(self, tokens: np.ndarray, depth: np.ndarray, spec: np.ndarray, width: int = 1,
-                          lag: np.ndarray | int = 0, kv: int = 0) -> np.ndarray:
-        """`iteration_ms` elementwise over arrays of passes (one kv and width for all)."""
-        e0, e1, e2, e3 = self.draft.theta
-        draft = (max(self.r_d, 0.0) + e0) + e1 * depth + e2 * width * (depth * spec) + e3 * lag
-        t = self.target_ms_many(tokens, kv) + (max(self.r_t, 0.0) + max(self.gateway, 0.0))
-        out: np.ndarray = np.maximum(t + draft * ((depth > 0) & (spec > 0)), 1e-3)
-        return out
 
     # ---- the planner's view --------------------------------------------------------------------------
     def margin_ms(self, tokens: int) -> float:
@@ -289,17 +264,14 @@ class PassCost:
             ms = min(ms, OUTLIER_FACTOR * self.target_ms(tokens, int(kv)))  # one stalled pass cannot set a count's time
         self.line.observe([1.0, float(tokens)], ms)
         old = self.seen.get(tokens)
-        i = bisect.bisect_left(self._keys, tokens)
         if old is None:
             self.seen[tokens] = (ms, kv)
-            self._keys.insert(i, tokens)
-            self._xs = np.insert(self._xs, i, float(tokens))
-            self._held = np.insert(self._held, i, (ms, kv), axis=0)
+            bisect.insort(self._keys, tokens)
         else:
             d_kv, d_ms = kv - old[1], ms - old[0]
             decay = self.line.decay
             self.kv_slope = [self.kv_slope[0] * decay + d_kv * d_ms, self.kv_slope[1] * decay + d_kv * d_kv]
-            self.seen[tokens] = self._held[i] = (old[0] + a * d_ms, old[1] + a * d_kv)
+            self.seen[tokens] = (old[0] + a * d_ms, old[1] + a * d_kv)
         self.kv_min = int(kv) if len(self.seen) == 1 and old is None else min(self.kv_min, int(kv))
         self.kv_max = max(self.kv_max, int(kv))
 

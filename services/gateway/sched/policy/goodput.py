@@ -10,10 +10,6 @@ here is fed by the IterationRecord (`observe`) and is pure arithmetic (no I/O, n
   geometrically so the estimate follows drift; each request has its own counts, shrunk toward the
   global rate (digest errata 7).
 
-- `Chains`: one replica's decoding requests as arrays (remaining tokens, draft lag, acceptance rate,
-  pace), priced for k-token chains at every k in 0..K_max at once: the step time T(k) and the goodput
-  G(k) of a group of them drafting, one numpy expression per table instead of a loop per request and k.
-
 `l(a, k) = (1 - a^(k+1)) / (1 - a)` is the expected tokens of a k-token chain step (TurboSpec eq. 4).
 """
 
@@ -22,10 +18,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from specserve.gateway.perf.cost import PassCost
-from specserve.gateway.sched.plan import BatchView, RequestView
+from specserve.gateway.sched.plan import RequestView
 
 A_MIN, A_MAX = 0.01, 0.99  # the estimate is clamped: eq. 4 is singular at a = 1 (digest errata 9)
 
@@ -37,13 +30,6 @@ def expected_tokens(a: float, k: int) -> float:
     if a >= 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-def chain_tokens(a: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """`expected_tokens` elementwise over arrays of rates and chain lengths (broadcast)."""
-    k = np.maximum(k, 0)
-    below = a < 1.0
-    return np.where(below, (1.0 - a ** (k + 1)) / np.where(below, 1.0 - a, 1.0), k + 1.0)  # k = 0: (1 - a) / (1 - a)
 
 
 @dataclass(slots=True)
@@ -74,81 +60,26 @@ class Acceptance:
         a = (self.accepted + self.prior * self.prior_weight) / (self.accepted + self.rejected + self.prior_weight)
         return min(A_MAX, max(A_MIN, a))
 
-    def rate_of(self, rid: str) -> float:
-        """The request's own MLE, shrunk toward the global rate by `prior_weight` pseudo-observations."""
+    def rate_of(self, rid: str, g: float | None = None) -> float:
+        """The request's own MLE, shrunk toward the global rate `g` (default: `rate`) by `prior_weight`
+        pseudo-observations."""
         mine = self.per_request.get(rid)
-        g = self.rate
+        if g is None:
+            g = self.rate
         if mine is None:
             return g
         a = (mine[0] + g * self.prior_weight) / (mine[0] + mine[1] + self.prior_weight)
         return min(A_MAX, max(A_MIN, a))
 
-    def rates(self, rids: list[str]) -> np.ndarray:
-        """`rate_of` of every request in `rids`, as an array."""
-        g, w = self.rate, self.prior_weight
-        none = (0.0, 0.0)
-        counts = np.array([self.per_request.get(rid, none) for rid in rids], dtype=np.float64).reshape(-1, 2)
-        known = np.fromiter((rid in self.per_request for rid in rids), bool, len(rids))
-        mine = (counts[:, 0] + g * w) / (counts.sum(axis=1) + w)
-        return np.where(known, np.minimum(np.maximum(mine, A_MIN), A_MAX), g)
+    def rates(self, requests: list[RequestView]) -> dict[str, float]:
+        """`rate_of` of each request, the global rate computed once (a plan prices every k with them)."""
+        g = self.rate
+        return {r.rid: self.rate_of(r.rid, g) for r in requests}
 
     def forget(self, keep: AbstractSet[str]) -> None:
         """Drop the counts of requests that are gone."""
         for rid in [r for r in self.per_request if r not in keep]:
             del self.per_request[rid]
-
-
-class Chains:
-    """One replica's batch priced for k-token chains, for every k in 0..max_k at once.
-
-    A request of the drafting group draft min(k, remaining - 1) tokens; the others verify their root
-    alone (one token). Tables are indexed by k.
-    """
-
-    def __init__(self, batch: BatchView, cost: PassCost, acceptance: Acceptance, max_k: int):
-        reqs = batch.requests
-        n = len(reqs)
-        self.batch, self.cost, self.n = batch, cost, n
-        self.index = {r.rid: i for i, r in enumerate(reqs)}
-        remaining = np.fromiter((r.remaining for r in reqs), np.int64, n)
-        self.lag = np.fromiter((r.draft_lag for r in reqs), np.int64, n)
-        self.rate = acceptance.rates([r.rid for r in reqs])
-        self.pace = np.fromiter((r.pace_ms() for r in reqs), np.float64, n)  # RequestView.pace_ms
-        self.kv = sum(r.kv_blocks for r in reqs)
-        self.ks = np.minimum(np.arange(max_k + 1)[:, None], remaining[None, :] - 1)  # (k, request): its chain
-        self.tokens = chain_tokens(self.rate[None, :], self.ks)  # l(a_i, k_i)
-        self._steps: dict[bytes, np.ndarray] = {}
-
-    def mask(self, group: list[RequestView]) -> np.ndarray:
-        """The requests of `group` as a boolean vector over the batch."""
-        m = np.zeros(self.n, dtype=bool)
-        m[[self.index[r.rid] for r in group]] = True
-        return m
-
-    def chains(self, group: np.ndarray) -> np.ndarray:
-        """(k, request): the draft tokens each request drafts when `group` drafts k-token chains."""
-        return np.where(group[None, :], self.ks, 0)
-
-    def step_ms(self, group: np.ndarray) -> np.ndarray:
-        """T(k): the predicted time of this replica's iteration when `group` drafts k-token chains."""
-        key = np.packbits(group).tobytes()
-        if key not in self._steps:
-            ks = self.chains(group)
-            drafting = ks > 0
-            total, spec, lag = ks.sum(axis=1), drafting.sum(axis=1), drafting @ self.lag
-            deepest = ks.max(axis=1) if self.n else np.zeros(len(ks), dtype=np.int64)
-            tokens = self.n + self.batch.prefill_tokens + total
-            self._steps[key] = self.cost.iteration_ms_many(tokens, deepest, spec, 1, lag, self.kv)
-        return self._steps[key]
-
-    def yields(self, group: np.ndarray) -> np.ndarray:
-        """(k, request): expected tokens of each request's step when `group` drafts k-token chains."""
-        return np.where(group[None, :], self.tokens, 1.0)
-
-    def goodput(self, group: np.ndarray) -> np.ndarray:
-        """G(k): predicted tokens per ms of this replica's pass when `group` drafts k-token chains."""
-        goodput: np.ndarray = self.yields(group).sum(axis=1) / self.step_ms(group)
-        return goodput
 
 
 def best_depth(goodput: dict[int, float], current: int, margin: float) -> int:
@@ -160,4 +91,4 @@ def best_depth(goodput: dict[int, float], current: int, margin: float) -> int:
     return best
 
 
-__all__ = ["Acceptance", "Chains", "best_depth", "chain_tokens", "expected_tokens"]
+__all__ = ["Acceptance", "best_depth", "expected_tokens"]

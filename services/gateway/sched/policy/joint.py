@@ -26,11 +26,9 @@ acceptance MLE and the three-service step-time model, refitted online):
 
 from __future__ import annotations
 
-import numpy as np
-
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.policy.base import BatchView, RequestView
-from specserve.gateway.sched.policy.goodput import Chains, best_depth
+from specserve.gateway.sched.policy.goodput import best_depth, expected_tokens
 from specserve.gateway.sched.policy.turbospec import TurboSpec
 
 LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
@@ -39,38 +37,49 @@ LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
 class Joint(TurboSpec):
     name = "joint"
 
-    def states(self, chains: Chains, t_ms: float) -> np.ndarray:
-        """LOST, AT_RISK or SLACK of every request of the batch at a predicted iteration time of `t_ms`."""
-        pace = chains.pace
-        return np.where(pace * (self.control.max_k + 1) < t_ms, LOST, np.where(pace < t_ms, AT_RISK, SLACK))
+    def state(self, r: RequestView, t_ms: float) -> str:
+        """LOST, AT_RISK or SLACK for a decoding request at a predicted iteration time of `t_ms`."""
+        pace = r.pace_ms()
+        if pace * (self.control.max_k + 1) < t_ms:
+            return LOST
+        return AT_RISK if pace < t_ms else SLACK
 
-    def value(self, chains: Chains, group: np.ndarray) -> np.ndarray:
-        """Predicted SLO goodput (tokens per ms) of this pass, per k, if the requests in `group` draft
-        k-token chains: the tokens of the requests that keep their pace at that pass's time, over it."""
-        t = chains.step_ms(group)
-        tokens = chains.yields(group)
-        kept = t[:, None] <= chains.pace[None, :] * tokens
-        good: np.ndarray = np.where(kept, tokens, 0.0).sum(axis=1) / t
-        return good
+    def value(self, batch: BatchView, model: PassCost, group: list[RequestView], k: int,
+              rates: dict[str, float] | None = None, paces: dict[str, float] | None = None) -> float:
+        """Predicted SLO goodput (tokens per ms) of this pass if the requests in `group` draft k-token chains
+        (rates, paces: `Acceptance.rates` and `pace_ms()` of the batch's requests, when the caller prices
+        several k)."""
+        c = self.control
+        ks, t = c.step_ms(batch, model, group, k)
+        chains = {r.rid: kr for r, kr in zip(group, ks, strict=True)}
+        rates = rates or c.acceptance.rates(batch.requests)
+        paces = paces or {r.rid: r.pace_ms() for r in batch.requests}
+        good = 0.0
+        for r in batch.requests:
+            tokens = expected_tokens(rates[r.rid], chains.get(r.rid, 0))
+            if t <= paces[r.rid] * tokens:
+                good += tokens
+        return good / t
 
     def choose(self, batch: BatchView, model: PassCost) -> tuple[int, list[RequestView]]:
         """(k, the requests that draft k-token chains): the wider option unless the narrow one's
         predicted SLO goodput is higher."""
         c = self.control
+        t = model.t_spec_ms
         ready, late = c.eligible(batch)
         allowed = {r.rid for r in ready + late}
-        chains = c.prices(batch, model)
-        states = self.states(chains, model.t_spec_ms)
-        may = [r for i, r in enumerate(batch.requests)
-               if r.rid in allowed and r.remaining > 1 and states[i] != LOST]
+        states = {r.rid: self.state(r, t) for r in batch.requests}
+        may = [r for r in batch.requests if r.rid in allowed and r.remaining > 1 and states[r.rid] != LOST]
         current = c.current.get(batch.replica, 0)
-        wide = dict(enumerate(chains.goodput(chains.mask(may)).tolist())) if may else {0: 0.0}
+        rates = c.acceptance.rates(batch.requests)  # once: every k below is priced with them
+        wide = {k: c.goodput(batch, model, may, k, rates) for k in range(c.max_k + 1)} if may else {0: 0.0}
         k, spec = best_depth(wide, current, c.margin), may
-        narrow = [r for r in may if states[chains.index[r.rid]] == AT_RISK]
+        narrow = [r for r in may if states[r.rid] == AT_RISK]
         if narrow and len(narrow) < len(may):
-            values = self.value(chains, chains.mask(narrow))
-            k_narrow = best_depth(dict(enumerate(values.tolist())), current, c.margin)
-            if values[k_narrow] > self.value(chains, chains.mask(may))[k] * (1.0 + c.margin):
+            paces = {r.rid: r.pace_ms() for r in batch.requests}
+            table = {k: self.value(batch, model, narrow, k, rates, paces) for k in range(c.max_k + 1)}
+            k_narrow = best_depth(table, current, c.margin)
+            if table[k_narrow] > self.value(batch, model, may, k, rates, paces) * (1.0 + c.margin):
                 k, spec = k_narrow, narrow
         drafting = {r.rid for r in spec}
         c.settle(batch, k, [r for r in late if r.rid in drafting], may)

@@ -3,8 +3,7 @@
 The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
 
 - predicts goodput G(k) = sum_i l(a_i, k_i) / T(k) for k in 0..K_max from the goodput model
-  (goodput.py: the MLE acceptance rate per request, the whole table at once on arrays; cost.py: the
-  replica's iteration time), and changes k
+  (goodput.py: the MLE acceptance rate per request; cost.py: the replica's iteration time), and changes k
   only when the best predicts a gain above `margin` over the current one (digest pitfalls);
 - skips the draft "prefill" under load: a request that starts decoding while more requests run
   than the smallest batch at which k = 0 was chosen (`thr`) never speculates, so the draft never
@@ -29,7 +28,7 @@ from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.plan import SchedulerView
 from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
-from specserve.gateway.sched.policy.goodput import Acceptance, Chains, best_depth, expected_tokens
+from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens
 
 
 @dataclass(slots=True)
@@ -67,9 +66,25 @@ class GoodputControl:
             del self.draft_ok[rid]
         self.acceptance.forget(live)
 
-    def prices(self, batch: BatchView, cost: PassCost) -> Chains:
-        """This replica's batch priced for k-token chains, every k in 0..K_max (goodput.Chains)."""
-        return Chains(batch, cost, self.acceptance, self.max_k)
+    def step_ms(self, batch: BatchView, cost: PassCost, spec: list[RequestView],
+                k: int) -> tuple[list[int], float]:
+        """The chain each request of `spec` drafts (k, or fewer where its output ends sooner) and the
+        predicted time of this replica's iteration with them, ms."""
+        ks = [min(k, r.remaining - 1) for r in spec]
+        lag = sum(r.draft_lag for r, kr in zip(spec, ks, strict=True) if kr > 0)
+        t = cost.iteration_ms(len(batch.requests) + sum(ks) + batch.prefill_tokens, max(ks, default=0),
+                              sum(1 for kr in ks if kr > 0), 1, lag, sum(r.kv_blocks for r in batch.requests))
+        return ks, t
+
+    def goodput(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int,
+                rates: dict[str, float] | None = None) -> float:
+        """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains
+        (rates: `Acceptance.rates` of them, when the caller prices several k)."""
+        ks, t = self.step_ms(batch, cost, spec, k)
+        rate = (rates or self.acceptance.rates(spec)).__getitem__
+        tokens = sum(expected_tokens(rate(r.rid), kr) for r, kr in zip(spec, ks, strict=True))
+        tokens += len(batch.requests) - len(spec)
+        return tokens / t
 
     def eligible(self, batch: BatchView) -> tuple[list[RequestView], list[RequestView]]:
         """(the requests that may draft, the skipped ones that may start late: load dropped below the
@@ -92,11 +107,9 @@ class GoodputControl:
     def choose(self, batch: BatchView, cost: PassCost) -> tuple[int, list[RequestView]]:
         """(k for this replica, the requests that may speculate)."""
         spec, late = self.eligible(batch)
-        if spec or late:
-            chains = self.prices(batch, cost)
-            table = dict(enumerate(chains.goodput(chains.mask(spec + late)).tolist()))
-        else:
-            table = {0: 0.0}
+        rates = self.acceptance.rates(spec + late)
+        table = {k: self.goodput(batch, cost, spec + late, k, rates) for k in range(self.max_k + 1)} \
+            if spec or late else {0: 0.0}
         k = best_depth(table, self.current.get(batch.replica, 0), self.margin)
         if k > 0 and late:
             spec = spec + late
