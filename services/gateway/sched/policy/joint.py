@@ -37,9 +37,10 @@ LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
 class Joint(TurboSpec):
     name = "joint"
 
-    def state(self, r: RequestView, t_ms: float) -> str:
-        """LOST, AT_RISK or SLACK for a decoding request at a predicted iteration time of `t_ms`."""
-        pace = r.pace_ms()
+    def state(self, r: RequestView, t_ms: float, pace: float | None = None) -> str:
+        """LOST, AT_RISK or SLACK for a decoding request at a predicted iteration time of `t_ms` (pace: its
+        `pace_ms()`, when the caller has it)."""
+        pace = r.pace_ms() if pace is None else pace
         if pace * (self.control.max_k + 1) < t_ms:
             return LOST
         return AT_RISK if pace < t_ms else SLACK
@@ -68,15 +69,15 @@ class Joint(TurboSpec):
         t = model.t_spec_ms
         ready, late = c.eligible(batch)
         allowed = {r.rid for r in ready + late}
-        states = {r.rid: self.state(r, t) for r in batch.requests}
+        paces = {r.rid: r.pace_ms() for r in batch.requests}  # once, as the rates: every k is priced with them
+        states = {r.rid: self.state(r, t, paces[r.rid]) for r in batch.requests}
         may = [r for r in batch.requests if r.rid in allowed and r.remaining > 1 and states[r.rid] != LOST]
         current = c.current.get(batch.replica, 0)
-        rates = c.acceptance.rates(batch.requests)  # once: every k below is priced with them
+        rates = c.acceptance.rates(batch.requests) if may else {}
         wide = {k: c.goodput(batch, model, may, k, rates) for k in range(c.max_k + 1)} if may else {0: 0.0}
         k, spec = best_depth(wide, current, c.margin), may
         narrow = [r for r in may if states[r.rid] == AT_RISK]
         if narrow and len(narrow) < len(may):
-            paces = {r.rid: r.pace_ms() for r in batch.requests}
             table = {k: self.value(batch, model, narrow, k, rates, paces) for k in range(c.max_k + 1)}
             k_narrow = best_depth(table, current, c.margin)
             if table[k_narrow] > self.value(batch, model, may, k, rates, paces) * (1.0 + c.margin):

@@ -81,8 +81,8 @@ class GoodputControl:
         """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains
         (rates: `Acceptance.rates` of them, when the caller prices several k)."""
         ks, t = self.step_ms(batch, cost, spec, k)
-        rate = (rates or self.acceptance.rates(spec)).__getitem__
-        tokens = sum(expected_tokens(rate(r.rid), kr) for r, kr in zip(spec, ks, strict=True))
+        rates = rates or self.acceptance.rates(spec)
+        tokens = sum(expected_tokens(rates[r.rid], kr) for r, kr in zip(spec, ks, strict=True))
         tokens += len(batch.requests) - len(spec)
         return tokens / t
 
