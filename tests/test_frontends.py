@@ -160,15 +160,22 @@ def test_a_killed_frontend_costs_only_its_streams(up_fe, reference):
 
 class OwnFrontend:
     """`specserve gateway --frontend-of 127.0.0.1:PORT --port 0`, started by hand as a Deployment would;
-    `url` is its ready line's address, None when it exited instead."""
+    `url` is its ready line's address, None when it exited instead (read at once, or by `ready()`)."""
 
-    def __init__(self, link_port: int, secret: str):
+    def __init__(self, link_port: int, secret: str, wait_ready: bool = True):
         self.proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "gateway", "--frontend-of",
                                       f"127.0.0.1:{link_port}", "--port", "0"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(secret))
+        self.url: str | None = None
+        if wait_ready:
+            self.ready()
+
+    def ready(self) -> str | None:
+        """Wait for the ready line ("" when the process exits first); its address, or None."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the ready line, or "" when it exits first
+        line = self.proc.stdout.readline()
         self.url = line.split()[-1] if line.startswith("ready frontend") else None
+        return self.url
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -264,20 +271,17 @@ class Forwarder:
 
 def test_a_frontend_started_before_its_engine_waits_for_it(up_fe, reference, link_port):
     forwarder = Forwarder(link_port)  # nothing listens on forwarder.port yet
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "gateway", "--frontend-of",
-                             f"127.0.0.1:{forwarder.port}", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(SECRET))
+    early = OwnFrontend(forwarder.port, SECRET, wait_ready=False)
     try:
         err: list[str] = []
-        threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+        threading.Thread(target=lambda: err.extend(early.proc.stderr), daemon=True).start()
         wait_for_line(err, f"waiting for the engine at 127.0.0.1:{forwarder.port}")
-        assert proc.poll() is None
+        assert early.proc.poll() is None
         forwarder.start()  # the engine's link is there now
-        line = proc.stdout.readline()
-        assert line.startswith("ready frontend"), line + "".join(err)
-        out = asyncio.run(run_all(line.split()[-1], PROMPTS[:2]))
+        url = early.ready()
+        assert url is not None, "".join(err)
+        out = asyncio.run(run_all(url, PROMPTS[:2]))
         assert [r.choices[0].text for r in out] == reference[:2]
     finally:
-        proc.terminate()
-        proc.wait(60)
+        early.stop()
         forwarder.stop()
