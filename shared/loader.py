@@ -1,16 +1,41 @@
-"""Load a Hugging Face model directory (config.json + safetensors, single file or sharded)."""
+"""Load a Hugging Face model directory (config.json + safetensors, single file or sharded; model.gguf).
+
+Two passes run a model: the compiled CPU operators' (`LeanModel`: CPU, float32 activations, weights
+as stored) and the torch pass (`CausalLM`: any device and dtype, float32 / bfloat16 / float16 weights).
+`load_model` picks by `kernels` and `weights` (WEIGHTS and KERNELS say what each choice means).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from specserve.shared import kernels as cpu_kernels
+from specserve.shared.kernels import KIND_Q4_1, KIND_Q8_0
+from specserve.shared.lean_model import LeanModel
 from specserve.shared.model import CausalLM, checkpoint_views
 from specserve.shared.model_config import ModelConfig, ModelLoadError
+from specserve.shared.quant import GGUF_FILE, StoredWeight, read_gguf
 from specserve.shared.rope import inverse_frequencies
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = {
+    "auto": "the blocks of the directory's model.gguf as stored where it has one, else its float32 weights",
+    "float32": "the float32 safetensors",
+    "q8_0": "the float32 weights quantized to Q8_0 at load (compiled CPU operators only)",
+    "q4_1": "the float32 weights quantized to Q4_1 at load (compiled CPU operators only)",
+}
+KERNELS = {
+    "auto": "the compiled CPU operators on CPU in float32 (built on first use), the torch pass elsewhere "
+            "or where they cannot be built",
+    "cpu": "the compiled CPU operators, or an error",
+    "torch": "the torch pass (float32 safetensors; CUDA graphs on CUDA)",
+}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Buffers some checkpoints carry that we recompute instead.
@@ -53,9 +78,72 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
-) -> CausalLM:
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    weights: str = "auto",
+    kernels: str = "auto",
+) -> CausalLM | LeanModel:
+    """The model of `model_dir`, run by the pass `kernels` picks, from the weights `weights` picks."""
+    if weights not in WEIGHTS or kernels not in KERNELS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} and kernels one of {', '.join(KERNELS)}")
     config = ModelConfig.from_dir(model_dir)
+    dtype, device = parse_dtype(dtype), parse_device(device)
+    why_not = _why_not_lean(config, dtype, device, kernels)
+    if why_not is None:
+        return _load_lean(model_dir, config, weights)
+    if kernels == "cpu" or weights in ("q8_0", "q4_1"):
+        raise ModelLoadError(f"{model_dir}: the compiled CPU operators cannot run this model: {why_not}")
+    if kernels == "auto" and weights == "auto" and (Path(model_dir) / GGUF_FILE).is_file():
+        log.warning("%s: running the float32 weights through the torch pass, not %s's blocks: %s",
+                    model_dir, GGUF_FILE, why_not)
+    return _load_causal_lm(model_dir, config, dtype, device)
+
+
+def _why_not_lean(config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str) -> str | None:
+    """None where the compiled CPU pass can run the model, else why not."""
+    if kernels == "torch":
+        return "--kernels torch"
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"it runs on CPU in float32 only (asked: {device.type}, {str(dtype).removeprefix('torch.')})"
+    if any(w is not None for w in config.sliding_windows):
+        return "the model has sliding-window attention, which the compiled pass lacks"
+    if not cpu_kernels.load():
+        return f"they are not built ({cpu_kernels.error()})"
+    return None
+
+
+def _load_lean(model_dir: str | Path, config: ModelConfig, weights: str) -> LeanModel:
+    if weights == "auto" and (Path(model_dir) / GGUF_FILE).is_file():
+        read = read_gguf(Path(model_dir) / GGUF_FILE, config.num_heads, config.num_kv_heads)
+        _check_shapes(model_dir, config, read.tensors)
+        return LeanModel.from_tensors(config, read.tensors, read.describe())
+    # The float32 weights, checked and fused as the torch pass loads them, then handed over.
+    model = _load_causal_lm(model_dir, config, torch.float32, torch.device("cpu"))
+    tensors: dict[str, StoredWeight | torch.Tensor] = {k: v.detach() for k, v in checkpoint_views(model).items()}
+    quantize_to = {"q8_0": KIND_Q8_0, "q4_1": KIND_Q4_1}.get(weights)
+    source = "model.safetensors (float32" + (f", quantized to {weights} at load)" if quantize_to else ")")
+    return LeanModel.from_tensors(config, tensors, source, quantize_to=quantize_to)
+
+
+def _check_shapes(model_dir: str | Path, config: ModelConfig, tensors: dict[str, StoredWeight | torch.Tensor]) -> None:
+    """Every tensor the architecture needs, of its shape, and no other (as the safetensors loader checks)."""
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in checkpoint_views(CausalLM(config), False).items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise ModelLoadError(f"{model_dir}: {GGUF_FILE} lacks tensor(s) {', '.join(missing[:8])}")
+    for name, tensor in tensors.items():
+        shape = (tensor.rows, tensor.cols) if isinstance(tensor, StoredWeight) else tuple(tensor.shape)
+        if name not in expected and not (name == "lm_head.weight" and config.tie_word_embeddings):
+            raise ModelLoadError(f"{model_dir}: {GGUF_FILE} has tensor {name}, which this architecture lacks")
+        if name in expected and shape != expected[name]:
+            raise ModelLoadError(f"{model_dir}: tensor {name} has shape {shape}, config expects {expected[name]}")
+
+
+def _load_causal_lm(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     dtype, device = parse_dtype(dtype), parse_device(device)
     files = weight_files(model_dir)
     with torch.device("meta"):

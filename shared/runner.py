@@ -18,6 +18,8 @@ import torch
 from specserve.shared.batch import DraftNodes, Entry, ModelInputs, Tree, build_inputs, validate_entry
 from specserve.shared.block_manager import BlockManager, OutOfBlocks, UnknownRequest
 from specserve.shared.kv_cache import KVCache
+from specserve.shared.lean_inputs import build_lean_inputs
+from specserve.shared.lean_model import LeanModel
 from specserve.shared.loader import load_model, parse_device, parse_dtype
 from specserve.shared.model import CausalLM
 
@@ -39,12 +41,16 @@ class _Pending:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int = 16):
+    def __init__(self, model: CausalLM | LeanModel, num_blocks: int, block_size: int = 16):
+        """model: the torch pass (CausalLM) or the compiled CPU operators' (LeanModel)."""
         self.model = model
         self.config = model.config
         self.vocab_size = model.config.vocab_size
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        if isinstance(model, LeanModel):
+            self.device, self.dtype = model.device, model.dtype
+        else:
+            param = next(model.parameters())
+            self.device, self.dtype = param.device, param.dtype
         self.blocks = BlockManager(num_blocks, block_size)
         self.kv = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
         self.windows = set(self.config.sliding_windows) or {None}
@@ -58,8 +64,11 @@ class ModelRunner:
         block_size: int = 16,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
+        weights: str = "auto",
+        kernels: str = "auto",
     ) -> ModelRunner:
-        model = load_model(model_dir, parse_dtype(dtype), parse_device(device))
+        """`weights` and `kernels` as `loader.load_model` takes them."""
+        model = load_model(model_dir, parse_dtype(dtype), parse_device(device), weights=weights, kernels=kernels)
         return cls(model, num_blocks, block_size)
 
     # ---- state ---------------------------------------------------------------------------
@@ -144,6 +153,11 @@ class ModelRunner:
                  run_model: RunModel | None) -> list[torch.Tensor]:
         """The model pass of `forward`, once the entries' slots are taken: per entry its logits rows.
         (The simulated runner, shared/simulate/runner.py, replaces this and `_move_kv` alone.)"""
+        if isinstance(self.model, LeanModel):
+            if run_model is not None:
+                raise ValueError("run_model replaces the torch pass; the compiled CPU pass has none")
+            lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
+            return list(torch.split(self.model(lean, self.kv), lean.logits_splits))
         inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
         logits = (run_model or _run_model)(self.model, self.kv, inputs)
         return list(torch.split(logits, inputs.logits_splits))

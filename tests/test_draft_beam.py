@@ -24,8 +24,8 @@ def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("beam") / "m", TINY_CONFIG, seed=7, std=0.1)
 
 
-def _runner(model_dir) -> ModelRunner:
-    return ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+def _runner(model_dir, kernels: str = "auto") -> ModelRunner:
+    return ModelRunner.from_dir(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kernels=kernels)
 
 
 def test_draft_nodes_over_passes_equal_one_tree(model_dir):
@@ -92,12 +92,13 @@ def test_bucket_is_the_next_power_of_two():
 
 def test_static_shape_beam_steps_equal_the_dynamic_ones(model_dir):
     """The padding the CUDA-graph path uses (requests and KV blocks to power-of-two buckets, run here
-    eagerly on CPU) changes no real row: same trees, same logits, and buckets are reused."""
+    eagerly on CPU through the torch pass, which the graphs capture) changes no real row: same trees, same
+    logits, and buckets are reused."""
     rng = random.Random(21)
     contexts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randint(2, 30))] for i in range(5)}
     results = []
     for static in (False, True):
-        runner = _runner(model_dir)
+        runner = _runner(model_dir, kernels="torch")
         step = StaticBeamStep(runner, use_graphs=False) if static else None
         logits = runner.forward([Chunk(rid, toks, logits_at=[len(toks) - 1]) for rid, toks in contexts.items()])
         requests = [BeamRequest(rid, toks[-1], lg[0], 4, 3) for (rid, toks), lg in zip(contexts.items(), logits)]

@@ -1,7 +1,9 @@
 """Parity of the paged runtime (specserve.shared) with Hugging Face transformers.
 
 Every check runs a tiny float32 model built and saved by transformers, loads the saved directory
-with `ModelRunner.from_dir`, and compares logits (tight float32 tolerances) and argmax tokens with
+with `ModelRunner.from_dir` through each pass (the compiled CPU operators' and the torch pass; a
+sliding-window model only through the torch pass, which alone has windows), and compares logits
+(tight float32 tolerances) and argmax tokens with
 the reference `*ForCausalLM` forward on the equivalent plain sequence: full prefill, chunked
 prefill, token-by-token decode, token trees (and the KV copy of `commit_tree`), and ragged batches
 that mix all three. The loader's error paths and greedy generation are covered too.
@@ -121,6 +123,7 @@ class HFModel:
     name: str
     model: torch.nn.Module
     path: Path
+    kernels: str = "auto"  # the pass `runner()` loads: loader.KERNELS
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Reference float32 logits [len(ids), vocab] of the plain sequence."""
@@ -130,10 +133,11 @@ class HFModel:
     def runner(self, **kw) -> ModelRunner:
         kw.setdefault("num_blocks", NUM_BLOCKS)
         kw.setdefault("block_size", BLOCK_SIZE)
+        kw.setdefault("kernels", self.kernels)
         return ModelRunner.from_dir(self.path, **kw)
 
 
-def _build(name: str, root: Path) -> HFModel:
+def _build(name: str, root: Path, kernels: str = "auto") -> HFModel:
     config_cls, model_cls, extra = VARIANTS[name]
     cfg = config_cls(**_COMMON, **extra)
     torch.manual_seed(sum(map(ord, name)))
@@ -144,12 +148,17 @@ def _build(name: str, root: Path) -> HFModel:
                 p.normal_(0.0, 0.2)
     path = root / name
     model.save_pretrained(path)
-    return HFModel(name, model, path)
+    return HFModel(name, model, path, kernels)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+PASSES = [(name, kernels) for name in VARIANTS for kernels in ("cpu", "torch")
+          if not (kernels == "cpu" and name == "mistral_window")]
+
+
+@pytest.fixture(scope="module", params=PASSES, ids=[f"{name}-{kernels}" for name, kernels in PASSES])
 def hf_model(request, tmp_path_factory) -> HFModel:
-    return _build(request.param, tmp_path_factory.mktemp("hf_models"))
+    name, kernels = request.param
+    return _build(name, tmp_path_factory.mktemp("hf_models"), kernels)
 
 
 @pytest.fixture(scope="module")
@@ -403,7 +412,12 @@ def test_greedy_generation(hf_model: HFModel, prefill_chunk):
 
 def test_bfloat16_close_to_float32_reference(hf_model: HFModel):
     """bf16 weights and KV: finite, close to the float32 reference, and on average no further
-    from it than transformers' own bf16 forward is (mean over 21 x 128 logits: not flaky)."""
+    from it than transformers' own bf16 forward is (mean over 21 x 128 logits: not flaky). Only the torch
+    pass runs bfloat16."""
+    if hf_model.kernels == "cpu":
+        with pytest.raises(ModelLoadError, match="CPU in float32 only"):
+            hf_model.runner(dtype="bfloat16")
+        return
     runner = hf_model.runner(dtype="bfloat16")
     assert runner.dtype == torch.bfloat16 and runner.kv.data.dtype == torch.bfloat16
     prompt = tokens(30, 20)

@@ -1,0 +1,87 @@
+"""specserve's compiled CPU operators (cpu_ops.cpp), built once with torch.utils.cpp_extension and cached.
+
+`load()` builds the extension on first use (about 10-20 s with gcc; `specserve kernels build` does it
+ahead, and scripts/run.sh calls that) into `build_dir()`, and registers `torch.ops.specserve_cpu.*`.
+A later process finds the build there (torch rebuilds only when the source changes). Where it cannot
+be built (no compiler, a build error), `load()` returns False once with the reason in `error()`, and
+the model runs its torch pass instead.
+
+The operators (see cpu_ops.cpp for their exactness rules):
+- `linear(x, weight, kind, cols, bias)`: x [T, cols] float32 times a weight as stored (KIND_*);
+- `embed(ids, weight, kind, cols)`: rows of an embedding as stored, dequantized;
+- `rms_norm(x, weight, eps)`;
+- `decoder_layers(...)`: every decoder layer of a Llama-family model over one pass, in one call;
+- `variant()`: "avx512" or "generic" (the plain C++ fallback; forced by SPECSERVE_CPU_KERNELS_GENERIC=1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KIND_F32, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+NAME = "specserve_cpu"
+# -ffp-contract=off: no mul+add is fused behind our back (dequantization must round as gguf-py does).
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def build_dir() -> Path:
+    """$SPECSERVE_KERNELS_DIR, else ~/.cache/specserve/kernels/torch-<version>."""
+    env = os.environ.get("SPECSERVE_KERNELS_DIR")
+    base = Path(env) if env else Path.home() / ".cache" / "specserve" / "kernels"
+    return base / f"torch-{torch.__version__.split('+')[0]}"
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (once) and load the operators; False, with `error()` set, where that fails."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        if os.environ.get("SPECSERVE_CPU_KERNELS") == "off":
+            _state.update(ok=False, error="turned off by SPECSERVE_CPU_KERNELS=off")
+            return False
+        try:
+            from torch.utils import cpp_extension
+
+            target = build_dir()
+            target.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                               build_directory=str(target), is_python_module=False, verbose=verbose)
+            _state.update(ok=True, error=None)
+        except Exception as exc:  # any build or load failure: the torch pass runs instead
+            lines = [line for line in str(exc).splitlines() if "error" in line.lower()] or str(exc).splitlines()
+            _state.update(ok=False, error=f"{type(exc).__name__}: {' | '.join(lines[:3])[:600]}")
+            log.warning("specserve CPU kernels unavailable, using the torch pass: %s", _state["error"])
+        return bool(_state["ok"])
+
+
+def error() -> str | None:
+    """Why `load()` returned False (None before the first call or after a success)."""
+    value = _state.get("error")
+    return None if value is None else str(value)
+
+
+def variant() -> str:
+    """Which code the operators run: "avx512" or "generic" (load() must have succeeded)."""
+    return str(torch.ops.specserve_cpu.variant())
+
+
+def main() -> int:
+    """`specserve kernels build`: build now, saying so, and exit 0 even where it fails (a fallback exists)."""
+    print(f"[specserve] building the CPU kernels into {build_dir()} (once; about 20 s)", file=sys.stderr, flush=True)
+    if load():
+        print(f"[specserve] CPU kernels ready ({variant()})", file=sys.stderr, flush=True)
+    else:
+        print(f"[specserve] CPU kernels not built, the torch pass will run: {error()}", file=sys.stderr, flush=True)
+    return 0
