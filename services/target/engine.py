@@ -66,7 +66,7 @@ class TargetEngine:
         self.config = config
         self.device = parse_device(config.device)
         if runner is None:
-            model = load_model(config.model, parse_dtype(config.dtype), self.device)
+            model = load_model(config.model, parse_dtype(config.dtype), self.device, config.weights, config.kernels)
             runner = ModelRunner(model, config.kv_blocks, config.block_size)
         self.runner = runner
         self.accept = accept
