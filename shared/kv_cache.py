@@ -8,14 +8,21 @@ from specserve.shared.model_config import ModelConfig
 
 
 class KVCache:
-    """K and V for every layer: [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]."""
+    """K and V for every layer, slot-major: [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]
+    (the torch pass's: a block of a layer is one run of rows for every head), or head-major:
+    [num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim] (the compiled CPU pass's: one head's
+    keys of a block are contiguous, so attention streams them). `write` and `gather` are the torch
+    pass's and need slot-major; `move_slots` works on both."""
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        head_major: bool = False,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.head_major = head_major
+        slots, heads = num_blocks * block_size, config.num_kv_heads
+        shape = (config.num_layers, 2) + ((heads, slots) if head_major else (slots, heads)) + (config.head_dim,)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
@@ -47,4 +54,7 @@ class KVCache:
         """Copy K/V of physical slots src -> dst in every layer (src is read before any write)."""
         if src.numel() == 0:
             return
-        self.data[:, :, dst] = self.data[:, :, src]
+        if self.head_major:
+            self.data[:, :, :, dst] = self.data[:, :, :, src]
+        else:
+            self.data[:, :, dst] = self.data[:, :, src]

@@ -52,7 +52,8 @@ class ModelRunner:
             param = next(model.parameters())
             self.device, self.dtype = param.device, param.dtype
         self.blocks = BlockManager(num_blocks, block_size)
-        self.kv = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        self.kv = KVCache(self.config, num_blocks, block_size, self.dtype, self.device,
+                          head_major=isinstance(model, LeanModel))
         self.windows = set(self.config.sliding_windows) or {None}
         self._pending: dict[str, _Pending] = {}
 

@@ -23,6 +23,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -381,6 +383,25 @@ float sum_squares(const float* x, int64_t n) {
 
 #define DISPATCH(fn, ...) (use_avx512() ? avx512::fn(__VA_ARGS__) : generic::fn(__VA_ARGS__))
 
+// ---- phase timers (the `profile` operator) ------------------------------------------------------
+
+// Seconds spent in each phase of decoder_layers and the head, summed while profiling is on.
+enum Phase { kNorm, kQkv, kRope, kKvWrite, kAttention, kOut, kGateUp, kSiluMul, kDown, kEmbed, kHead, kPhases };
+const char* const kPhaseNames[kPhases] = {"rms_norm", "qkv_proj", "rope", "kv_write", "attention", "o_proj",
+                                          "gate_up_proj", "silu_mul", "down_proj", "embed", "head"};
+std::atomic<bool> g_profiling{false};
+double g_phase_s[kPhases] = {0};
+
+struct PhaseTimer {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(Phase phase) {
+    if (!g_profiling.load(std::memory_order_relaxed)) return;
+    auto now = std::chrono::steady_clock::now();
+    g_phase_s[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
 // ---- building blocks ---------------------------------------------------------------------------
 
 // Y[T, rows] (+)= X[T, cols] @ W^T, rows split over torch's intra-op threads (a row is one thread's).
@@ -431,35 +452,129 @@ struct KeyLayout {
   const int32_t* extra_slots;  // physical slots of tree ancestors (and the node itself), root first
 };
 
-// Attention of token t's query heads of kv head g; q [H*D] of the token, out [H*D] of the token.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
+namespace avx512 {
+
+// Softmax attention of G query heads (q: their rows, D = 16 * ND wide) over the n keys at `slots` of
+// one kv head (k, v: that head's column in the cache; `row` floats between slots). Each key and value
+// row is loaded once for the G heads; scores: G * n floats of scratch.
+template <int ND, int G>
+void attend_group(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, float scale, float* scores) {
+  __m512 qv[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) qv[i][d] = _mm512_loadu_ps(q + i * ND * 16 + d * 16);
+  float mx[G];
+  for (int i = 0; i < G; ++i) mx[i] = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + slots[j] * row;
+    __m512 kv[ND];
+    for (int d = 0; d < ND; ++d) kv[d] = _mm512_loadu_ps(kj + d * 16);
+    for (int i = 0; i < G; ++i) {
+      __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);
+      for (int d = 1; d < ND; ++d) acc = _mm512_fmadd_ps(qv[i][d], kv[d], acc);
+      float sc = _mm512_reduce_add_ps(acc) * scale;
+      scores[i * n + j] = sc;
+      mx[i] = std::max(mx[i], sc);
+    }
+  }
+  __m512 inv[G];
+  for (int i = 0; i < G; ++i) inv[i] = _mm512_set1_ps(1.0f / exp_shift_sum(scores + i * n, mx[i], scores + i * n, n));
+  __m512 o[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) o[i][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row;
+    __m512 vv[ND];
+    for (int d = 0; d < ND; ++d) vv[d] = _mm512_loadu_ps(vj + d * 16);
+    for (int i = 0; i < G; ++i) {
+      __m512 p = _mm512_set1_ps(scores[i * n + j]);
+      for (int d = 0; d < ND; ++d) o[i][d] = _mm512_fmadd_ps(p, vv[d], o[i][d]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + i * ND * 16 + d * 16, _mm512_mul_ps(o[i][d], inv[i]));
+}
+
+// The heads in chunks of up to 4 (G x ND accumulators stay in registers for ND <= 4; 2 for ND = 8).
+template <int ND>
+void attend_heads(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, int64_t group, float scale, float* scores) {
+  constexpr int kMax = ND <= 4 ? 4 : 2;
+  for (int64_t i = 0; i < group;) {
+    const int64_t g = std::min<int64_t>(kMax, group - i);
+    const float* qi = q + i * ND * 16;
+    float* oi = out + i * ND * 16;
+    switch (g) {
+      case 1: attend_group<ND, 1>(qi, oi, slots, n, k, v, row, scale, scores); break;
+      case 2: attend_group<ND, 2>(qi, oi, slots, n, k, v, row, scale, scores); break;
+      case 3: attend_group<ND, (kMax >= 3 ? 3 : 1)>(qi, oi, slots, n, k, v, row, scale, scores); break;
+      default: attend_group<ND, kMax>(qi, oi, slots, n, k, v, row, scale, scores); break;
+    }
+    i += g;
+  }
+}
+
+bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
+            int64_t D, int64_t group, float scale, float* scores) {
+  switch (D) {
+    case 64: attend_heads<4>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 128: attend_heads<8>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 32: attend_heads<2>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 96: attend_heads<6>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    default: return false;
+  }
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace generic {
+
+bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
+            int64_t D, int64_t group, float scale, float* scores) {
+  for (int64_t i = 0; i < group; ++i) {
+    float* s = scores + i * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = dot(q + i * D, k + slots[j] * row, D) * scale;
+      mx = std::max(mx, s[j]);
+    }
+    float inv = 1.0f / exp_shift_sum(s, mx, s, n);
+    float* o = out + i * D;
+    std::fill(o, o + D, 0.0f);
+    for (int64_t j = 0; j < n; ++j) axpy(s[j], v + slots[j] * row, o, D);
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+  return true;
+}
+
+}  // namespace generic
+
+// Attention of token t's query heads of kv head g; q and out are the token's [H*D] rows; kcache and
+// vcache are one layer's head-major K and V ([kv_heads, slots, D]). The keys: the token's committed
+// prefix (through its block table), then its extra slots (tree path), in order.
 void attend(const float* q, float* out, int64_t t, int64_t g, const KeyLayout& kl, const float* kcache,
-            const float* vcache, int64_t KVH, int64_t D, int64_t group, float scale, std::vector<float>& scores,
-            std::vector<int64_t>& slots) {
+            const float* vcache, int64_t slots_total, int64_t D, int64_t group, float scale,
+            std::vector<float>& scores, std::vector<int64_t>& slots) {
   const int64_t prefix = kl.prefix[t];
   const int64_t e0 = kl.extra_off[t], e1 = kl.extra_off[t + 1];
   const int64_t n = prefix + (e1 - e0);
   slots.resize(n);
   const int32_t* table = kl.tables + static_cast<int64_t>(kl.seq[t]) * kl.max_blocks;
-  for (int64_t j = 0; j < prefix; ++j) slots[j] = static_cast<int64_t>(table[j / kl.block_size]) * kl.block_size +
-                                                  j % kl.block_size;
+  for (int64_t j = 0, b = 0; j < prefix; ++b) {  // block by block: no division per key
+    const int64_t first = static_cast<int64_t>(table[b]) * kl.block_size;
+    for (int64_t i = 0; i < kl.block_size && j < prefix; ++i, ++j) slots[j] = first + i;
+  }
   for (int64_t e = e0; e < e1; ++e) slots[prefix + e - e0] = kl.extra_slots[e];
   scores.resize(group * n);
-  const int64_t row = KVH * D;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* k = kcache + slots[j] * row + g * D;
-    for (int64_t i = 0; i < group; ++i) scores[i * n + j] = DISPATCH(dot, q + (g * group + i) * D, k, D) * scale;
-  }
-  for (int64_t i = 0; i < group; ++i) {
-    float* s = scores.data() + i * n;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-    float total = DISPATCH(exp_shift_sum, s, mx, s, n);
-    float* o = out + (g * group + i) * D;
-    std::fill(o, o + D, 0.0f);
-    for (int64_t j = 0; j < n; ++j) DISPATCH(axpy, s[j], vcache + slots[j] * row + g * D, o, D);
-    float inv = 1.0f / total;
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-  }
+  const float* qg = q + g * group * D;
+  float* og = out + g * group * D;
+  const float* k = kcache + g * slots_total * D;
+  const float* v = vcache + g * slots_total * D;
+  if (!(use_avx512() && avx512::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data())))
+    generic::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
 }
 
 // ---- operators ---------------------------------------------------------------------------------
@@ -470,7 +585,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   at::Tensor xc = x.contiguous();
   Weight w = make_weight(weight, scales, kind, cols, bias);
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
+  PhaseTimer timer;
   matmul(w, xc.data_ptr<float>(), x.size(0), cols, y.data_ptr<float>(), w.rows, false);
+  timer.lap(kHead);  // the model calls `linear` for its head only
   return y;
 }
 
@@ -481,6 +598,7 @@ at::Tensor embed(const at::Tensor& ids, const at::Tensor& weight, const at::Tens
   at::Tensor out = at::empty({T, cols}, at::TensorOptions().dtype(at::kFloat));
   const int64_t* id = idc.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
+  PhaseTimer timer;
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(id[t] >= 0 && id[t] < w.rows, "token id ", id[t], " outside the embedding's ", w.rows, " rows");
     float block[QK];
@@ -489,6 +607,7 @@ at::Tensor embed(const at::Tensor& ids, const at::Tensor& weight, const at::Tens
       std::memcpy(o + t * cols + b * QK, block, std::min<int64_t>(QK, cols - b * QK) * sizeof(float));
     }
   }
+  timer.lap(kEmbed);
   return out;
 }
 
@@ -515,11 +634,12 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
               "decoder_layers takes 14 tensors and 4 kinds per layer");
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "x must be contiguous float32 [T, H]");
   TORCH_CHECK(kv.is_contiguous() && kv.scalar_type() == at::kFloat && kv.dim() == 5 && kv.size(0) >= L,
-              "kv must be contiguous float32 [layers, 2, slots, kv_heads, head_dim]");
+              "kv must be contiguous float32 [layers, 2, kv_heads, slots, head_dim]");
   for (const at::Tensor* t : {&tables, &seq, &prefix, &extra_off, &extra_slots})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kInt, "key layout tensors must be contiguous int32");
   const int64_t T = x.size(0), H = x.size(1), D = head_dim, NH = num_heads, KVH = num_kv_heads;
-  const int64_t qsize = NH * D, kvsize = KVH * D, group = NH / KVH, slots_total = kv.size(2);
+  const int64_t qsize = NH * D, kvsize = KVH * D, group = NH / KVH, slots_total = kv.size(3);
+  TORCH_CHECK(kv.size(2) == KVH && kv.size(4) == D, "kv must be [layers, 2, kv_heads, slots, head_dim] (head-major)");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const KeyLayout kl{tables.data_ptr<int32_t>(), tables.size(1), block_size, seq.data_ptr<int32_t>(),
                      prefix.data_ptr<int32_t>(), extra_off.data_ptr<int32_t>(), extra_slots.data_ptr<int32_t>()};
@@ -531,6 +651,7 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
   const float* S = sin.data_ptr<float>();
   std::vector<float> h(T * H), attn(T * qsize);
   std::vector<float> qkv, gu, act;
+  PhaseTimer timer;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* p = &layers[l * 14];
     const int64_t* k = &kinds[l * 4];
@@ -545,34 +666,58 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
     act.resize(T * I);
     const int64_t ldqkv = wqkv.rows;
     // attention block
+    timer.lap(kNorm);  // the buffers' sizing above counts as norm time (it is next to nothing)
     rms_norm_rows(X, T, H, p[0].data_ptr<float>(), static_cast<float>(eps), h.data());
+    timer.lap(kNorm);
     matmul(wqkv, h.data(), T, H, qkv.data(), ldqkv, false);
+    timer.lap(kQkv);
     rope_rows(qkv.data(), T, ldqkv, NH + KVH, D, C, S);  // q and k heads are adjacent in each row
+    timer.lap(kRope);
     float* kc = kv.data_ptr<float>() + (l * 2 + 0) * slots_total * kvsize;
     float* vc = kv.data_ptr<float>() + (l * 2 + 1) * slots_total * kvsize;
-    for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(kc + slot_map[t] * kvsize, qkv.data() + t * ldqkv + qsize, kvsize * sizeof(float));
-      std::memcpy(vc + slot_map[t] * kvsize, qkv.data() + t * ldqkv + qsize + kvsize, kvsize * sizeof(float));
-    }
+    for (int64_t t = 0; t < T; ++t)  // head-major: head h of slot s at (h * slots + s) * D
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* row = qkv.data() + t * ldqkv + qsize + h * D;
+        std::memcpy(kc + (h * slots_total + slot_map[t]) * D, row, D * sizeof(float));
+        std::memcpy(vc + (h * slots_total + slot_map[t]) * D, row + kvsize, D * sizeof(float));
+      }
+    timer.lap(kKvWrite);
     at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       std::vector<int64_t> slots;
       for (int64_t item = begin; item < end; ++item) {
         int64_t t = item / KVH, g = item % KVH;
-        attend(qkv.data() + t * ldqkv, attn.data() + t * qsize, t, g, kl, kc, vc, KVH, D, group, scale, scores, slots);
+        attend(qkv.data() + t * ldqkv, attn.data() + t * qsize, t, g, kl, kc, vc, slots_total, D, group, scale, scores,
+               slots);
       }
     });
+    timer.lap(kAttention);
     matmul(wo, attn.data(), T, qsize, X, H, true);
+    timer.lap(kOut);
     // MLP block
     rms_norm_rows(X, T, H, p[7].data_ptr<float>(), static_cast<float>(eps), h.data());
+    timer.lap(kNorm);
     matmul(wgu, h.data(), T, H, gu.data(), wgu.rows, false);
+    timer.lap(kGateUp);
     for (int64_t t = 0; t < T; ++t)
       DISPATCH(silu_mul, gu.data() + t * wgu.rows, gu.data() + t * wgu.rows + I, act.data() + t * I, I);
+    timer.lap(kSiluMul);
     matmul(wd, act.data(), T, I, X, H, true);
+    timer.lap(kDown);
   }
 }
 
 std::string variant() { return use_avx512() ? "avx512" : "generic"; }
+
+// Turns the phase timers on (clearing them) or off; returns "phase seconds" lines of what they summed.
+std::string profile(bool on) {
+  std::string report;
+  for (int i = 0; i < kPhases; ++i) report += std::string(kPhaseNames[i]) + " " + std::to_string(g_phase_s[i]) + "\n";
+  if (on)
+    for (double& v : g_phase_s) v = 0;
+  g_profiling.store(on);
+  return report;
+}
 
 }  // namespace
 
@@ -585,4 +730,5 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "int block_size, int num_heads, int num_kv_heads, int head_dim, float eps) -> ()",
         &decoder_layers);
   m.def("variant() -> str", &variant);
+  m.def("profile(bool on) -> str", &profile);
 }
