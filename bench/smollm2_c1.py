@@ -13,13 +13,20 @@ float32, one torch thread everywhere:
 - `hf_prompt_lookup`: transformers `generate(prompt_lookup_num_tokens=K)` (K = --lookup-tokens);
 - `hf_assisted` (only when --draft-model is a model directory): transformers `generate(assistant_model=
   the same draft)`;
+- `llama_cpp` (where llama-cpp-python is installed; it is not a specserve dependency: `.venv/bin/pip
+  install llama-cpp-python` builds it, about 5 minutes): llama.cpp on the same GGUF file the named
+  model keeps as model.gguf, the same token ids, greedy;
 - `none`, `chain:4`, `adaserve`, `joint` (the default policy): specserve (`specserve up --model
-  smollm2-135m-instruct --draft-model D --threads 1`, one stack; each policy is a gateway of
+  smollm2-135m-instruct --draft-model D --threads N`, one stack; each policy is a gateway of
   its own on the same target and draft), through the official openai client.
+--threads N (default 1) is every mode's thread count: torch's in this process, llama.cpp's, and
+each specserve model service's.
 Reported per set and mode: median over rounds of tokens/s (new tokens / wall of the mode's
-requests) with min-max, the ratio to `hf_generate` taken within each round (median, min-max), and
-for specserve the tokens per target pass (1 + accepted drafts per step, from the responses'
-`specserve.steps`). The outputs of every mode are checked equal to `hf_generate`'s.
+requests) with min-max, the ratios to `hf_generate` and to `llama_cpp` taken within each round
+(median, min-max), for specserve the tokens per target pass (1 + accepted drafts per step, from the
+responses' `specserve.steps`), and how many answers equal `hf_generate`'s (greedy on the float32
+weights dequantized from the same file; llama.cpp also quantizes activations, so its answers need
+not).
 
 Figures: docs/benchmarks/smollm2_c1.md, "SmolLM2-135M-Instruct at concurrency 1".
 """
@@ -66,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-model", default="ngram", help="`ngram` or a draft model directory")
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
     ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
+    ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
     ap.add_argument("--out", help="result file (default bench/results/smollm2_c1.json, or smollm2_c1-<draft dir>.json)")
     args = ap.parse_args(argv)
     ngram = args.draft_model == "ngram"
@@ -79,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.shared.model_store import resolve
     from tests.gateway_procs import Up, gateway
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateways share it
     model_dir = resolve("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assistant = None if ngram else AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=torch.float32).eval()
     hf_modes = ["hf_generate", "hf_prompt_lookup"] + ([] if ngram else ["hf_assisted"])
+    llm = None if args.no_llamacpp else _llama_cpp(Path(model_dir) / "model.gguf", args.threads)
+    peer_modes = hf_modes + (["llama_cpp"] if llm is not None else [])
     policies = args.policies.split(",")
     sets = {name: [_ids(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
                    for p in prompts] for name, prompts in (("chat", CHAT), ("edit", EDIT))
@@ -98,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return out[0, len(ids):].tolist()
 
     profile = Path(args.out).with_suffix(".profile.json")
-    up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model, "--policy", "none", "--threads", "1",
-            "--profile", str(profile), timeout_s=900)
+    up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model, "--policy", "none",
+            "--threads", str(args.threads), "--profile", str(profile), timeout_s=900)
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies if p != "none"}
     urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
     prompts_of = {"chat": CHAT, "edit": EDIT}
@@ -111,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {}
             for name, ids_list in sets.items():
                 ref = []
-                for mode in [*hf_modes, *policies]:
+                for mode in [*peer_modes, *policies]:
                     t0, outs, steps, n = time.perf_counter(), [], [], 0
                     for i, ids in enumerate(ids_list):
-                        if mode.startswith("hf"):
+                        if mode == "llama_cpp":
+                            new = _llama_generate(llm, ids, args.max_tokens, tok.eos_token_id)
+                            outs.append(tok.decode(new, skip_special_tokens=True))
+                            n += len(new)
+                        elif mode.startswith("hf"):
                             kw = ({"prompt_lookup_num_tokens": args.lookup_tokens} if mode == "hf_prompt_lookup"
                                   else {"assistant_model": assistant} if mode == "hf_assisted" else {})
                             new = hf_run(ids, **kw)
@@ -131,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                     wall = time.perf_counter() - t0
                     if mode == "hf_generate":
                         ref = outs
-                    same = outs == ref
+                    same = sum(a == b for a, b in zip(outs, ref))
                     row[f"{name}/{mode}"] = {"tokens_per_s": n / wall, "identical": same,
                                              "tokens_per_pass": (sum(1 + a for _, _, a in steps) / len(steps))
                                              if steps else None}
                     print(f"round {r + 1} {name:5s} {mode:17s} {n / wall:7.2f} tok/s"
                           + (f"  {row[f'{name}/{mode}']['tokens_per_pass']:.2f} tok/pass" if steps else "")
-                          + ("" if same else "  OUTPUT DIFFERS"), flush=True)
+                          + ("" if same == len(ref) else f"  {len(ref) - same} answer(s) differ"), flush=True)
             rounds.append(row)
     finally:
         for g in gateways.values():
@@ -147,25 +162,52 @@ def main(argv: list[str] | None = None) -> int:
     for key in rounds[0]:
         tps = [rd[key]["tokens_per_s"] for rd in rounds]
         ratio = [rd[key]["tokens_per_s"] / rd[key.split("/")[0] + "/hf_generate"]["tokens_per_s"] for rd in rounds]
+        llama = [rd[key]["tokens_per_s"] / rd[key.split("/")[0] + "/llama_cpp"]["tokens_per_s"] for rd in rounds
+                 if key.split("/")[0] + "/llama_cpp" in rd]
         passes = [rd[key]["tokens_per_pass"] for rd in rounds if rd[key]["tokens_per_pass"] is not None]
         summary[key] = {"tokens_per_s": spread(tps), "vs_hf_generate": spread(ratio),
+                        "vs_llama_cpp": spread(llama) if llama else None,
                         "tokens_per_pass": spread(passes) if passes else None,
-                        "identical_every_round": all(rd[key]["identical"] for rd in rounds)}
-    out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": 1, "dtype": "float32",
+                        "identical_to_hf_generate":
+                            f"{min(rd[key]['identical'] for rd in rounds)}/{len(sets[key.split('/')[0]])}"}
+    out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads, "dtype": "float32",
                     "draft_model": args.draft_model, "policies": policies, "sets": list(sets),
                     "lookup_tokens": args.lookup_tokens, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print("\n| set / mode | tokens/s (median, min-max) | vs hf_generate | tokens per pass | identical |")
-    print("|---|---|---|---|---|")
+    print("\n| set / mode | tokens/s (median, min-max) | vs hf_generate | vs llama_cpp | tokens per pass "
+          "| answers = hf_generate's |")
+    print("|---|---|---|---|---|---|")
     for key, s in summary.items():
-        tp = s["tokens_per_pass"]
+        tp, ll = s["tokens_per_pass"], s["vs_llama_cpp"]
         print(f"| {key} | {s['tokens_per_s']['median']:.2f} ({s['tokens_per_s']['min']:.2f}-"
               f"{s['tokens_per_s']['max']:.2f}) | {s['vs_hf_generate']['median']:.2f}x "
               f"({s['vs_hf_generate']['min']:.2f}-{s['vs_hf_generate']['max']:.2f}) | "
-              f"{'' if tp is None else format(tp['median'], '.2f')} | {s['identical_every_round']} |")
+              + ("" if ll is None else f"{ll['median']:.2f}x ({ll['min']:.2f}-{ll['max']:.2f})")
+              + f" | {'' if tp is None else format(tp['median'], '.2f')} | {s['identical_to_hf_generate']} |")
     return 0
+
+
+def _llama_cpp(gguf: Path, threads: int):  # noqa: ANN202 - llama_cpp.Llama, an optional import
+    """llama.cpp on `gguf`, or None (with a line saying so) where llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama_cpp mode (`.venv/bin/pip install llama-cpp-python`)",
+              flush=True)
+        return None
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+
+
+def _llama_generate(llm, ids: list[int], max_tokens: int, eos: int) -> list[int]:  # noqa: ANN001
+    """Greedy (temperature 0, top-k 1) new tokens of llama.cpp after `ids`, up to max_tokens or eos."""
+    new: list[int] = []
+    for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        new.append(t)  # the end of turn counts, as in hf_generate's tokens
+        if t == eos or len(new) == max_tokens:
+            break
+    return new
 
 
 def _ids(out) -> list[int]:
