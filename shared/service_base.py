@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -32,7 +31,6 @@ from specserve.shared.service_metrics import ServiceMetrics
 from specserve.shared.settings import Settings, option
 from specserve.shared.transport import DEFAULT_MAX_FRAME_BYTES, Tensors, split_flat
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
 log = logging.getLogger("specserve")
 
 

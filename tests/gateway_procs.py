@@ -21,11 +21,13 @@ from specserve.launch import ServiceProcess
 class Up:
     """`specserve up` in its own process group, as a terminal would run it; parses its ready lines and
     its `metrics <name> <url>` lines. Its services' /metrics are on free ports (`--metrics-port 0`), so
-    that two can run at once; a test passes `--metrics-port` to choose."""
+    that two can run at once; a test passes `--metrics-port` to choose. It serves the bundled demo pair
+    (`--model demo`: small and fast) unless the test passes `--model`."""
 
     def __init__(self, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None):
+        model = [] if "--model" in args or "--simulate" in args else ["--model", "demo"]
         cmd = [sys.executable, "-m", "specserve.cli", "up", "--port", "0", "--metrics-port", "0", "--threads", "1",
-               *args]
+               *model, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True, env=env)
         self.stderr: deque[str] = deque(maxlen=500)

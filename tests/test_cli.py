@@ -98,11 +98,11 @@ def test_up_pairs_a_target_with_its_own_draft_by_default():
     """Without --draft-model, a named model gets the draft its entry names (never the demo draft, whose
     vocabulary is not its own), and any other target the bundled demo draft."""
     from specserve.draft.ngram import NGRAM
-    from specserve.shared.model_store import NAMED
-    from specserve.shared.service_base import MODELS
+    from specserve.shared.model_store import MODELS, NAMED
     from specserve.up import default_draft
 
     assert default_draft("/some/target") == str(MODELS / "draft")
+    assert default_draft("demo") == str(MODELS / "draft")
     for name in NAMED:
         draft = default_draft(name)
         assert draft == NGRAM or (Path(draft).parent == MODELS and (Path(draft) / "config.json").is_file()), draft

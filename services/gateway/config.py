@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from specserve.gateway.sched.policy import DEFAULT_POLICY, option_classes, policy_help
 from specserve.gateway.sched.routing import ROUTERS
-from specserve.shared.service_base import MODELS
+from specserve.shared.model_store import MODELS
 from specserve.shared.settings import Settings, option
 
 

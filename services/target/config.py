@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.shared.service_base import MODELS, ServiceConfig
+from specserve.shared.model_store import MODELS
+from specserve.shared.service_base import ServiceConfig
 from specserve.shared.settings import override_default
 
 

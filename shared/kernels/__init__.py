@@ -79,7 +79,9 @@ def variant() -> str:
 
 def main() -> int:
     """`specserve kernels build`: build now, saying so, and exit 0 even where it fails (a fallback exists)."""
-    print(f"[specserve] building the CPU kernels into {build_dir()} (once; about 20 s)", file=sys.stderr, flush=True)
+    if not (build_dir() / f"{NAME}.so").is_file():
+        print(f"[specserve] building the CPU kernels into {build_dir()} (once; about 30 s)", file=sys.stderr,
+              flush=True)
     if load():
         print(f"[specserve] CPU kernels ready ({variant()})", file=sys.stderr, flush=True)
     else:
