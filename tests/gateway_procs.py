@@ -22,10 +22,10 @@ class Up:
     """`specserve up` in its own process group, as a terminal would run it; parses its ready lines and
     its `metrics <name> <url>` lines. Its services' /metrics are on free ports (`--metrics-port 0`), so
     that two can run at once; a test passes `--metrics-port` to choose. It serves the bundled demo pair
-    (`--model demo`: small and fast) unless the test passes `--model`."""
+    (`--model demo`: small and fast) unless the test passes `--model`, or `demo=False` for up's own default."""
 
-    def __init__(self, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None):
-        model = [] if "--model" in args or "--simulate" in args else ["--model", "demo"]
+    def __init__(self, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None, demo: bool = True):
+        model = ["--model", "demo"] if demo and "--model" not in args and "--simulate" not in args else []
         cmd = [sys.executable, "-m", "specserve.cli", "up", "--port", "0", "--metrics-port", "0", "--threads", "1",
                *model, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

