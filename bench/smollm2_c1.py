@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--draft-model", default="ngram", help="`ngram` or a draft model directory")
+    ap.add_argument("--draft-weights", default="auto", help="the draft service's --weights (auto, float32, q8_0, q4_1)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
     ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         return out[0, len(ids):].tolist()
 
     profile = Path(args.out).with_suffix(".profile.json")
-    up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model, "--policy", "none",
+    up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model,
+            "--draft-weights", args.draft_weights, "--policy", "none",
             "--threads", str(args.threads), "--profile", str(profile), timeout_s=900)
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies if p != "none"}
     urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                         "identical_to_hf_generate":
                             f"{min(rd[key]['identical'] for rd in rounds)}/{len(sets[key.split('/')[0]])}"}
     out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads, "dtype": "float32",
-                    "draft_model": args.draft_model, "policies": policies, "sets": list(sets),
+                    "draft_model": args.draft_model, "draft_weights": args.draft_weights, "policies": policies,
+                    "sets": list(sets),
                     "lookup_tokens": args.lookup_tokens, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -65,8 +65,10 @@ class UpConfig(Settings):
                                      "named model, the bundled demo draft for `demo` or a directory")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
     dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
-    weights: str = option("auto", "which weights both model services run: "
+    weights: str = option("auto", "which weights the target runs: "
                           + "; ".join(f"{k}: {v}" for k, v in WEIGHTS.items()), choices=list(WEIGHTS))
+    draft_weights: str = option("auto", "which weights the draft model runs (as --weights; q8_0 makes a float32 "
+                                "draft about 2.5x faster on CPU, docs/benchmarks/cpu_pass.md)", choices=list(WEIGHTS))
     kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),
                           choices=list(KERNELS))
     threads: int = option(default_factory=default_threads, help="torch threads of each model service, "
@@ -172,8 +174,7 @@ def main(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    common = ["--device", config.device, "--dtype", config.dtype, "--weights", config.weights,
-              "--kernels", config.kernels, "--host", SERVICE_HOST]
+    common = ["--device", config.device, "--dtype", config.dtype, "--kernels", config.kernels, "--host", SERVICE_HOST]
     sockets = None if config.tcp_services else SocketDir()
 
     def listen(name: str) -> list[str]:  # the same addresses on every (re)start
@@ -194,8 +195,10 @@ def main(args: argparse.Namespace) -> int:
         return proc
 
     try:
-        specs = {name: ["target", "--model", config.model, *common, *sim, *listen(name)] for name in targets}
-        specs["draft"] = ["draft", "--model", config.draft_model, *common, *sim, *listen("draft")]
+        specs = {name: ["target", "--model", config.model, "--weights", config.weights, *common, *sim, *listen(name)]
+                 for name in targets}
+        specs["draft"] = ["draft", "--model", config.draft_model, "--weights", config.draft_weights, *common, *sim,
+                          *listen("draft")]
         for name in [*targets, "draft"]:
             procs[name] = start(name)
         extra = [a for a in config.gateway_args if a != "--"]
