@@ -3,11 +3,13 @@
     .venv/bin/python bench/smollm2_batch.py --rounds 3 [--batch 16] [--max-tokens 96] [--out FILE]
 
 The 12 prompts of bench/smollm2_c1.py (6 chat, 6 edit; chat-templated), cycled to --batch requests,
-greedy, up to --max-tokens new tokens each (an answer ends at the model's end of turn), float32, one
-torch thread everywhere. Each round runs, one after another:
+greedy, up to --max-tokens new tokens each (an answer ends at the model's end of turn), float32, --threads
+(default 1) in every mode. Each round runs, one after another:
 - `hf_batched`: transformers `generate` over the whole batch at once (left-padded, one call);
+- `llama_cpp` (where llama-cpp-python is installed, as in bench/smollm2_c1.py): llama.cpp on the same GGUF
+  file, the requests one after another (llama-cpp-python has no batched generation of several sequences);
 - `none` and `joint` (the default policy): specserve (`specserve up --model smollm2-135m-instruct
-  --threads 1`, one stack, its default n-gram draft; `joint` is a second gateway on the same target
+  --threads N`, one stack, its default n-gram draft; `joint` is a second gateway on the same target
   and draft), the --batch requests sent at once through the official openai client (chat tier).
 Reported per mode: the median over rounds of tokens/s (new tokens / wall from the first send to the
 last answer) with min-max, and the ratio to `hf_batched` taken within each round. Every answer is
@@ -31,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.smollm2_c1 import CHAT, EDIT  # noqa: E402
+from bench.smollm2_c1 import CHAT, EDIT, _ids, _llama_cpp, _llama_generate  # noqa: E402
 from bench.sweep import spread  # noqa: E402
 
 POLICIES = ["none", "joint"]
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
+    ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "smollm2_batch.json"))
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.batch < 1:
@@ -55,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.shared.model_store import resolve
     from tests.gateway_procs import Up, gateway
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateway share it
     model_dir = resolve("smollm2-135m-instruct")
+    llm = None if args.no_llamacpp else _llama_cpp(Path(model_dir) / "model.gguf", args.threads)
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     texts = [(CHAT + EDIT)[i % 12] for i in range(args.batch)]
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = {t: generate([c])[0][0] for t, c in dict(zip(texts, chats)).items()}
 
     profile = Path(args.out).with_suffix(".profile.json")
-    up = Up("--model", "smollm2-135m-instruct", "--policy", policies[0], "--threads", "1",
+    up = Up("--model", "smollm2-135m-instruct", "--policy", policies[0], "--threads", str(args.threads),
             "--profile", str(profile), timeout_s=900)
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies[1:]}
     urls = {policies[0]: up.url, **{p: g.address for p, g in gateways.items()}}
@@ -96,16 +101,26 @@ def main(argv: list[str] | None = None) -> int:
         passes.append(sum(1 + accepted for _, _, accepted in steps) / len(steps))
         return [r.choices[0].message.content for r in resps], sum(r.usage.completion_tokens for r in resps)
 
+    def llama_cpp() -> tuple[list[str], int]:
+        answers, n = [], 0
+        for chat in chats:
+            new = _llama_generate(llm, _ids(tok(chat, add_special_tokens=False)), args.max_tokens, tok.eos_token_id)
+            answers.append(tok.decode(new, skip_special_tokens=True))
+            n += len(new) - (new[-1] == tok.eos_token_id)  # the end of turn not counted, as in the API's usage
+        return answers, n
+
+    modes = ["hf_batched", *(["llama_cpp"] if llm is not None else []), *policies]
     rounds, passes = [], []  # passes: tokens per target pass of the last specserve mode run
     try:
         for r in range(args.rounds):
             row = {}
-            for mode in ["hf_batched", *policies]:
+            for mode in modes:
                 t0 = time.perf_counter()
-                answers, n = generate(chats) if mode == "hf_batched" else asyncio.run(serve(urls[mode]))
+                answers, n = (generate(chats) if mode == "hf_batched" else llama_cpp() if mode == "llama_cpp"
+                              else asyncio.run(serve(urls[mode])))
                 wall = time.perf_counter() - t0
                 same = sum(a == ref[t] for a, t in zip(answers, texts))
-                per_pass = None if mode == "hf_batched" else passes[-1]
+                per_pass = None if mode in ("hf_batched", "llama_cpp") else passes[-1]
                 row[mode] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "equal_to_generate": same,
                              "tokens_per_pass": per_pass}
                 print(f"round {r + 1} {mode:10s} {n / wall:7.2f} tok/s  {n} tokens  "
@@ -120,19 +135,24 @@ def main(argv: list[str] | None = None) -> int:
     for mode in rounds[0]:
         tps = [rd[mode]["tokens_per_s"] for rd in rounds]
         ratio = [rd[mode]["tokens_per_s"] / rd["hf_batched"]["tokens_per_s"] for rd in rounds]
+        llama = [rd[mode]["tokens_per_s"] / rd["llama_cpp"]["tokens_per_s"] for rd in rounds if "llama_cpp" in rd]
         summary[mode] = {"tokens_per_s": spread(tps), "vs_hf_batched": spread(ratio),
+                         "vs_llama_cpp": spread(llama) if llama else None,
                          "equal_every_round": min(rd[mode]["equal_to_generate"] for rd in rounds)}
-    out = {"meta": {"rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens, "threads": 1,
+    out = {"meta": {"rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens, "threads": args.threads,
                     "dtype": "float32", "draft_model": "ngram", "policies": policies, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"\n| mode | tokens/s (median, min-max) | vs hf_batched | equal to generate at batch 1 (of {args.batch}) |")
-    print("|---|---|---|---|")
+    print(f"\n| mode | tokens/s (median, min-max) | vs hf_batched | vs llama_cpp | equal to generate at batch 1 "
+          f"(of {args.batch}) |")
+    print("|---|---|---|---|---|")
     for mode, s in summary.items():
-        t, x = s["tokens_per_s"], s["vs_hf_batched"]
+        t, x, ll = s["tokens_per_s"], s["vs_hf_batched"], s["vs_llama_cpp"]
         print(f"| {mode} | {t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f}) | {x['median']:.2f}x "
-              f"({x['min']:.2f}-{x['max']:.2f}) | {s['equal_every_round']} |")
+              f"({x['min']:.2f}-{x['max']:.2f}) | "
+              + ("" if ll is None else f"{ll['median']:.2f}x ({ll['min']:.2f}-{ll['max']:.2f})")
+              + f" | {s['equal_every_round']} |")
     return 0
 
 

@@ -1,0 +1,179 @@
+"""One model pass of SmolLM2-135M-Instruct on the CPU: the compiled operators against the torch pass and
+torch's own int4 kernel, the weight-read floor, where the time goes, and the draft's step.
+
+    .venv/bin/python bench/cpu_pass.py [--threads 1] [--rounds 3] [--context 100] [--out FILE]
+
+Measured in one process, in interleaved rounds (median over rounds of each round's median of 15
+passes, with the min-max over rounds):
+- `floor`: the bytes of weights one pass reads (the stored blocks of every projection and the head)
+  divided by this core's measured read bandwidth (a float32 sum over 1 GiB, best of 5);
+- `compiled`: the compiled CPU pass (LeanModel) on model.gguf's Q4_1 / Q8_0 blocks, a tree of T
+  nodes (a chain) over a committed context of --context tokens, T = 1..16;
+- `torch`: the torch pass on the float32 weights, the same trees;
+- `int4_bf16`: the matrix products alone (every projection and the head) through torch's
+  `_weight_int4pack_mm_for_cpu` (group size 32, the Q4_1 blocks mapped exactly: scale d, zero m + 8d)
+  with bfloat16 activations, the fastest kernel torch 2.13 has for these weights;
+- `phases`: the compiled pass's own timers at T = 1 and 16 (torch.ops.specserve_cpu.profile): the
+  matrix products, attention, norms, ..., and the time outside the operators (Python, inputs);
+- `draft`: one step (T = 1) of models/smollm2-draft in the compiled pass, float32 and quantized at
+  load to q8_0 / q4_1, against the target's.
+Figures: docs/benchmarks/cpu_pass.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.sweep import spread  # noqa: E402
+
+TOKENS = (1, 2, 4, 8, 16)
+MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "head")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=100, help="committed tokens before the measured tree")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_pass.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from specserve.shared import kernels
+    from specserve.shared.batch import Chunk, Tree
+    from specserve.shared.model_store import resolve
+    from specserve.shared.runner import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    assert kernels.load(), kernels.error()
+    model_dir = resolve("smollm2-135m-instruct")
+    compiled = ModelRunner.from_dir(model_dir, num_blocks=256, kernels="cpu")
+    torch_pass = ModelRunner.from_dir(model_dir, num_blocks=256, kernels="torch")
+    drafts = {w: ModelRunner.from_dir(ROOT / "models" / "smollm2-draft", num_blocks=256, weights=w)
+              for w in ("float32", "q8_0", "q4_1")}
+    context = [(i * 7) % 4000 + 10 for i in range(args.context)]
+    int4 = _int4_products(compiled.model, torch)
+    nbytes = compiled.model.weight_bytes
+
+    def tree_ms(runner: ModelRunner, tokens: int, repeats: int = 15, profile: bool = False) -> float:
+        """Median ms of a pass of a `tokens`-node chain over the context (after 3 warm-up passes); with
+        `profile`, the operators' phase timers run over the timed passes only."""
+        runner.forward([Chunk("ctx", context)])
+        times = []
+        for i in range(repeats):
+            if profile and i == 3:
+                torch.ops.specserve_cpu.profile(True)
+            t0 = time.perf_counter()
+            runner.forward([Tree("ctx", [5] * tokens, [-1, *range(tokens - 1)])])
+            runner.discard_tree("ctx")
+            times.append(time.perf_counter() - t0)
+        runner.release("ctx")
+        return statistics.median(times[3:]) * 1e3
+
+    rounds = []
+    for r in range(args.rounds):
+        row: dict = {"floor_ms": nbytes / _bandwidth(torch) * 1e3}
+        for t in TOKENS:
+            row[f"compiled/{t}"] = tree_ms(compiled, t)
+            row[f"torch/{t}"] = tree_ms(torch_pass, t)
+            row[f"int4_bf16/{t}"] = _time_ms(lambda t=t: int4(t))
+        for t in (1, 16):
+            total = tree_ms(compiled, t, repeats=13, profile=True)  # 10 profiled passes after 3 warm-up ones
+            phases = {line.split()[0]: float(line.split()[1]) * 1e3 / 10
+                      for line in torch.ops.specserve_cpu.profile(False).strip().splitlines()}
+            phases["outside the operators"] = total - sum(phases.values())
+            row[f"phases/{t}"] = phases
+        for weights, runner in drafts.items():
+            row[f"draft_{weights}/1"] = tree_ms(runner, 1)
+        rounds.append(row)
+        print(f"round {r + 1}: floor {row['floor_ms']:.2f} ms; compiled T=1 {row['compiled/1']:.2f} ms, "
+              f"torch T=1 {row['torch/1']:.2f} ms, int4_bf16 T=1 {row['int4_bf16/1']:.2f} ms; "
+              f"draft q8_0 {row['draft_q8_0/1']:.2f} ms", flush=True)
+
+    summary = {key: spread([rd[key] for rd in rounds]) for key in rounds[0] if not key.startswith("phases")}
+    for t in (1, 16):
+        summary[f"phases/{t}"] = {name: statistics.median(rd[f"phases/{t}"][name] for rd in rounds)
+                                  for name in rounds[0][f"phases/{t}"]}
+    out = {"meta": {"threads": args.threads, "rounds": args.rounds, "context": args.context, "weight_bytes": nbytes,
+                    "variant": kernels.variant(), "compiled_source": compiled.model.source},
+           "rounds": rounds, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    _print_tables(summary, nbytes, args)
+    return 0
+
+
+def _print_tables(summary: dict, nbytes: int, args: argparse.Namespace) -> None:
+    med = {k: v["median"] for k, v in summary.items() if "median" in v}
+    fmt = lambda key: f"{summary[key]['median']:.2f} ({summary[key]['min']:.2f}-{summary[key]['max']:.2f})"  # noqa: E731
+    print(f"\nweights read per pass {nbytes / 2**20:.1f} MiB; floor {fmt('floor_ms')} ms; threads {args.threads}")
+    print("\n| tokens in the pass | compiled pass, ms | torch pass (float32), ms | products alone, torch int4 "
+          "bf16, ms | compiled : torch |")
+    print("|---:|---:|---:|---:|---:|")
+    for t in TOKENS:
+        print(f"| {t} | {fmt(f'compiled/{t}')} | {fmt(f'torch/{t}')} | {fmt(f'int4_bf16/{t}')} | "
+              f"{med[f'compiled/{t}'] / med[f'torch/{t}']:.2f}x |")
+    for t in (1, 16):
+        phases = summary[f"phases/{t}"]
+        products = sum(phases[p] for p in MATMULS)
+        print(f"\nphases at T = {t}: products {products:.2f} ms, the rest {sum(phases.values()) - products:.2f} ms")
+        for name, ms in sorted(phases.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:24s} {ms:7.3f} ms")
+    print("\n| draft weights | step, ms | target pass : draft step |")
+    print("|---|---:|---:|")
+    for w in ("float32", "q8_0", "q4_1"):
+        print(f"| {w} | {fmt(f'draft_{w}/1')} | {med['compiled/1'] / med[f'draft_{w}/1']:.1f} |")
+
+
+def _bandwidth(torch) -> float:  # noqa: ANN001
+    """Bytes per second one core reads: a float32 sum over 1 GiB, best of 5."""
+    big = torch.ones(1 << 28)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        best = max(best, big.numel() * 4 / (time.perf_counter() - t0))
+    return best
+
+
+def _time_ms(fn, repeats: int = 15) -> float:  # noqa: ANN001
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _int4_products(model, torch):  # noqa: ANN001, ANN202
+    """A function of T running every projection of `model` and its head (as 4-bit weights too) through
+    torch's int4 CPU kernel with bfloat16 activations: random 4-bit values of the same shapes, for the time
+    only (the kernel's time does not depend on the values)."""
+    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.head]
+    packed = []
+    for w in weights:
+        q = torch.randint(0, 16, (w.rows, w.cols), dtype=torch.int32)
+        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scales = torch.ones(w.cols // 32, w.rows, 2, dtype=torch.bfloat16)
+        packed.append((pack, scales, w.cols))
+
+    def run(tokens: int) -> None:
+        xs: dict[int, torch.Tensor] = {}
+        for pack, scales, cols in packed:
+            x = xs.setdefault(cols, torch.randn(tokens, cols, dtype=torch.bfloat16))
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack, 32, scales)
+
+    return run
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
