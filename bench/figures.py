@@ -6,8 +6,8 @@ speed-vs-transformers.png (real CPU, measured): tokens/s of specserve and of the
 transformers `generate` at one request (left) and to transformers' batched `generate` at 16 requests at
 once (right), each ratio taken within a round and shown as the median over rounds with its min-max. From
 bench/results/peer_side_by_side_default.json (the bundled demo pair), smollm2_c1.json (SmolLM2-135M-Instruct,
-n-gram draft, chat and edit prompts), llamacpp_c1.json (llama.cpp on SmolLM2's Q4_1 file, chat prompts) and
-smollm2_batch.json; the lab notes are docs/benchmarks/peer_side_by_side.md, smollm2_c1.md and smollm2_batch.md.
+n-gram draft, chat and edit prompts, and llama.cpp on the same Q4_1 file) and smollm2_batch.json; the lab notes
+are docs/benchmarks/peer_side_by_side.md, smollm2_c1.md and smollm2_batch.md.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ def speed_rows() -> tuple[list[tuple[str, tuple[float, float, float], bool]], li
     """(label, (median, min, max), is specserve) rows for the two panels."""
     demo = _load("peer_side_by_side_default.json")["rounds"]
     smol = _load("smollm2_c1.json")["summary"]
-    cpp = _load("llamacpp_c1.json")["summary"]
     batch = _load("smollm2_batch.json")["summary"]
     one = [
         ("demo pair: none", _within_rounds(demo, "specserve none", "transformers generate"), True),
@@ -52,7 +51,8 @@ def speed_rows() -> tuple[list[tuple[str, tuple[float, float, float], bool]], li
         ("SmolLM2 edit: joint (default)", _summary(smol["edit/joint"]["vs_hf_generate"]), True),
         ("SmolLM2 edit: adaserve", _summary(smol["edit/adaserve"]["vs_hf_generate"]), True),
         ("SmolLM2 edit: HF prompt lookup", _summary(smol["edit/hf_prompt_lookup"]["vs_hf_generate"]), False),
-        ("SmolLM2 chat: llama.cpp Q4_1", _summary(cpp["llama_cpp_vs_hf_generate"]), False),
+        ("SmolLM2 chat: llama.cpp, same file", _summary(smol["chat/llama_cpp"]["vs_hf_generate"]), False),
+        ("SmolLM2 edit: llama.cpp, same file", _summary(smol["edit/llama_cpp"]["vs_hf_generate"]), False),
     ]
     sixteen = [
         ("demo pair: none", _within_rounds(demo, "specserve none, 16 at once",

@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
+    ap.add_argument("--quiet-s", type=float, default=3.0, help="idle seconds before each mode (with 2 threads, a "
+                    "mode run right after transformers' measured up to 1.8x slower without them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "smollm2_batch.json"))
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.batch < 1:
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             row = {}
             for mode in modes:
+                time.sleep(args.quiet_s)
                 t0 = time.perf_counter()
                 answers, n = (generate(chats) if mode == "hf_batched" else llama_cpp() if mode == "llama_cpp"
                               else asyncio.run(serve(urls[mode])))

@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
+    ap.add_argument("--quiet-s", type=float, default=3.0, help="idle seconds before each mode (with 2 threads, a "
+                    "mode run right after transformers' measured up to 1.8x slower without them)")
     ap.add_argument("--out", help="result file (default bench/results/smollm2_c1.json, or smollm2_c1-<draft dir>.json)")
     args = ap.parse_args(argv)
     ngram = args.draft_model == "ngram"
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, ids_list in sets.items():
                 ref = []
                 for mode in [*peer_modes, *policies]:
+                    time.sleep(args.quiet_s)
                     t0, outs, steps, n = time.perf_counter(), [], [], 0
                     for i, ids in enumerate(ids_list):
                         if mode == "llama_cpp":
