@@ -41,8 +41,8 @@ def speed_rows() -> tuple[list[tuple[str, tuple[float, float, float], bool]], li
     smol = _load("smollm2_c1.json")["summary"]
     batch = _load("smollm2_batch.json")["summary"]
     one = [
-        ("demo pair: none", _within_rounds(demo, "specserve none", "transformers generate"), True),
-        ("demo pair: joint (default)", _within_rounds(demo, "specserve joint", "transformers generate"), True),
+        ("demo pair: none (torch pass, before issue 46)", _within_rounds(demo, "specserve none", "transformers generate"), True),
+        ("demo pair: joint (torch pass)", _within_rounds(demo, "specserve joint", "transformers generate"), True),
         ("demo pair: HF assisted", _within_rounds(demo, "transformers assisted", "transformers generate"), False),
         ("SmolLM2 chat: none", _summary(smol["chat/none"]["vs_hf_generate"]), True),
         ("SmolLM2 chat: joint (default)", _summary(smol["chat/joint"]["vs_hf_generate"]), True),
@@ -55,9 +55,9 @@ def speed_rows() -> tuple[list[tuple[str, tuple[float, float, float], bool]], li
         ("SmolLM2 edit: llama.cpp, same file", _summary(smol["edit/llama_cpp"]["vs_hf_generate"]), False),
     ]
     sixteen = [
-        ("demo pair: none", _within_rounds(demo, "specserve none, 16 at once",
+        ("demo pair: none (torch pass)", _within_rounds(demo, "specserve none, 16 at once",
                                            "transformers batched generate, batch 16"), True),
-        ("demo pair: joint (default)", _within_rounds(demo, "specserve joint, 16 at once",
+        ("demo pair: joint (torch pass)", _within_rounds(demo, "specserve joint, 16 at once",
                                                       "transformers batched generate, batch 16"), True),
         ("SmolLM2: none", _summary(batch["none"]["vs_hf_batched"]), True),
         ("SmolLM2: joint (default)", _summary(batch["joint"]["vs_hf_batched"]), True),
