@@ -41,7 +41,7 @@ def speed_rows() -> tuple[list[tuple[str, tuple[float, float, float], bool]], li
     smol = _load("smollm2_c1.json")["summary"]
     batch = _load("smollm2_batch.json")["summary"]
     one = [
-        ("demo pair: none (torch pass, before issue 46)", _within_rounds(demo, "specserve none", "transformers generate"), True),
+        ("demo pair: none (torch pass)", _within_rounds(demo, "specserve none", "transformers generate"), True),
         ("demo pair: joint (torch pass)", _within_rounds(demo, "specserve joint", "transformers generate"), True),
         ("demo pair: HF assisted", _within_rounds(demo, "transformers assisted", "transformers generate"), False),
         ("SmolLM2 chat: none", _summary(smol["chat/none"]["vs_hf_generate"]), True),
