@@ -70,6 +70,14 @@ class LeanModel(torch.nn.Module):
             tensors, kinds = layer.operator_args()
             self._tensors += tensors
             self._kinds += kinds
+        # Every weight tensor once, as a buffer: `named_buffers()` is how the draft's offload moves them (it
+        # swaps each tensor's data in place, which every reference above sees).
+        unique: dict[int, torch.Tensor] = {}
+        for tensor in [*self._tensors, embed.data, embed.scales, head.data, head.scales, norm]:
+            if tensor.numel():
+                unique.setdefault(id(tensor), tensor)
+        for i, tensor in enumerate(unique.values()):
+            self.register_buffer(f"weight_{i}", tensor, persistent=False)
 
     @property
     def weight_bytes(self) -> int:

@@ -27,6 +27,7 @@ from specserve.draft.config import DraftConfig
 from specserve.draft.static_step import StaticBeamStep
 from specserve.shared.batch import Chunk
 from specserve.shared.kv_cache import KVCache
+from specserve.shared.lean_model import LeanModel
 from specserve.shared.loader import load_model, parse_device, parse_dtype
 from specserve.shared.messages import (
     DraftTree,
@@ -39,6 +40,7 @@ from specserve.shared.messages import (
     StatsReply,
     TransitionReply,
 )
+from specserve.shared.model import CausalLM
 from specserve.shared.runner import ModelRunner
 from specserve.shared.service_base import ms_since, split_counts
 
@@ -316,7 +318,7 @@ class DraftEngine:
         kv_bytes = self.runner.kv.data.nbytes
         pin = self.device.type == "cuda"
         host = {}
-        for name, param in self.model.named_parameters():
+        for name, param in _weights(self.model):
             copy = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
             copy.copy_(param.detach())
             host[name] = copy
@@ -337,7 +339,7 @@ class DraftEngine:
             return self._transition(0.0, 0, 0), None
         t0 = time.perf_counter()
         host = self._host_weights
-        for name, param in self.model.named_parameters():
+        for name, param in _weights(self.model):
             param.data = host[name].to(self.device, non_blocking=True)
         self._host_weights = None
         self._new_pool()
@@ -354,6 +356,11 @@ def _failure(rid: str, what: str, exc: Exception) -> ErrorInfo:
     """The error of a request whose own work raised; the caller releases the request."""
     return ErrorInfo("internal", f"{rid!r}: {what} failed ({type(exc).__name__}: {str(exc)[:300]}); "
                      "the request was released")
+
+
+def _weights(model: CausalLM | LeanModel) -> list[tuple[str, torch.Tensor]]:
+    """The tensors offload moves: the torch pass's parameters, or the compiled pass's weight buffers."""
+    return list(model.named_buffers() if isinstance(model, LeanModel) else model.named_parameters())
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
