@@ -158,8 +158,9 @@ def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
     """Replica 1 is killed once /health shows both replicas running requests (an event, not a fixed
     sleep; SLO admission may admit the six at different times on a loaded machine, so not necessarily
     three each at once); it is back when /health says it is ready. Every request that replica 0 ran
-    finishes exactly; those on replica 1 fail (at most those it ran then, and those waiting then), except
-    one that finished between /health and the kill."""
+    finishes exactly; those on replica 1 fail: at most those replica 0 was not running then (replica 1's,
+    those waiting, and those the gateway had not yet seen, which may be routed to replica 1 before the
+    kill), and fewer when one finished between /health and the kill."""
     async def run():
         load = asyncio.ensure_future(run_all(up2.url, PROMPTS[:6]))
         seen = await await_health(up2.url, lambda h: all(r["running"] >= 1 for r in h["replicas"]), until=load)
@@ -171,7 +172,7 @@ def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
     ok = [(i, r) for i, r in enumerate(out) if not isinstance(r, BaseException)]
     failed = [r for r in out if isinstance(r, BaseException)]
     assert failed, "no request was on the killed replica"
-    assert 1 <= len(failed) <= seen["replicas"][1]["running"] + seen["waiting"], (len(failed), seen)
+    assert 1 <= len(failed) <= 6 - seen["replicas"][0]["running"], (len(failed), seen)
     assert any(r.model_extra["specserve"]["replica"] == 0 for _, r in ok), "replica 0's requests failed too"
     for i, r in ok:
         assert r.choices[0].text == reference[i], (i, r.model_extra["specserve"]["replica"])
