@@ -1,5 +1,9 @@
 """Paged attention over a ragged batch, with per-entry masks (causal chunks or token trees).
 
+Two ways, by the metadata the pass built: `AttentionMetadata` (SDPA over gathered keys, below; any
+device, sliding windows) or a `KeyLayout` (each token's keys read in place by the Triton kernel,
+kernels/triton_attention.py; CUDA, no sliding windows).
+
 The new tokens of every entry are flattened into one [T] axis for the projections and MLP. For
 attention, entries are split into a few groups of similar query length; within a group, queries
 are scattered into a padded [B, max_q] layout, keys and values are gathered from the paged pool
@@ -41,6 +45,26 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class KeyLayout:
+    """Where each new token's K/V goes and which keys it reads."""
+
+    slot_mapping: torch.Tensor  # [T] int64: the physical KV slot each new token is written to
+    tables: torch.Tensor  # [B, max_blocks] int32: each entry's block table (padding: 0)
+    seq: torch.Tensor  # [T] int32: row of `tables` of each token
+    prefix: torch.Tensor  # [T] int32: leading logical slots of its request each token reads
+    extra_off: torch.Tensor  # [T + 1] int32: CSR offsets into extra_slots
+    extra_slots: torch.Tensor  # [E] int32: physical slots of each tree node's path, root first
+    block_size: int
+
+    def to(self, device: torch.device) -> KeyLayout:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return KeyLayout(move(self.slot_mapping), move(self.tables), move(self.seq), move(self.prefix),
+                         move(self.extra_off), move(self.extra_slots), self.block_size)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: physical KV slot each new token is written to
     groups: list[AttentionGroup]
@@ -52,7 +76,7 @@ def paged_attention(
     v: torch.Tensor,
     layer: int,
     kv_cache: KVCache,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | KeyLayout,
     window: int | None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for the new tokens -> attention output [T, H, D].
@@ -60,6 +84,11 @@ def paged_attention(
     Writes the new k/v into the pool first, so the gathered keys include them.
     """
     kv_cache.write(layer, k, v, meta.slot_mapping)
+    if isinstance(meta, KeyLayout):
+        from specserve.shared.kernels.triton_attention import paged_attention as triton_attention
+
+        return triton_attention(q, kv_cache.data[layer, 0], kv_cache.data[layer, 1], meta.tables, meta.seq,
+                                meta.prefix, meta.extra_off, meta.extra_slots, meta.block_size)
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
         return _group_attention(q, layer, kv_cache, meta.groups[0], window)
     out = torch.empty_like(q)

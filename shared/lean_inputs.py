@@ -1,4 +1,7 @@
-"""The inputs of a pass through the compiled CPU operators: per token, which KV slots it reads.
+"""The inputs of a pass that reads its keys token by token: per token, which KV slots it reads.
+
+The compiled CPU pass (`LeanModel`) and the torch pass's Triton attention on CUDA
+(`kernels/triton_attention.py`) both take this key layout.
 
 Each new token reads a prefix of its request's committed slots (through the request's block table)
 and then, for a tree node, the slots of its ancestors and itself, root first. A chunk token at
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.shared.attention import KeyLayout
 from specserve.shared.batch import DraftNodes, Entry, Tree, entry_logits_at
 from specserve.shared.block_manager import BlockManager
 from specserve.shared.token_tree import depths
@@ -25,13 +29,7 @@ class LeanInputs:
     positions: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [N] int64 rows whose logits are returned
     logits_splits: list[int]  # rows of logits per entry, in entry order
-    slot_mapping: torch.Tensor  # [T] int64: the physical KV slot each new token is written to
-    tables: torch.Tensor  # [B, max_blocks] int32: each entry's block table (padding: 0)
-    seq: torch.Tensor  # [T] int32: row of `tables` of each token
-    prefix: torch.Tensor  # [T] int32: leading logical slots of its request each token reads
-    extra_off: torch.Tensor  # [T + 1] int32: CSR offsets into extra_slots
-    extra_slots: torch.Tensor  # [E] int32: physical slots of each tree node's path, root first
-    block_size: int
+    keys: KeyLayout
 
 
 def _ancestors(parents: Sequence[int]) -> list[list[int]]:
@@ -91,11 +89,13 @@ def build_lean_inputs(
         positions=torch.tensor(positions, dtype=int64),
         logits_indices=torch.tensor(logits_indices, dtype=int64),
         logits_splits=logits_splits,
-        slot_mapping=torch.tensor(slots, dtype=int64),
-        tables=torch.tensor(padded, dtype=int32),
-        seq=torch.tensor(seq, dtype=int32),
-        prefix=torch.tensor(prefix, dtype=int32),
-        extra_off=torch.tensor(extra_off, dtype=int32),
-        extra_slots=torch.tensor(extra, dtype=int32),
-        block_size=bs,
+        keys=KeyLayout(
+            slot_mapping=torch.tensor(slots, dtype=int64),
+            tables=torch.tensor(padded, dtype=int32),
+            seq=torch.tensor(seq, dtype=int32),
+            prefix=torch.tensor(prefix, dtype=int32),
+            extra_off=torch.tensor(extra_off, dtype=int32),
+            extra_slots=torch.tensor(extra, dtype=int32),
+            block_size=bs,
+        ),
     )

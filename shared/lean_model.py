@@ -91,11 +91,10 @@ class LeanModel(torch.nn.Module):
         c = self.config
         x = ops.embed(inputs.input_ids, self.embed.data, self.embed.scales, self.embed.kind, c.hidden_size)
         cos, sin = self.rotary.cos_sin(inputs.positions, torch.float32)
-        t = x.shape[0]
+        t, keys = x.shape[0], inputs.keys
         ops.decoder_layers(x, self._tensors, self._kinds, cos.reshape(t, -1), sin.reshape(t, -1), kv.data,
-                           inputs.slot_mapping, inputs.tables, inputs.seq, inputs.prefix, inputs.extra_off,
-                           inputs.extra_slots, inputs.block_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                           c.rms_norm_eps)
+                           keys.slot_mapping, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots,
+                           keys.block_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
         h = ops.rms_norm(x.index_select(0, inputs.logits_indices), self.norm, c.rms_norm_eps)
         logits: torch.Tensor = ops.linear(h, self.head.data, self.head.scales, self.head.kind, c.hidden_size, None)
         return logits

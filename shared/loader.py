@@ -31,10 +31,11 @@ WEIGHTS = {
     "q4_1": "the float32 weights quantized to Q4_1 at load (compiled CPU operators only)",
 }
 KERNELS = {
-    "auto": "the compiled CPU operators on CPU in float32 (built on first use), the torch pass elsewhere "
-            "or where they cannot be built",
+    "auto": "the compiled CPU operators on CPU in float32 (built on first use); on CUDA the torch pass with "
+            "Triton attention where Triton imports; the torch pass with SDPA elsewhere",
     "cpu": "the compiled CPU operators, or an error",
-    "torch": "the torch pass (float32 safetensors; CUDA graphs on CUDA)",
+    "triton": "the torch pass with Triton paged attention (CUDA; on CPU only under TRITON_INTERPRET=1, for tests)",
+    "torch": "the torch pass with SDPA attention (float32 safetensors; CUDA graphs on CUDA)",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,8 +101,25 @@ def load_model(
             log.warning("%s: running the float32 weights through the torch pass, not %s's blocks: %s",
                         model_dir, GGUF_FILE, why_not)
         model = _load_causal_lm(model_dir, config, dtype, device)
+        model.attention = _attention(config, device, kernels)
     log.info("%s: %s", model_dir, describe(model))
     return model
+
+
+def _attention(config: ModelConfig, device: torch.device, kernels: str) -> str:
+    """How the torch pass reads the KV pool: "triton" (asked, or on CUDA by default where Triton imports and
+    the model has no sliding window) or "sdpa"."""
+    from specserve.shared.kernels import triton_attention
+
+    windowed = any(w is not None for w in config.sliding_windows)
+    if kernels == "triton":
+        if windowed or not triton_attention.available():
+            raise ModelLoadError("--kernels triton: " + ("the model has sliding-window attention, which the Triton "
+                                 "kernel lacks" if windowed else "Triton is not installed"))
+        return "triton"
+    if kernels == "auto" and device.type == "cuda" and not windowed and triton_attention.available():
+        return "triton"
+    return "sdpa"
 
 
 def describe(model: CausalLM | LeanModel) -> str:
@@ -110,13 +128,13 @@ def describe(model: CausalLM | LeanModel) -> str:
         return (f"compiled CPU operators ({cpu_kernels.variant()}), weights {model.source}, "
                 f"{model.weight_bytes / 2**20:.0f} MiB read per pass")
     param = next(model.parameters())
-    return f"torch pass, {str(param.dtype).removeprefix('torch.')} on {param.device}"
+    return f"torch pass ({model.attention} attention), {str(param.dtype).removeprefix('torch.')} on {param.device}"
 
 
 def _why_not_lean(config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str) -> str | None:
     """None where the compiled CPU pass can run the model, else why not."""
-    if kernels == "torch":
-        return "--kernels torch"
+    if kernels in ("torch", "triton"):
+        return f"--kernels {kernels}"
     if device.type != "cpu" or dtype != torch.float32:
         return f"it runs on CPU in float32 only (asked: {device.type}, {str(dtype).removeprefix('torch.')})"
     if any(w is not None for w in config.sliding_windows):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.shared.attention import AttentionMetadata, paged_attention
+from specserve.shared.attention import AttentionMetadata, KeyLayout, paged_attention
 from specserve.shared.kv_cache import KVCache
 from specserve.shared.model_config import ModelConfig
 from specserve.shared.rope import RotaryEmbedding, apply_rotary
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | KeyLayout,
     ) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | KeyLayout) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
         return x + mlp
@@ -139,6 +139,9 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # How the pass's attention reads the KV pool: "sdpa" (gathered keys, masks) or "triton" (in place,
+        # kernels/triton_attention.py); the loader sets it, ModelRunner builds the inputs it needs.
+        self.attention = "sdpa"
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -150,7 +153,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | KeyLayout,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids/positions [T] -> float32 logits [len(logits_indices), vocab] of the chosen tokens."""

@@ -46,14 +46,17 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.vocab_size = model.config.vocab_size
+        # How a pass's inputs are built: "lean" (the compiled CPU pass), "triton" or "sdpa" (the torch pass's
+        # attention, CausalLM.attention); fixed here for the model this runner was given.
+        self.inputs_for: str
         if isinstance(model, LeanModel):
-            self.device, self.dtype = model.device, model.dtype
+            self.device, self.dtype, self.inputs_for = model.device, model.dtype, "lean"
         else:
             param = next(model.parameters())
-            self.device, self.dtype = param.device, param.dtype
+            self.device, self.dtype, self.inputs_for = param.device, param.dtype, model.attention
         self.blocks = BlockManager(num_blocks, block_size)
         self.kv = KVCache(self.config, num_blocks, block_size, self.dtype, self.device,
-                          head_major=isinstance(model, LeanModel))
+                          head_major=self.inputs_for == "lean")
         self.windows = set(self.config.sliding_windows) or {None}
         self._pending: dict[str, _Pending] = {}
 
@@ -154,11 +157,17 @@ class ModelRunner:
                  run_model: RunModel | None) -> list[torch.Tensor]:
         """The model pass of `forward`, once the entries' slots are taken: per entry its logits rows.
         (The simulated runner, shared/simulate/runner.py, replaces this and `_move_kv` alone.)"""
-        if isinstance(self.model, LeanModel):
+        if self.inputs_for == "lean":
             if run_model is not None:
                 raise ValueError("run_model replaces the torch pass; the compiled CPU pass has none")
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
             return list(torch.split(self.model(lean, self.kv), lean.logits_splits))
+        if self.inputs_for == "triton" and run_model is None:  # the static step's graphs take SDPA's inputs
+            lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
+            keys = lean.keys.to(self.device)
+            logits = self.model(lean.input_ids.to(self.device), lean.positions.to(self.device), self.kv, keys,
+                                lean.logits_indices.to(self.device))
+            return list(torch.split(logits, lean.logits_splits))
         inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
         logits = (run_model or _run_model)(self.model, self.kv, inputs)
         return list(torch.split(logits, inputs.logits_splits))

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import os
 import secrets
-from pathlib import Path
+import shutil
 
-import pytest
-import torch
+# Triton kernels run through Triton's interpreter on CPU tensors where there is no GPU. Triton reads this
+# when its own library is defined, so it is set before anything imports triton (torch and transformers may).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # One shared secret for the whole run (shared/auth.py), set before anything starts: every test, the
 # services and gateways it starts (they inherit the environment) and its clients use it.
