@@ -17,6 +17,7 @@ import torch
 
 from specserve.shared.batch import DraftNodes, Entry, ModelInputs, Tree, build_inputs, validate_entry
 from specserve.shared.block_manager import BlockManager, OutOfBlocks, UnknownRequest
+from specserve.shared.cuda_graphs import MAX_TOKENS, GraphedPasses
 from specserve.shared.kv_cache import KVCache
 from specserve.shared.lean_inputs import build_lean_inputs
 from specserve.shared.lean_model import LeanModel
@@ -59,6 +60,15 @@ class ModelRunner:
                           head_major=self.inputs_for == "lean")
         self.windows = set(self.config.sliding_windows) or {None}
         self._pending: dict[str, _Pending] = {}
+        self.graphs: GraphedPasses | None = None  # Triton passes at bucketed shapes (`use_graphs`)
+
+    def use_graphs(self, capture: bool = True, max_tokens: int = MAX_TOKENS) -> None:
+        """Run the torch pass with Triton attention at bucketed static shapes from now on, captured as CUDA
+        graphs on CUDA with `capture` (shared/cuda_graphs.py). Takes one KV block for the padding rows."""
+        if self.inputs_for != "triton":
+            raise ValueError("CUDA graphs of the target's passes need the torch pass with Triton attention")
+        assert isinstance(self.model, CausalLM)
+        self.graphs = GraphedPasses(self.model, self.kv, self.blocks, self.device, capture, max_tokens)
 
     @classmethod
     def from_dir(
@@ -162,11 +172,14 @@ class ModelRunner:
                 raise ValueError("run_model replaces the torch pass; the compiled CPU pass has none")
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
             return list(torch.split(self.model(lean, self.kv), lean.logits_splits))
+        assert isinstance(self.model, CausalLM)
         if self.inputs_for == "triton" and run_model is None:  # the static step's graphs take SDPA's inputs
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
-            keys = lean.keys.to(self.device)
-            logits = self.model(lean.input_ids.to(self.device), lean.positions.to(self.device), self.kv, keys,
-                                lean.logits_indices.to(self.device))
+            if self.graphs is not None and self.graphs.fits(lean):
+                logits = self.graphs.run(lean)
+            else:
+                logits = self.model(lean.input_ids.to(self.device), lean.positions.to(self.device), self.kv,
+                                    lean.keys.to(self.device), lean.logits_indices.to(self.device))
             return list(torch.split(logits, lean.logits_splits))
         inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
         logits = (run_model or _run_model)(self.model, self.kv, inputs)

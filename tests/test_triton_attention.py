@@ -77,3 +77,31 @@ def test_the_torch_pass_with_triton_attention_equals_sdpa(tmp_path):
         (decode,) = runner.forward([Chunk("r", [7], logits_at=[0])])
         out[name] = torch.cat([prefill, verify, decode])
     torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-4, atol=2e-5)
+
+
+def test_passes_padded_to_their_buckets_give_the_unpadded_logits(tmp_path):
+    """The padding the target's CUDA graphs use (shared/cuda_graphs.py), run eagerly here: every pass, a
+    prefill, a tree, a batch of decodes beside a chunk, returns the unpadded pass's logits, buckets are
+    reused, and the scratch block stays the only block the padding takes."""
+    from specserve.shared.cuda_graphs import BucketKey
+
+    model_dir = write_random_model(tmp_path / "m", TINY_CONFIG, seed=9, std=0.1)
+    plain = ModelRunner.from_dir(model_dir, num_blocks=64, block_size=BLOCK, kernels="triton")
+    padded = ModelRunner.from_dir(model_dir, num_blocks=64, block_size=BLOCK, kernels="triton")
+    padded.use_graphs(capture=False)
+    assert padded.num_free_blocks == plain.num_free_blocks - 1
+    passes = [[Chunk("a", list(range(3, 14)), logits_at=[10]), Chunk("b", [5, 6, 7], logits_at=[0, 1, 2])],
+              [Tree("a", [20, 21, 22, 23], [-1, 0, 0, 1]), Chunk("b", [8], logits_at=[0])],
+              [Chunk("c", [9, 10, 11, 12, 13], logits_at=[4])]]
+    for entries in passes:
+        want = plain.forward(entries)
+        got = padded.forward(entries)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-5)
+        for runner in (plain, padded):
+            if runner.has_pending("a"):
+                runner.commit_tree("a", [0, 2])
+    assert padded.graphs is not None and set(padded.graphs.statics) == {
+        BucketKey(16, 4, 4, 1, 4), BucketKey(8, 4, 4, 8, 8), BucketKey(8, 2, 2, 1, 1)}
+    with pytest.raises(ValueError, match="Triton attention"):
+        ModelRunner.from_dir(model_dir, num_blocks=8, block_size=BLOCK, kernels="torch").use_graphs(capture=False)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from specserve.shared.model_store import MODELS
 from specserve.shared.service_base import ServiceConfig
-from specserve.shared.settings import override_default
+from specserve.shared.settings import option, override_default
 
 
 @dataclass(slots=True, kw_only=True)
@@ -19,3 +19,5 @@ class TargetConfig(ServiceConfig):
 
     model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "target"))
     port: int = override_default(ServiceConfig, "port", 8102)
+    cuda_graphs: bool = option(True, "run the passes eagerly on CUDA too, without CUDA graphs (they are captured "
+                               "for the torch pass with Triton attention, at bucketed shapes)", negate=True)

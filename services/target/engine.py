@@ -68,6 +68,8 @@ class TargetEngine:
         if runner is None:
             model = load_model(config.model, parse_dtype(config.dtype), self.device, config.weights, config.kernels)
             runner = ModelRunner(model, config.kv_blocks, config.block_size)
+            if self.device.type == "cuda" and config.cuda_graphs and runner.inputs_for == "triton":
+                runner.use_graphs()  # decode and verification replayed as CUDA graphs (one KV block for padding)
         self.runner = runner
         self.accept = accept
         self.vocab_size = runner.vocab_size
@@ -263,6 +265,7 @@ class TargetEngine:
 
     def stats(self) -> StatsReply:
         free = self.runner.num_free_blocks
-        return StatsReply("target", self.config.kv_blocks, free, self.config.kv_blocks - free,
+        total = self.config.kv_blocks - (1 if getattr(self.runner, "graphs", None) is not None else 0)  # padding's
+        return StatsReply("target", total, free, total - free,
                           self.config.block_size, len(self.requests), self.calls, self.entry_errors,
                           request_ids=sorted(self.requests))
