@@ -101,7 +101,7 @@ def encode_frame(call_id: int, body: Message, tensors: Tensors | None = None,
     for name, tensor in (tensors or {}).items():
         if tensor.dtype not in _NAMES:
             raise TypeError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
-        if ipc is not None and tensor.is_cuda:
+        if ipc is not None and ipc.accepts(tensor):
             metas.append(ipc.export(name, tensor))
             continue
         raw = _raw_bytes(tensor)
@@ -147,16 +147,20 @@ def decode_tensors(metas: list[TensorMeta], payload: bytearray,
         dtype = _DTYPES.get(meta.dtype)
         if dtype is None:
             raise MessageError(f"tensor {meta.name!r}: unknown dtype {meta.dtype!r}")
-        if meta.ipc is not None:
-            if ipc is None:
-                raise MessageError(f"tensor {meta.name!r} came as a CUDA IPC handle, which this link does not accept")
-            out[meta.name] = ipc.open(meta, dtype)
-            continue
         count = 1
         for dim in meta.shape:
             if dim < 0:
                 raise MessageError(f"tensor {meta.name!r}: negative dimension in {meta.shape}")
             count *= dim
+        if meta.ipc is not None:
+            if ipc is None:
+                raise MessageError(f"tensor {meta.name!r} came as a CUDA IPC handle, which this link does not accept")
+            try:
+                out[meta.name] = ipc.open(meta, dtype)
+            except Exception as exc:
+                raise MessageError(f"tensor {meta.name!r}: its CUDA IPC handle could not be opened "
+                                   f"({type(exc).__name__}: {exc})") from None
+            continue
         if count * _ITEMSIZE[meta.dtype] != meta.nbytes or offset + meta.nbytes > len(payload):
             raise MessageError(f"tensor {meta.name!r}: shape {meta.shape} of {meta.dtype} does not match "
                                f"its {meta.nbytes} payload bytes")
