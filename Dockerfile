@@ -27,7 +27,7 @@ COPY shared shared
 COPY models models
 # Editable, as the scripts install it: the bundled models are found next to the code (/app/models).
 RUN if [ "$VARIANT" = cuda ]; then extras="[cuda]"; else extras=""; fi \
- && pip install -e ".${extras}"
+ && pip install -e ".${extras}" && specserve models unpack
 
 # State the gateway keeps (the profile of the target: budget B, baseline latency) and the shared
 # secret compose creates; both are volumes in compose.yaml.

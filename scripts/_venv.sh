@@ -30,4 +30,6 @@ ensure_venv() {
     "${pip[@]}" install -e "$spec"
     # The compiled CPU operators (shared/kernels), cached; where they cannot be built the torch pass runs.
     "$VENV/bin/specserve" kernels build
+    # The bundled models' weights are committed xz-compressed (models/README.md); written out once.
+    "$VENV/bin/specserve" models unpack >/dev/null
 }

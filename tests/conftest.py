@@ -22,9 +22,15 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from specserve.shared.model_store import unpack_bundled  # noqa: E402
+
 # One shared secret for the whole run (shared/auth.py), set before anything starts: every test, the
 # services and gateways it starts (they inherit the environment) and its clients use it.
 os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))
+
+# The bundled models' weights, committed compressed, written out where the install step has not (transformers
+# reads models/target directly in the parity tests).
+unpack_bundled()
 
 
 # Fixtures that start `specserve up` or separate services (each module that uses one pays for the start).

@@ -141,3 +141,45 @@ def test_acceptance_measurement_is_calibrated(tmp_path):
     noise = ModelRunner.from_dir(write_random_model(tmp_path / "noise", cfg, seed=3), num_blocks=256)
     assert simulate(noise, prompts, conts, 3, 1, 24) < 1.3
     assert runner.num_free_blocks == 256 and noise.num_free_blocks == 256
+
+
+def test_compressed_bundled_weights_are_unpacked_when_missing_or_stale(tmp_path):
+    """models/*/model.safetensors.xz (committed compressed: the working tree a GPU machine is sent stays under
+    64 MiB) is written out beside itself once, again when the packed file is newer, and by the loader where
+    nothing else did."""
+    import lzma
+    import os
+    import shutil
+
+    from specserve.shared.loader import weight_files
+    from specserve.shared.model_store import unpack_bundled
+
+    src = MODELS / "draft"
+    model = tmp_path / "draft"
+    shutil.copytree(src, model)
+    weights = model / "model.safetensors"
+    packed = model / "model.safetensors.xz"
+    packed.write_bytes(lzma.compress(weights.read_bytes()))
+    weights.unlink()
+    assert unpack_bundled(tmp_path) == [weights]
+    assert weights.read_bytes() == (src / "model.safetensors").read_bytes()
+    assert unpack_bundled(tmp_path) == []  # up to date
+    os.utime(packed, (weights.stat().st_mtime + 10,) * 2)  # a pull brought a newer packed file
+    assert unpack_bundled(tmp_path) == [weights]
+    weights.unlink()
+    assert set(weight_files(model)) == set(weight_files(src))  # the loader unpacks it itself
+    assert list(model.glob(".*tmp")) == []
+
+
+def test_the_tracked_tree_fits_what_a_gpu_machine_is_sent():
+    """The device tool sends the working tree (tracked files) to a lent GPU, 64 MiB at most with the wheels the
+    run carries (bench/gpu_suite.py): the tracked files keep 4 MiB of it free."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [ROOT / name for name in listed.decode().split("\0") if name]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    assert total <= 60 * 2**20, f"tracked files take {total / 2**20:.1f} MiB; a GPU run is sent 64 MiB at most"
