@@ -1,0 +1,689 @@
+"""The prepared GPU run: every check of the CUDA path in one call, one JSON and one Markdown report.
+
+    bash bench/gpu_suite.sh --out-dir "$OUT"                 # on a lent GPU (installs the carried wheels first)
+    .venv/bin/python bench/gpu_suite.py --dry-run            # here, on CPU: tiny shapes, Triton's interpreter
+
+Sections, in this order (each is timed; one that fails is reported with its error and the next runs):
+1. **parity**: our pass against transformers on the device, for the demo target and SmolLM2-135M-Instruct
+   (where installed), in float32 and bfloat16, with SDPA attention, the Triton kernel, and the Triton
+   kernel at bucketed shapes through CUDA graphs: max |logit difference| at a 64-token prompt's last
+   position, and whether 32 greedy tokens equal transformers `generate`.
+2. **curves**: median pass time (ms) of the torch pass on random weights of SmolLM2-135M's, Llama-3.2-1B's and
+   Llama-3.1-8B's shapes (timing only: weights do not change it), bfloat16, for decodes of 1-64 requests at
+   512 tokens of context, trees of 4-64 nodes for 1 and 16 requests, and decodes at 128-4096 tokens of
+   context; each point with SDPA, the Triton kernel eagerly, and the Triton kernel replayed as CUDA graphs.
+3. **ipc**: a tensor of draft features (tokens x 4096, bfloat16) sent draft -> target over a Unix socket, as
+   payload bytes against as a CUDA IPC handle (shared/cuda_ipc.py), to an RpcServer in another process:
+   median round trip.
+4. **stack**: `specserve up --device cuda --dtype bfloat16` on the demo pair, a gateway per policy
+   (joint, the default; none; chain:4), at 1, 16 and 64 requests in flight (64 greedy tokens each, short
+   prompts): tokens/s, TTFT and TPOT p50 (`specserve bench`); every policy's greedy texts against
+   `none`'s; and transformers `generate` on the GPU at batch 1, 16 and 64 on the same prompts.
+5. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
+   bench/sim_fit_latency.py, acceptance of the cpu-demo preset: the same pair), and the simulated stack
+   (`up --simulate`) against the real one of section 4 at 16 in flight: the error of tokens/s and TPOT p50.
+
+`--dry-run` runs every section end to end on CPU in minutes: the tiny random shape for the curves,
+float32, Triton kernels through the interpreter, the stack on the CPU at 1 and 2 in flight with 8
+tokens; CUDA IPC is skipped there (tests/test_cuda_ipc.py covers its lifecycle). tests/test_gpu_suite.py
+runs it, so the suite cannot rot. Where `specserve` is not installed (a lent GPU machine), the suite
+imports it from this checkout through a folder of links (.cache/pkg). Reports: gpu_suite.json and
+gpu_suite.md in --out-dir (default bench/results/gpu_suite/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if "--dry-run" in sys.argv and shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+
+
+def _importable() -> None:
+    """Make `specserve` importable from this checkout where it is not installed (services/ is the package,
+    shared/ its `shared`), for this process and the services it starts."""
+    try:
+        import specserve  # noqa: F401
+        return
+    except ImportError:
+        pass
+    pkg = ROOT / ".cache" / "pkg" / "specserve"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for src in [*(ROOT / "services").iterdir(), ROOT / "shared"]:
+        link = pkg / src.name
+        if not link.exists():
+            link.symlink_to(src)
+    sys.path.insert(0, str(pkg.parent))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pkg.parent), os.environ.get("PYTHONPATH")]))
+
+
+_importable()
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from specserve.shared.batch import Chunk, Tree  # noqa: E402
+from specserve.shared.runner import ModelRunner  # noqa: E402
+
+SMOLLM2 = "smollm2-135m-instruct"
+SHAPES: dict[str, dict[str, Any]] = {  # random-weight Llama shapes for the pass-time curves
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+MODES = ("sdpa", "triton", "graphs")
+
+
+@dataclass
+class Plan:
+    """What each section runs: the GPU run's sizes, or the dry run's."""
+
+    device: str
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    prompt_tokens: int = 64
+    new_tokens: int = 32
+    shapes: tuple[str, ...] = tuple(SHAPES)
+    curve_dtype: str = "bfloat16"
+    decode_batches: tuple[int, ...] = (1, 4, 16, 64)
+    decode_context: int = 512
+    trees: tuple[tuple[int, int], ...] = ((1, 4), (1, 16), (1, 64), (16, 4), (16, 16))  # (requests, nodes)
+    kv_lengths: tuple[tuple[int, int], ...] = ((1, 128), (1, 1024), (1, 4096), (16, 1024))  # (requests, context)
+    reps: int = 10
+    ipc_tokens: tuple[int, ...] = (64, 1024)
+    ipc_width: int = 4096
+    ipc_reps: int = 30
+    stack_dtype: str = "bfloat16"
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    policies: tuple[str, ...] = ("joint", "none", "chain:4")
+    stack_tokens: int = 64
+    lossless_prompts: int = 8
+    sim_concurrency: int = 16
+    extra_shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def requests(self, concurrency: int) -> int:
+        return max(8, 2 * concurrency) if concurrency > 1 else 8
+
+
+def dry_plan() -> Plan:
+    from specserve.shared.random_model import TINY_CONFIG
+
+    return Plan(device="cpu", dtypes=("float32", "bfloat16"), prompt_tokens=12, new_tokens=4, shapes=("tiny",),
+                curve_dtype="float32", decode_batches=(1, 2), decode_context=24, trees=((1, 4), (2, 3)),
+                kv_lengths=((1, 8), (1, 40)), reps=1, ipc_tokens=(4,), ipc_width=64, ipc_reps=3,
+                stack_dtype="float32", concurrency=(1, 2), stack_tokens=8, lossless_prompts=2, sim_concurrency=2,
+                extra_shapes={"tiny": {k: v for k, v in TINY_CONFIG.items() if k not in ("architectures",)}})
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- 1. parity ---------------------------------------------------------------------------------------------
+
+def parity(plan: Plan) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from specserve.shared import model_store
+
+    models = [("demo", ROOT / "models" / "target")]
+    if model_store.installed(SMOLLM2):
+        models.append((SMOLLM2, model_store.models_dir() / SMOLLM2))
+    rows: list[dict] = []
+    for name, model_dir in models:
+        for dtype in plan.dtypes:
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(plan.device).eval()
+            rng = random.Random(0)
+            prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(plan.prompt_tokens)]
+            with torch.inference_mode():
+                ids = torch.tensor([prompt], device=plan.device)
+                theirs = hf(ids).logits[0, -1].float()
+                gen = hf.generate(ids, max_new_tokens=plan.new_tokens, min_new_tokens=plan.new_tokens,
+                                  do_sample=False)
+            reference = gen[0, plan.prompt_tokens:].tolist()
+            del hf
+            for kernels, graphs in (("torch", False), ("triton", False), ("triton", True)):
+                runner = ModelRunner.from_dir(model_dir, num_blocks=64, dtype=dtype, device=plan.device,
+                                              weights="float32", kernels=kernels)
+                if graphs:
+                    runner.use_graphs(capture=plan.device.startswith("cuda"))
+                ours = runner.forward([Chunk("p", prompt, logits_at=[plan.prompt_tokens - 1])])[0][0]
+                tokens = [int(ours.argmax())]
+                while len(tokens) < plan.new_tokens:
+                    tokens.append(int(runner.forward([Chunk("p", [tokens[-1]], logits_at=[0])])[0][0].argmax()))
+                row = {"model": name, "dtype": dtype, "attention": "sdpa" if kernels == "torch" else "triton",
+                       "graphs": ("captured" if plan.device.startswith("cuda") else "padded, eager") if graphs
+                       else "no",
+                       "max_abs_logit_diff": float((ours - theirs).abs().max()), "greedy_equal": tokens == reference,
+                       "first_difference": next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
+                                                None)}
+                rows.append(row)
+                print("  parity", row, flush=True)
+                del runner
+    return rows
+
+
+# ---- 2. curves ---------------------------------------------------------------------------------------------
+
+def random_runner(raw: dict[str, Any], dtype: str, device: str, num_blocks: int) -> ModelRunner:
+    """A ModelRunner over a random-weight Llama of `raw`'s shape, built on the device in `dtype` directly."""
+    from specserve.shared.model import CausalLM
+    from specserve.shared.model_config import ModelConfig
+    from specserve.shared.rope import inverse_frequencies
+
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
+    config = ModelConfig.from_dict({**base, **raw})
+    with torch.device("meta"):
+        model = CausalLM(config).to(getattr(torch, dtype))
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.model.rotary_emb.inv_freq = inverse_frequencies(config)[0].to(device)
+    model.attention = "triton"
+    return ModelRunner(model.eval(), num_blocks)
+
+
+def curves(plan: Plan) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    shapes = {**SHAPES, **plan.extra_shapes}
+    for shape in plan.shapes:
+        out[shape] = _Curves(plan, shape, shapes[shape]).run()
+        if plan.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return out
+
+
+class _Curves:
+    """One shape's points. Requests are prefilled once per context (with SDPA, long chunks) and shared by the
+    points at that context; after each timed pass its decode token is truncated or its tree discarded."""
+
+    def __init__(self, plan: Plan, shape: str, raw: dict[str, Any]):
+        self.plan, self.shape = plan, shape
+        contexts: dict[int, int] = {}  # context -> the most requests a point needs at it
+        for b, c in [*((b, plan.decode_context) for b in plan.decode_batches),
+                     *((b, plan.decode_context) for b, _ in plan.trees), *plan.kv_lengths]:
+            contexts[c] = max(contexts.get(c, 0), b)
+        widest = max(n for _, n in plan.trees)
+        blocks = sum(n * (-(-(c + widest) // 16) + 1) for c, n in contexts.items()) + 64
+        self.runner = random_runner(raw, plan.curve_dtype, plan.device, blocks)
+        self.runner.use_graphs(capture=plan.device.startswith("cuda"))
+        self.graphed, self.runner.graphs = self.runner.graphs, None
+        self.rng = torch.Generator().manual_seed(1)
+        self.pools: dict[int, list[str]] = {}  # context -> requests prefilled to it
+
+    def run(self) -> list[dict]:
+        p = self.plan
+        rows = [self.point("decode", b, 1, p.decode_context) for b in p.decode_batches]
+        rows += [self.point("tree", b, n, p.decode_context) for b, n in p.trees]
+        rows += [self.point("context", b, 1, c) for b, c in p.kv_lengths]
+        return rows
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(1, self.runner.vocab_size, (n,), generator=self.rng).tolist()
+
+    def mode(self, name: str) -> None:
+        self.runner.model.attention = self.runner.inputs_for = "sdpa" if name == "sdpa" else "triton"
+        self.runner.graphs = self.graphed if name == "graphs" else None
+
+    def pool(self, n: int, context: int) -> list[str]:
+        rids = self.pools.setdefault(context, [])
+        self.mode("sdpa")
+        while len(rids) < n:
+            rid = f"c{context}-{len(rids)}"
+            self.runner.forward([Chunk(rid, self.tokens(context))])
+            rids.append(rid)
+        return rids[:n]
+
+    def timed(self, make: Callable[[], list], undo: Callable[[], None]) -> float:
+        times = []
+        for _ in range(self.plan.reps + 2):  # two warm-ups: Triton's compile, a graph's capture
+            batch = make()
+            sync(self.plan.device)
+            t0 = time.perf_counter()
+            self.runner.forward(batch)
+            sync(self.plan.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            undo()
+        return statistics.median(times[2:])
+
+    def point(self, kind: str, n: int, nodes: int, context: int) -> dict:
+        rids = self.pool(n, context)
+        runner = self.runner
+        row: dict[str, Any] = {"kind": kind, "requests": n, "nodes": nodes, "context": context}
+        parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]  # a binary tree
+
+        def make() -> list:
+            if nodes == 1:
+                return [Chunk(r, self.tokens(1), logits_at=[0]) for r in rids]
+            return [Tree(r, self.tokens(nodes), parents) for r in rids]
+
+        def undo() -> None:
+            for r in rids:
+                if nodes == 1:
+                    runner.truncate(r, context)
+                else:
+                    runner.discard_tree(r)
+
+        for name in MODES:
+            self.mode(name)
+            if name == "graphs" and n * nodes > self.graphed.max_tokens:
+                row[name] = None  # larger passes run eagerly
+                continue
+            row[name] = round(self.timed(make, undo), 4)
+        row["triton_vs_sdpa"] = round(row["sdpa"] / row["triton"], 3)
+        if row["graphs"]:
+            row["graphs_vs_triton"] = round(row["triton"] / row["graphs"], 3)
+        print(f"  {self.shape}", row, flush=True)
+        return row
+
+
+# ---- 3. CUDA IPC against the socket -------------------------------------------------------------------------
+
+async def _echo_server(address: str, ipc: bool, device: str) -> None:
+    """The receiving end: takes the features onto its device and answers with a one-element tensor."""
+    from specserve.shared.messages import SpeculateReply
+    from specserve.shared.rpc import RpcServer
+
+    async def handler(body, tensors):
+        x = tensors["x"].to(device, non_blocking=False)
+        return SpeculateReply([], 0.0, 0.0, 0.0, 0, 0), {"y": x.reshape(-1)[:1].clone()}
+
+    server = RpcServer(handler, cuda_ipc=ipc)
+    print("ready", await server.start(address), flush=True)
+    await asyncio.Event().wait()
+
+
+def ipc(plan: Plan) -> list[dict]:
+    from specserve.shared.messages import Speculate, SpeculateReply
+    from specserve.shared.rpc import RpcClient
+
+    cuda = plan.device.startswith("cuda")
+    rows: list[dict] = []
+    for use_ipc in (False, True):
+        if use_ipc and not cuda:
+            rows.append({"path": "cuda_ipc", "skipped": "needs CUDA (tests/test_cuda_ipc.py runs its lifecycle)"})
+            continue
+        sock = Path(tempfile.mkdtemp()) / "echo.sock"
+        proc = subprocess.Popen([sys.executable, __file__, "--echo-server", f"unix:{sock}", "--device", plan.device]
+                                + (["--ipc"] if use_ipc else []), stdout=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline() if proc.stdout else ""
+            if not line.startswith("ready"):
+                raise RuntimeError(f"the echo server did not start: {line!r}")
+            address = line.split()[1]
+
+            async def measure(tokens: int, address: str = address, use_ipc: bool = use_ipc) -> float:
+                client = await RpcClient.connect(address, cuda_ipc=use_ipc)
+                x = torch.randn(tokens, plan.ipc_width, device=plan.device).to(torch.bfloat16)
+                times = []
+                try:
+                    for _ in range(plan.ipc_reps + 2):
+                        sync(plan.device)
+                        t0 = time.perf_counter()
+                        _, out = await client.call(Speculate([]), SpeculateReply, {"x": x})
+                        sync(plan.device)
+                        times.append((time.perf_counter() - t0) * 1e3)
+                        assert out["y"].numel() == 1
+                finally:
+                    await client.close()
+                return statistics.median(times[2:])
+
+            for tokens in plan.ipc_tokens:
+                ms = asyncio.run(measure(tokens))
+                row = {"path": "cuda_ipc" if use_ipc else "socket", "tokens": tokens, "width": plan.ipc_width,
+                       "mb": round(tokens * plan.ipc_width * 2 / 2**20, 3), "round_trip_ms": round(ms, 4)}
+                rows.append(row)
+                print("  ipc", row, flush=True)
+        finally:
+            proc.kill()
+            proc.wait()
+    return rows
+
+
+# ---- 4. the stack, and transformers on the same device -------------------------------------------------------
+
+def _prompts(n: int) -> list[str]:
+    lines = (ROOT / "bench" / "workloads" / "short.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines[:n]]
+
+
+def _texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    import httpx
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            async def one(p: str) -> str:
+                r = await c.post("/v1/completions", json={"model": "target", "prompt": p, "max_tokens": max_tokens,
+                                                           "temperature": 0})
+                r.raise_for_status()
+                return str(r.json()["choices"][0]["text"])
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return asyncio.run(run())
+
+
+def stack(plan: Plan, work: Path) -> dict:
+    from bench.sweep import bench_point
+    from tests.gateway_procs import Up, gateway
+
+    profile = work / "profile.json"
+    first, *others = plan.policies
+    up = Up("--device", plan.device, "--dtype", plan.stack_dtype, "--policy", first, "--profile", str(profile),
+            timeout_s=900)
+    gateways = {p: gateway(up, p, "--profile", str(profile)) for p in others}
+    urls = {first: up.url, **{p: g.address for p, g in gateways.items()}}
+    out: dict = {"runs": [], "lossless": {}}
+    try:
+        prompts = _prompts(plan.lossless_prompts)
+        texts = {p: _texts(url, prompts, plan.stack_tokens) for p, url in urls.items()}
+        for p in urls:
+            out["lossless"][p] = sum(a == b for a, b in zip(texts[p], texts["none"]))
+        out["lossless_of"] = len(prompts)
+        out["texts_none"] = texts["none"]
+        for c in plan.concurrency:
+            for p, url in urls.items():
+                s = bench_point(url, work / f"{p.replace(':', '')}-{c}.jsonl", f"{p} c{c}",
+                                num_requests=plan.requests(c), max_concurrency=c, max_tokens=plan.stack_tokens,
+                                mix="critical=1.0:short", sequential_prompts=True, seed=0)
+                row = {"policy": p, "concurrency": c, "requests": s["requests"], "errors": s["errors"],
+                       "tokens_per_s": s["throughput_tok_s"], "ttft_p50_ms": s["ttft_p50_ms"],
+                       "tpot_p50_ms": s["tpot_p50_ms"], "tokens_per_step": s["tokens_per_step"]}
+                out["runs"].append(row)
+                print("  stack", row, flush=True)
+    finally:
+        for g in gateways.values():
+            g.stop()
+        up.interrupt()
+    out["transformers"] = transformers_generate(plan, out["texts_none"])
+    return out
+
+
+def transformers_generate(plan: Plan, texts_none: list[str]) -> list[dict]:
+    """transformers `generate` on the same device and dtype, a batch of `concurrency` short prompts
+    (left-padded), the same number of tokens; its batch-1 texts against `none`'s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = ROOT / "models" / "target"
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, plan.stack_dtype)).to(plan.device)
+    hf.eval()
+    rows = []
+    for c in plan.concurrency:
+        prompts = (_prompts(max(c, 8)) * 8)[:c]
+        enc = tok(prompts, return_tensors="pt", padding=True).to(plan.device)
+        walls = []
+        for _ in range(3 if c > 1 else 2):
+            sync(plan.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                hf.generate(**enc, max_new_tokens=plan.stack_tokens, min_new_tokens=plan.stack_tokens,
+                                  do_sample=False, pad_token_id=tok.pad_token_id)
+            sync(plan.device)
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls[1:])
+        row = {"policy": "transformers generate", "concurrency": c, "tokens_per_s": c * plan.stack_tokens / wall,
+               "wall_per_token_ms": wall / plan.stack_tokens * 1e3}
+        if c == 1:
+            alone = []
+            for p in _prompts(len(texts_none)):
+                ids = tok(p, return_tensors="pt").to(plan.device)
+                with torch.inference_mode():
+                    g = hf.generate(**ids, max_new_tokens=plan.stack_tokens, do_sample=False,
+                                    pad_token_id=tok.pad_token_id)
+                alone.append(tok.decode(g[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+            row["equal_to_none"] = sum(a == b for a, b in zip(alone, texts_none))
+        rows.append(row)
+        print("  transformers", row, flush=True)
+    return rows
+
+
+# ---- 5. a simulator preset from this device's passes -------------------------------------------------------
+
+def sim(plan: Plan, work: Path, real: dict | None) -> dict:
+    from bench.sim_fit_latency import fit, grid
+    from bench.sweep import bench_point
+    from specserve.shared.simulate.preset import load_preset
+    from tests.gateway_procs import Up
+
+    dry = plan.device == "cpu"
+    fitted: dict[str, Any] = {}
+    for name in ("target", "draft"):
+        runner = ModelRunner.from_dir(ROOT / "models" / name, num_blocks=4096, dtype=plan.stack_dtype,
+                                      device=plan.device, kernels="auto")
+        if name == "target" and runner.inputs_for == "triton":
+            runner.use_graphs(capture=plan.device.startswith("cuda"))  # as the target service runs it
+        passes = (grid((1, 2), (1, 4), (16,)) if dry else grid((1, 4, 16, 32, 64), (1, 2, 4, 8), (64, 512)))
+        points = []
+        rng = torch.Generator().manual_seed(2)
+        for p, entries in enumerate(passes):
+            rids = [f"s{p}-{i}" for i in range(len(entries))]
+            runner.forward([Chunk(r, torch.randint(1, runner.vocab_size, (c,), generator=rng).tolist())
+                            for r, (_, _, c) in zip(rids, entries)])
+            times = []
+            for _ in range(plan.reps + 2):
+                batch = [Tree(r, torch.randint(1, runner.vocab_size, (k,), generator=rng).tolist(),
+                              [-1] + list(range(k - 1))) for r, (_, k, _) in zip(rids, entries)]
+                sync(plan.device)
+                t0 = time.perf_counter()
+                runner.forward(batch)
+                sync(plan.device)
+                times.append((time.perf_counter() - t0) * 1e3)
+                for r in rids:
+                    runner.discard_tree(r)
+            for r in rids:
+                runner.release(r)
+            points.append({"entries": [list(e) for e in entries], "ms": statistics.median(times[2:])})
+        model = fit(points)
+        fitted[name] = {"tokens": list(model.tokens), "ms": list(model.ms), "per_request_ms": model.per_request_ms,
+                        "per_context_token_us": model.per_context_token_us, "per_pair_ns": model.per_pair_ns,
+                        "points": points}
+        del runner
+    preset = work / "gpu-demo.toml"
+    preset.write_text(_preset_toml(plan, fitted))
+    load_preset(str(preset))  # it parses
+    out: dict[str, Any] = {"preset": preset.read_text(), "fitted": fitted}
+    if real is None:
+        out["error_vs_real"] = None
+        return out
+    c = plan.sim_concurrency
+    up = Up("--simulate", str(preset), "--policy", plan.policies[0], timeout_s=300)
+    try:
+        s = bench_point(up.url, work / f"sim-{c}.jsonl", f"sim c{c}", num_requests=plan.requests(c), max_concurrency=c,
+                        max_tokens=plan.stack_tokens, mix="critical=1.0:short", sequential_prompts=True, seed=0)
+    finally:
+        up.interrupt()
+    measured = next(r for r in real["runs"] if r["policy"] == plan.policies[0] and r["concurrency"] == c)
+    simulated = {"tokens_per_s": s["throughput_tok_s"], "ttft_p50_ms": s["ttft_p50_ms"],
+                 "tpot_p50_ms": s["tpot_p50_ms"], "tokens_per_step": s["tokens_per_step"]}
+    out["simulated"] = simulated
+    out["real"] = measured
+    out["error_vs_real"] = {k: (round(simulated[k] / measured[k] - 1, 3) if simulated[k] and measured[k] else None)
+                            for k in simulated}
+    print("  sim", out["error_vs_real"], flush=True)
+    return out
+
+
+def _preset_toml(plan: Plan, fitted: dict[str, Any]) -> str:
+    import tomllib
+
+    base = tomllib.loads((ROOT / "shared" / "simulate" / "presets" / "cpu-demo.toml").read_text())
+    device = torch.cuda.get_device_name() if plan.device.startswith("cuda") else platform.processor() or "cpu"
+    acc = base["acceptance"]
+    lines = ['name = "gpu-demo"',
+             f'description = "bundled demo pair on {device}, {plan.stack_dtype} (fitted by bench/gpu_suite.py)"',
+             "sources = [", f'  "latency: bench/gpu_suite.py, passes of the demo pair on {device}",',
+             '  "acceptance: the cpu-demo preset (the same pair)",', "]", ""]
+    for name in ("target", "draft"):
+        f = fitted[name]
+        lines += [f"[{name}]", f"tokens = {f['tokens']}", f"ms = {[round(v, 4) for v in f['ms']]}",
+                  f"per_request_ms = {f['per_request_ms']}", f"per_context_token_us = {f['per_context_token_us']}",
+                  f"per_pair_ns = {f['per_pair_ns']}", "padded_attention = false", ""]
+    lines += ["[acceptance]", f"depth_accept = {acc['depth_accept']}", f"rank_tail = {acc['rank_tail']}",
+              f"concentration = {acc['concentration']}", "", "[text]",
+              "corpus = [" + ", ".join(json.dumps(c) for c in base["text"]["corpus"]) + "]",
+              f'tokenizer = {json.dumps(base["text"]["tokenizer"])}', f"seed = {base['text']['seed']}", ""]
+    return "\n".join(lines)
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+
+def environment(plan: Plan) -> dict:
+    import transformers
+
+    env = {"device": plan.device, "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if plan.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    env["triton_interpret"] = os.environ.get("TRITON_INTERPRET") == "1"
+    return env
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    dry = " (DRY RUN on CPU: plumbing only, no figure here is a GPU measurement)" if report["dry_run"] else ""
+    lines = [f"# GPU suite: {env.get('gpu', env['device'])}{dry}",
+             "", f"torch {env['torch']}, transformers {env['transformers']}, triton {env['triton']}, {env['date']}; "
+             f"sections: " + ", ".join(f"{k} {v['seconds']:.0f} s" + (" FAILED" if v.get("error") else "")
+                                      for k, v in report["sections"].items()), ""]
+    for name, sec in report["sections"].items():
+        if sec.get("error"):
+            lines += [f"## {name}: failed", "", "```", sec["error"].strip()[-2000:], "```", ""]
+    par = report["sections"].get("parity", {}).get("result")
+    if par:
+        lines += ["## Parity with transformers", "", "| model | dtype | attention | CUDA graphs | max abs logit diff "
+                  "| greedy equal |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['dtype']} | {r['attention']} | {r['graphs']} | "
+                  f"{r['max_abs_logit_diff']:.3g} | {r['greedy_equal']} |" for r in par]
+        lines.append("")
+    cur = report["sections"].get("curves", {}).get("result")
+    if cur:
+        lines += ["## Pass time (ms, median), random weights", ""]
+        for shape, rows in cur.items():
+            lines += [f"### {shape}", "", "| pass | requests | nodes | context | SDPA | Triton | Triton + graphs "
+                      "| SDPA/Triton | Triton/graphs |", "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['kind']} | {r['requests']} | {r['nodes']} | {r['context']} | {r['sdpa']} | {r['triton']} "
+                      f"| {r['graphs'] if r['graphs'] is not None else '(eager)'} | {r['triton_vs_sdpa']}x | "
+                      f"{str(r.get('graphs_vs_triton', '-')) + 'x' if r.get('graphs_vs_triton') else '-'} |"
+                      for r in rows]
+            lines.append("")
+    ipc_rows = report["sections"].get("ipc", {}).get("result")
+    if ipc_rows:
+        lines += ["## Draft -> target transfer (round trip, ms)", "", "| path | tokens x width | MB | ms |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['path']} | skipped: {r['skipped']} | | |" if "skipped" in r else
+                  f"| {r['path']} | {r['tokens']} x {r['width']} | {r['mb']} | {r['round_trip_ms']} |"
+                  for r in ipc_rows]
+        lines.append("")
+    st = report["sections"].get("stack", {}).get("result")
+    if st:
+        lines += ["## `specserve up` on the device against transformers `generate`", "",
+                  "Greedy texts equal to `none`'s: " + ", ".join(f"{p} {n}/{st['lossless_of']}"
+                                                                for p, n in st["lossless"].items()), "",
+                  "| policy | in flight | tokens/s | TTFT p50 ms | TPOT p50 ms | tokens per step |",
+                  "|---|---|---|---|---|---|"]
+        for r in st["runs"]:
+            lines.append(f"| {r['policy']} | {r['concurrency']} | {_f(r['tokens_per_s'])} | {_f(r['ttft_p50_ms'])} | "
+                         f"{_f(r['tpot_p50_ms'])} | {_f(r['tokens_per_step'])} |")
+        for r in st["transformers"]:
+            lines.append(f"| transformers generate | {r['concurrency']} | {_f(r['tokens_per_s'])} | | "
+                         f"(wall per token {_f(r['wall_per_token_ms'])}) | |")
+        lines.append("")
+    sm = report["sections"].get("sim", {}).get("result")
+    if sm and sm.get("error_vs_real"):
+        lines += [f"## Simulator (preset fitted here) against the real stack at {report['plan']['sim_concurrency']} "
+                  "in flight", "", "| metric | real | simulated | error |", "|---|---|---|---|"]
+        lines += [f"| {k} | {_f(sm['real'][k])} | {_f(sm['simulated'][k])} | {e} |"
+                  for k, e in sm["error_vs_real"].items()]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes (minutes)")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "gpu_suite"))
+    ap.add_argument("--sections", default="parity,curves,ipc,stack,sim", help="comma-separated, in order")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--echo-server", help=argparse.SUPPRESS)  # section 3's receiving process
+    ap.add_argument("--ipc", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.echo_server:
+        asyncio.run(_echo_server(args.echo_server, args.ipc, args.device))
+        return 0
+    if not args.dry_run and not torch.cuda.is_available():
+        ap.error("no CUDA device here: run it on a GPU, or with --dry-run")
+    os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # every RPC link and service started here
+    from specserve.shared.model_store import unpack_bundled
+
+    unpack_bundled()
+    plan = dry_plan() if args.dry_run else Plan(device=args.device)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_suite-"))
+    report: dict[str, Any] = {"dry_run": args.dry_run, "environment": environment(plan), "plan": asdict(plan),
+                              "sections": {}}
+    steps: dict[str, Callable[[], Any]] = {
+        "parity": lambda: parity(plan), "curves": lambda: curves(plan), "ipc": lambda: ipc(plan),
+        "stack": lambda: stack(plan, work),
+        "sim": lambda: sim(plan, work, report["sections"].get("stack", {}).get("result")),
+    }
+    t_all = time.perf_counter()
+    for name in args.sections.split(","):
+        print(f"[gpu_suite] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        entry: dict[str, Any] = {}
+        try:
+            entry["result"] = steps[name]()
+        except Exception:
+            entry["error"] = traceback.format_exc()
+            print(entry["error"], file=sys.stderr, flush=True)
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        report["sections"][name] = entry
+        (out_dir / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out_dir / "gpu_suite.md").write_text(markdown(report))
+    print(f"[gpu_suite] done in {time.perf_counter() - t_all:.0f} s: {out_dir / 'gpu_suite.md'}", flush=True)
+    return 1 if any("error" in s for s in report["sections"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
