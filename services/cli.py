@@ -30,7 +30,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     cfg = runner.config
     print(
         f"loaded {model_dir} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M parameters, "
-        f"{args.dtype}, {args.device}) in {load_s:.2f} s; "
+        f"{str(runner.dtype).removeprefix('torch.')}, {args.device}) in {load_s:.2f} s; "
         f"KV pool {args.num_blocks} blocks x {runner.blocks.block_size} tokens"
     )
     print(f"pass: {describe(runner.model)}")
@@ -99,16 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from specserve.shared.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
+
     smoke = sub.add_parser("smoke", help="load a model and generate (checks the install)")
     smoke.add_argument("--model", help="Hugging Face model directory or a named model (default: bundled demo target)")
     smoke.add_argument("--device", default=os.environ.get("SPECSERVE_DEVICE", "cpu"), help="cpu or cuda")
-    smoke.add_argument("--dtype", default=os.environ.get("SPECSERVE_DTYPE", "float32"),
-                       choices=["float32", "bfloat16", "float16"])
+    smoke.add_argument("--dtype", default=os.environ.get("SPECSERVE_DTYPE", "auto"), choices=DTYPE_CHOICES,
+                       help=DTYPE_HELP)
     smoke.add_argument("--prompt", default="import os\nimport sys\n\n\ndef main():\n",
                        help="prompt text (needs a tokenizer)")
     smoke.add_argument("--max-tokens", type=int, default=32)
     smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
-    from specserve.shared.loader import KERNELS, WEIGHTS
 
     smoke.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="; ".join(f"{k}: {v}" for k, v in
                                                                                          WEIGHTS.items()))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from specserve.gateway.sched.policy import DEFAULT_POLICY, policy_help
 from specserve.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.auth import ensure_secret
-from specserve.shared.loader import KERNELS, WEIGHTS
+from specserve.shared.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
 from specserve.shared.model_store import DEFAULT_MODEL, DEMO, MODELS, NAMED, resolve_or_exit
 from specserve.shared.ports import check_port_free
 from specserve.shared.service_base import default_threads
@@ -64,7 +64,7 @@ class UpConfig(Settings):
                                      default_text="the target's own: the one `specserve models list` names for a "
                                      "named model, the bundled demo draft for `demo` or a directory")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
-    dtype: str = option("float32", "dtype of both model services", choices=["float32", "bfloat16", "float16"])
+    dtype: str = option("auto", DTYPE_HELP + ", for both model services", choices=DTYPE_CHOICES)
     weights: str = option("auto", "which weights the target runs: "
                           + "; ".join(f"{k}: {v}" for k, v in WEIGHTS.items()), choices=list(WEIGHTS))
     draft_weights: str = option("auto", "which weights the draft model runs (as --weights; q8_0 makes a float32 "

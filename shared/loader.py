@@ -40,17 +40,28 @@ KERNELS = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype: "auto" is bfloat16 on CUDA (as the peers serve), float32 elsewhere (the compiled CPU pass's dtype).
+DTYPE_CHOICES = ["auto", *DTYPES]
+DTYPE_HELP = "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)"
 # Buffers some checkpoints carry that we recompute instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype or its name; "auto" is bfloat16 on a CUDA `device`, else float32."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     try:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def dtype_name(name: str, device: str | torch.device) -> str:
+    """The name of the dtype `name` resolves to on `device` ("auto" -> "bfloat16" on CUDA)."""
+    return str(parse_dtype(name, device)).removeprefix("torch.")
 
 
 def parse_device(name: str | torch.device) -> torch.device:
@@ -92,7 +103,8 @@ def load_model(
     if weights not in WEIGHTS or kernels not in KERNELS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} and kernels one of {', '.join(KERNELS)}")
     config = ModelConfig.from_dir(model_dir)
-    dtype, device = parse_dtype(dtype), parse_device(device)
+    device = parse_device(device)
+    dtype = parse_dtype(dtype, device)
     why_not = _why_not_lean(config, dtype, device, kernels)
     model: CausalLM | LeanModel
     if why_not is None:
@@ -178,7 +190,8 @@ def _check_shapes(model_dir: str | Path, config: ModelConfig, tensors: dict[str,
 
 
 def _load_causal_lm(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    dtype, device = parse_dtype(dtype), parse_device(device)
+    device = parse_device(device)
+    dtype = parse_dtype(dtype, device)
     files = weight_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(config)

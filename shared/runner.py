@@ -21,7 +21,7 @@ from specserve.shared.cuda_graphs import MAX_TOKENS, GraphedPasses
 from specserve.shared.kv_cache import KVCache
 from specserve.shared.lean_inputs import build_lean_inputs
 from specserve.shared.lean_model import LeanModel
-from specserve.shared.loader import load_model, parse_device, parse_dtype
+from specserve.shared.loader import load_model
 from specserve.shared.model import CausalLM
 
 __all__ = ["ModelRunner", "OutOfBlocks", "UnknownRequest", "PendingTree"]
@@ -82,7 +82,7 @@ class ModelRunner:
         kernels: str = "auto",
     ) -> ModelRunner:
         """`weights` and `kernels` as `loader.load_model` takes them."""
-        model = load_model(model_dir, parse_dtype(dtype), parse_device(device), weights=weights, kernels=kernels)
+        model = load_model(model_dir, dtype, device, weights=weights, kernels=kernels)
         return cls(model, num_blocks, block_size)
 
     # ---- state ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from specserve.shared import tracing
 from specserve.shared.auth import load_secret
 from specserve.shared.lifeline import follow_parent
-from specserve.shared.loader import KERNELS, WEIGHTS
+from specserve.shared.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
 from specserve.shared.messages import Error, Health, HealthReply, Message, Release, ReleaseReply, Stats
 from specserve.shared.ports import check_port_free
 from specserve.shared.rpc import DEFAULT_FRAME_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT_S, RpcServer
@@ -53,7 +53,7 @@ class ServiceConfig(Settings):
 
     model: str = option(help="Hugging Face model directory")
     device: str = option("cpu", "cpu or cuda[:N]")
-    dtype: str = option("float32", "weights and KV dtype", choices=["float32", "bfloat16", "float16"])
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_CHOICES)
     weights: str = option("auto", "which weights run: " + "; ".join(f"{k}: {v}" for k, v in WEIGHTS.items()),
                           choices=list(WEIGHTS))
     kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),

@@ -561,3 +561,12 @@ def test_transformers_4x_rope_layout_loads(hf_model: HFModel, tmp_path):
     entry = [Chunk("r", prompt, logits_at=range(len(prompt)))]
     (ours,) = ModelRunner.from_dir(d, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE).forward(entry)
     assert_match(ours, hf_model.logits(prompt), "4.x rope layout")
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
+    from specserve.shared.loader import dtype_name, parse_dtype
+
+    assert parse_dtype("auto", "cuda:1") is torch.bfloat16 and parse_dtype("auto", "cpu") is torch.float32
+    assert parse_dtype("float16", "cuda") is torch.float16 and dtype_name("auto", torch.device("cuda")) == "bfloat16"
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        parse_dtype("int8")

@@ -56,7 +56,8 @@ class DraftEngine:
     def __init__(self, config: DraftConfig):
         self.config = config
         self.device = parse_device(config.device)
-        self.model = load_model(config.model, parse_dtype(config.dtype), self.device, config.weights, config.kernels)
+        self.model = load_model(config.model, parse_dtype(config.dtype, self.device), self.device,
+                                config.weights, config.kernels)
         self.runner: ModelRunner | None = None
         self.static_step: StaticBeamStep | None = None
         self._new_pool()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specserve.draft.config import DraftConfig
+from specserve.shared.loader import dtype_name
 from specserve.shared.messages import Message, Offload, Release, Reload, Speculate
 from specserve.shared.model_store import resolve_or_exit
 from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
@@ -28,7 +29,8 @@ def build_host(config: DraftConfig) -> ServiceHost:
         Offload: engine.offload,
         Reload: engine.reload,
     }
-    return ServiceHost("draft", config.model, str(engine.device), config.dtype, handlers, engine.stats,
+    dtype = dtype_name(config.dtype, engine.device)
+    return ServiceHost("draft", config.model, str(engine.device), dtype, handlers, engine.stats,
                        status=lambda: "offloaded" if engine.runner is None else "ok", call_tokens=call_tokens)
 
 

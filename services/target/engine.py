@@ -66,7 +66,8 @@ class TargetEngine:
         self.config = config
         self.device = parse_device(config.device)
         if runner is None:
-            model = load_model(config.model, parse_dtype(config.dtype), self.device, config.weights, config.kernels)
+            model = load_model(config.model, parse_dtype(config.dtype, self.device), self.device,
+                               config.weights, config.kernels)
             runner = ModelRunner(model, config.kv_blocks, config.block_size)
             if self.device.type == "cuda" and config.cuda_graphs and runner.inputs_for == "triton":
                 runner.use_graphs()  # decode and verification replayed as CUDA graphs (one KV block for padding)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from specserve.shared.loader import dtype_name
 from specserve.shared.messages import Forward, Message, Release
 from specserve.shared.model_store import resolve_or_exit
 from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
@@ -20,7 +21,8 @@ def build_host(config: TargetConfig) -> ServiceHost:
     else:
         engine = exit_on_load_error(lambda: TargetEngine(config))
     handlers = {Forward: engine.forward, Release: release_handler(engine.release, engine.free_blocks)}
-    return ServiceHost("target", config.model, str(engine.device), config.dtype, handlers, engine.stats,
+    dtype = dtype_name(config.dtype, engine.device)
+    return ServiceHost("target", config.model, str(engine.device), dtype, handlers, engine.stats,
                        call_tokens=call_tokens)
 
 
