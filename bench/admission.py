@@ -66,7 +66,7 @@ def outcome(r: RequestRecord) -> str:
     if r.ok:
         if r.best_effort:
             return "best_effort"
-        return "slo_met" if r.tpot_met and r.ttft_met else "slo_missed"
+        return "slo_met" if r.slo_met else "slo_missed"
     if r.status == 503 and r.retry_after_s is not None:
         return "refused"
     return "failed"

@@ -329,6 +329,21 @@ def test_record_met():
     met = [r.tpot_met for r in _records()]
     assert met == [True, False, False, True, True, False, False]
     assert [r.ok for r in _records()] == [True, True, False, True, True, False, False]
+    assert [r.slo_met for r in _records()] == met  # every TPOT met here had its TTFT met too
+
+
+def test_an_slo_is_met_only_when_both_its_ttft_and_its_tpot_are():
+    late = _rec(7, "chat", 50.0, 5, 1500.0, 1600.0)  # TPOT 25 <= 50, but the first token 1.5 s late (1 s SLO)
+    fast_start_slow_tokens = _rec(8, "chat", 50.0, 5, 100.0, 400.0)  # TTFT met, TPOT 75 > 50
+    assert (late.tpot_met, late.ttft_met, late.slo_met) == (True, False, False)
+    assert (fast_start_slow_tokens.tpot_met, fast_start_slow_tokens.ttft_met,
+            fast_start_slow_tokens.slo_met) == (False, True, False)
+    s = summarize([*_records(), late, fast_start_slow_tokens], 2.0)
+    assert s["attainment"] == 3 / 9 and s["tpot_attainment"] == 4 / 9 and s["ttft_attainment"] == 5 / 9
+    assert s["goodput_tok_s"] == (11 + 1 + 5) / 2.0  # neither new request's tokens: each missed one SLO
+    assert s["admitted_attainment"] == 3 / 6 and s["admitted_tpot_attainment"] == 4 / 6
+    assert "SLO attainment 33.3 % (TTFT and TPOT; TPOT alone 44.4 %, TTFT alone 55.6 %)" in format_summary(
+        {**s, "label": "x", "policy": "none", "duration_s": 2.0, "categories": {}})
 
 
 def test_summarize():
@@ -455,7 +470,7 @@ def test_format_summary_lists_categories_and_split():
     s = summarize(_records(), 2.0, server_delta(before, after)) | {"label": "my-run", "policy": "adaserve"}
     text = format_summary(s)
     assert "label my-run" in text and "requests 7" in text and "errors 3" in text
-    assert "TPOT SLO attainment 42.9 %" in text and "goodput 8.5 tok/s" in text
+    assert "SLO attainment 42.9 % (TTFT and TPOT" in text and "goodput 8.5 tok/s" in text
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["critical"], ["chat"])}
     assert rows["critical"][1:4] == ["10.0", "3", "33.3"] and rows["critical"][4] == "5.5"
     assert rows["chat"][1:4] == ["50.0", "4", "50.0"] and rows["chat"][4] == "3.0"
@@ -517,7 +532,7 @@ def test_bench_records(up, run12):
 
 def test_bench_summary(run12):
     proc, records, s = run12
-    met = [r for r in records if r["tpot_ms"] <= r["slo_tpot_ms"]]
+    met = [r for r in records if r["tpot_ms"] <= r["slo_tpot_ms"] and r["ttft_ms"] <= r["slo_ttft_ms"]]
     assert 0 < len(met) < 12  # critical = 1 ms is missed, chat = 10^6 ms met
     assert s["requests"] == s["completed"] == 12 and s["errors"] == 0 and s["error_kinds"] == {}
     assert s["attainment"] == len(met) / 12
@@ -530,7 +545,9 @@ def test_bench_summary(run12):
         c = s["categories"][cat]
         mine = [r for r in records if r["category"] == cat]
         assert c["requests"] == n == len(mine)
-        assert c["attainment"] == sum(r["tpot_ms"] <= r["slo_tpot_ms"] for r in mine) / n
+        assert c["attainment"] == sum(r["tpot_ms"] <= r["slo_tpot_ms"] and r["ttft_ms"] <= r["slo_ttft_ms"]
+                                      for r in mine) / n
+        assert c["tpot_attainment"] == sum(r["tpot_ms"] <= r["slo_tpot_ms"] for r in mine) / n
     assert s["categories"]["critical"]["attainment"] == 0.0 and s["categories"]["chat"]["attainment"] == 1.0
     it = s["iteration"]
     assert it["iterations"] > 0 and it["mean_ms"] > 0
@@ -545,7 +562,7 @@ def test_bench_summary(run12):
     for cat, n in {"critical": 7, "search": 3, "chat": 2}.items():
         row = next(line.split() for line in lines if line.startswith(cat))
         assert float(row[1]) == s["categories"][cat]["slo_tpot_ms"] and int(row[2]) == n
-    assert f"TPOT SLO attainment {100 * s['attainment']:.1f} %" in proc.stdout
+    assert f"SLO attainment {100 * s['attainment']:.1f} % (TTFT and TPOT; TPOT alone" in proc.stdout
     assert f"iterations {it['iterations']}" in proc.stdout
 
 

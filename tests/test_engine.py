@@ -199,3 +199,19 @@ def test_a_request_larger_than_every_pool_is_named_with_the_pool_size():
     replicas[0].total_blocks, replicas[1].total_blocks = 8, 20  # 128 and 320 tokens
     assert engine.pool_tokens_short(100, 156) is None  # 100 + 156 + 64 = 320 tokens: the larger pool
     assert engine.pool_tokens_short(100, 157) == 320
+
+
+def test_a_finished_request_meets_its_slo_only_with_both_its_ttft_and_its_tpot_in_time():
+    """What the gateway counts in specserve:request_slo_total and the trace's specserve.slo.met."""
+
+    def finished(first_s: float, gap_s: float, tokens: int = 4) -> GenRequest:
+        r = GenRequest("r", [1, 2], SamplingSpec(), 8, SloClass("chat", 50.0, 1000.0), frozenset(), arrival=100.0)
+        r.token_times = [100.0 + first_s + i * gap_s for i in range(tokens)]
+        return r
+
+    assert finished(0.5, 0.04).slo_met()
+    assert not finished(1.5, 0.04).slo_met()  # TPOT met, the first token late
+    assert not finished(0.5, 0.06).slo_met()  # TTFT met, the tokens slow
+    assert finished(0.5, 9.0, tokens=1).slo_met()  # one token: no TPOT to miss
+    assert finished(1.5, 0.04).ttft_s() == pytest.approx(1.5) and finished(0, 0, tokens=0).ttft_s() is None
+    assert not finished(0, 0, tokens=0).slo_met()

@@ -230,7 +230,7 @@ class Engine:
         if reason in ("stop", "length"):
             self._mean_latency_s += 0.1 * (e2e - self._mean_latency_s)
         self.metrics.on_finished(reason, len(r.prompt), len(r.output), e2e, tpot, r.slo.name, ok,
-                                 r.token_times[0] - r.arrival if r.token_times else None)
+                                 r.ttft_s())
 
     # ---- the loops ------------------------------------------------------------------------------
     async def _supervise(self) -> None:

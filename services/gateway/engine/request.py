@@ -103,6 +103,13 @@ class GenRequest:
                 "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
                 "steps": [[step, nodes, acc] for (step, nodes), acc in zip(self.verified, self.accepted)]}
 
+    def ttft_s(self) -> float | None:
+        """Seconds from arrival to the first output token (None before it)."""
+        return self.token_times[0] - self.arrival if self.token_times else None
+
     def slo_met(self) -> bool:
-        tpot = self.tpot_s()
-        return tpot is None or tpot * 1e3 <= self.slo.tpot_ms
+        """Both SLOs met: the first token within the TTFT target and the mean time per later token within
+        the TPOT target (fewer than 2 tokens: no TPOT to miss)."""
+        ttft, tpot = self.ttft_s(), self.tpot_s()
+        return (ttft is not None and ttft * 1e3 <= self.slo.ttft_ms
+                and (tpot is None or tpot * 1e3 <= self.slo.tpot_ms))

@@ -83,7 +83,7 @@ def request_attributes(gen: Generation) -> dict[str, Any]:
     if r.admitted_at is not None:
         out["gen_ai.latency.time_in_queue"] = r.admitted_at - r.arrival
     if r.token_times:
-        out["gen_ai.latency.time_to_first_token"] = r.token_times[0] - r.arrival
+        out["gen_ai.latency.time_to_first_token"] = r.ttft_s()
     tpot = r.tpot_s()
     if tpot is not None:
         out["specserve.tpot_ms"] = tpot * 1e3
