@@ -516,7 +516,9 @@ def sim(plan: Plan, work: Path, real: dict | None) -> dict:
         out["error_vs_real"] = None
         return out
     c = plan.sim_concurrency
-    up = Up("--simulate", str(preset), "--policy", plan.policies[0], timeout_s=300)
+    # the real stack's profile: the same budget B and SLO classes on both sides (as bench/sim_fidelity.py)
+    up = Up("--simulate", str(preset), "--policy", plan.policies[0], "--profile", str(work / "profile.json"),
+            timeout_s=300)
     try:
         s = bench_point(up.url, work / f"sim-{c}.jsonl", f"sim c{c}", num_requests=plan.requests(c), max_concurrency=c,
                         max_tokens=plan.stack_tokens, mix="critical=1.0:short", sequential_prompts=True, seed=0)

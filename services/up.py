@@ -159,7 +159,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     sim: list[str] = []
     if config.simulate is not None:
-        from specserve.gateway.perf.profile import default_profile_path
         from specserve.shared.simulate.preset import PresetError, load_preset
 
         try:
@@ -167,9 +166,7 @@ def main(args: argparse.Namespace) -> int:
         except PresetError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        sim = ["--simulate", preset.spec]  # the file, with any time_scale override
-        if not config.profile:  # the simulated target's profile, kept apart from the real one's
-            config.profile = str(default_profile_path(config.model, f"sim-{preset.name}"))
+        sim = ["--simulate", preset.spec]  # the file, with any time_scale override (the profile is keyed by both)
     ensure_secret()  # the services' shared secret, for the children's environment
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

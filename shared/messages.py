@@ -59,6 +59,7 @@ class HealthReply(Struct, tag=True):
     device: str  # e.g. "cpu", "cuda:0"
     dtype: str  # e.g. "float32"
     uptime_s: float  # seconds since the service started
+    fingerprint: str = ""  # what sets its pass latency (service_base.latency_fingerprint); profiles are keyed by it
 
 
 class Stats(Struct, tag=True):

@@ -8,6 +8,7 @@ common fields; each field is a flag and an environment variable SPECSERVE_<SERVI
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -85,6 +87,24 @@ class ServiceConfig(Settings):
         return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}"
 
 
+def latency_fingerprint(config: ServiceConfig, device: str, dtype: str) -> str:
+    """What sets this service's pass latency, as one line: the model's files (names, sizes, modification
+    times) or the simulation preset's file and time scale, the pass (weights, kernels), device, dtype and
+    threads. Health reports it; a gateway keys its cached profile by it (gateway/perf/profile.py)."""
+    if config.simulate is not None:
+        from specserve.shared.simulate.preset import resolve, split_spec
+
+        name, scale = split_spec(config.simulate)
+        source = f"simulate={hashlib.sha1(resolve(name).read_bytes()).hexdigest()[:12]},time_scale={scale!r}"
+    else:
+        root = Path(config.model)
+        files = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in root.iterdir()
+                       if p.is_file() and p.suffix in (".json", ".safetensors", ".gguf")) if root.is_dir() else []
+        source = f"model={root.resolve().name}:{hashlib.sha1('|'.join(files).encode()).hexdigest()[:12]}"
+    return (f"{source};weights={config.weights};kernels={config.kernels};device={device};dtype={dtype};"
+            f"threads={config.threads}")
+
+
 class ServiceHost:
     """Runs one engine behind an RpcServer: model calls one at a time, in arrival order; health and
     stats are answered without waiting for the model.
@@ -99,9 +119,11 @@ class ServiceHost:
 
     def __init__(self, name: str, model: str, device: str, dtype: str, handlers: dict[type, Callable],
                  stats: Callable[[], Message], status: Callable[[], str] = lambda: "ok",
-                 call_tokens: Callable[[Message], int | None] = lambda _body: None):
-        """call_tokens: a call's size in tokens, from its message alone; None: never inline."""
+                 call_tokens: Callable[[Message], int | None] = lambda _body: None, fingerprint: str = ""):
+        """call_tokens: a call's size in tokens, from its message alone; None: never inline. fingerprint:
+        `latency_fingerprint`, reported by Health."""
         self.name, self.model, self.device, self.dtype = name, model, device, dtype
+        self.fingerprint = fingerprint
         self.stats, self.status, self.call_tokens = stats, status, call_tokens
         self.metrics = ServiceMetrics(name, stats)  # served only with --metrics-port
         self.handlers = {kind: self.metrics.timed(h, kind.__name__) for kind, h in handlers.items()}
@@ -120,7 +142,7 @@ class ServiceHost:
     async def handle(self, body: Message, tensors: dict[str, torch.Tensor]) -> tuple[Message, Tensors | None]:
         if isinstance(body, Health):
             return HealthReply(self.name, self.status(), self.model, self.device, self.dtype,
-                               round(time.monotonic() - self.started, 3)), None
+                               round(time.monotonic() - self.started, 3), self.fingerprint), None
         if isinstance(body, Stats):
             return self.stats(), None
         handler = self.handlers.get(type(body))

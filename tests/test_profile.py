@@ -47,6 +47,35 @@ def test_default_profile_path(tmp_path):
     path = default_profile_path(tmp_path / "models" / "llama", "cuda:0")
     assert path.name == "profile-llama-cuda-0.json"
     assert path.parent.name == "specserve" and path.parent.parent.name == ".cache"
+    keyed = {default_profile_path(tmp_path / "models" / "llama", "cuda:0", f) for f in ("a", "b", "a")}
+    assert len(keyed) == 2 and all(p.name.startswith("profile-llama-cuda-0-") for p in keyed)
+
+
+def test_the_latency_fingerprint_changes_with_what_sets_pass_time(tmp_path):
+    """Two targets whose passes differ get different profiles: model files, dtype, threads, pass, preset and
+    its time scale each change the fingerprint; the same target gives the same one."""
+    import os
+    import shutil
+
+    from specserve.shared.service_base import latency_fingerprint
+    from specserve.target.config import TargetConfig
+
+    model = tmp_path / "target"
+    shutil.copytree(BUNDLED_TARGET, model)
+
+    def fp(**kw) -> str:
+        config = TargetConfig(**({"model": str(model), "threads": 1} | kw))
+        return latency_fingerprint(config, "cpu", "float32")
+
+    base = fp()
+    assert base == fp() and "threads=1" in base
+    variants = [fp(threads=2), fp(kernels="torch"), fp(weights="q8_0"), fp(simulate="llama2-7b-a100"),
+                fp(simulate="llama2-7b-a100,time_scale=4"), fp(simulate="cpu-demo")]
+    assert len({base, *variants}) == 1 + len(variants)
+    assert latency_fingerprint(TargetConfig(model=str(model), threads=1), "cpu", "bfloat16") != base
+    weights = model / "config.json"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rewritten
+    assert fp() != base
 
 
 def test_flags_parse():

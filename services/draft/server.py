@@ -8,7 +8,14 @@ from specserve.draft.config import DraftConfig
 from specserve.shared.loader import dtype_name
 from specserve.shared.messages import Message, Offload, Release, Reload, Speculate
 from specserve.shared.model_store import resolve_or_exit
-from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
+from specserve.shared.service_base import (
+    ServiceHost,
+    exit_on_load_error,
+    latency_fingerprint,
+    release_handler,
+    serve,
+    setup_process,
+)
 
 
 def build_host(config: DraftConfig) -> ServiceHost:
@@ -31,7 +38,8 @@ def build_host(config: DraftConfig) -> ServiceHost:
     }
     dtype = dtype_name(config.dtype, engine.device)
     return ServiceHost("draft", config.model, str(engine.device), dtype, handlers, engine.stats,
-                       status=lambda: "offloaded" if engine.runner is None else "ok", call_tokens=call_tokens)
+                       status=lambda: "offloaded" if engine.runner is None else "ok", call_tokens=call_tokens,
+                       fingerprint=latency_fingerprint(config, str(engine.device), dtype))
 
 
 def call_tokens(body: Message) -> int | None:

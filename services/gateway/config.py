@@ -43,7 +43,8 @@ class GatewayConfig(Settings):
     policy: str = option(DEFAULT_POLICY, f"the speculation policy: {policy_help()}")
     profile: str | None = option(None, "profile file from `specserve profile` (budget B, baseline latency; "
                                  "measured on first start if missing)",
-                                 default_text="~/.cache/specserve/profile-<model>-<device>.json")
+                                 default_text="~/.cache/specserve/profile-<model>-<device>-<target fingerprint>.json: "
+                                 "one per target whose passes differ")
     budget: int | None = option(None, "override the profiled budget B, tokens per target pass",
                                 default_text="the profile's")
     max_running: int = option(64, "most requests bound to one target replica at once")

@@ -7,7 +7,14 @@ import argparse
 from specserve.shared.loader import dtype_name
 from specserve.shared.messages import Forward, Message, Release
 from specserve.shared.model_store import resolve_or_exit
-from specserve.shared.service_base import ServiceHost, exit_on_load_error, release_handler, serve, setup_process
+from specserve.shared.service_base import (
+    ServiceHost,
+    exit_on_load_error,
+    latency_fingerprint,
+    release_handler,
+    serve,
+    setup_process,
+)
 from specserve.target.config import TargetConfig
 
 
@@ -23,7 +30,7 @@ def build_host(config: TargetConfig) -> ServiceHost:
     handlers = {Forward: engine.forward, Release: release_handler(engine.release, engine.free_blocks)}
     dtype = dtype_name(config.dtype, engine.device)
     return ServiceHost("target", config.model, str(engine.device), dtype, handlers, engine.stats,
-                       call_tokens=call_tokens)
+                       call_tokens=call_tokens, fingerprint=latency_fingerprint(config, str(engine.device), dtype))
 
 
 def call_tokens(body: Message) -> int | None:

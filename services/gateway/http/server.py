@@ -282,21 +282,27 @@ async def load_cost(config: GatewayConfig, vocab_size: int,
     from specserve.gateway.perf import profile as profiling
     from specserve.shared.service_client import TargetClient
 
-    path = Path(config.profile) if config.profile else profiling.default_profile_path(config.model, config.device)
-    if path.is_file():
-        prof = profiling.Profile.load(path)
-    else:
-        print(f"no profile at {path}: measuring the target now (specserve profile)", file=sys.stderr, flush=True)
-        client = await TargetClient.connect(target)
-        try:
+    client = await TargetClient.connect(target)
+    try:
+        fingerprint = (await client.health()).fingerprint
+        path = (Path(config.profile) if config.profile
+                else profiling.default_profile_path(config.model, config.device, fingerprint))
+        if path.is_file():
+            prof = profiling.Profile.load(path)
+            if prof.fingerprint and fingerprint and prof.fingerprint != fingerprint:
+                print(f"warning: the profile {path} was measured on a target unlike this one ({prof.fingerprint}; "
+                      f"this one: {fingerprint}); its budget and SLO classes may not fit. Leave out --profile to "
+                      "use one measured on this target.", file=sys.stderr, flush=True)
+        else:
+            print(f"no profile at {path}: measuring the target now (specserve profile)", file=sys.stderr, flush=True)
             prof = await profiling.measure(client, vocab_size=vocab_size)
-        finally:
-            await client.close()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.model, prof.device = config.model, config.device
-        prof.save(path)
-        print(f"profile saved to {path}: B = {prof.budget_tokens} tokens, baseline iteration "
-              f"{prof.baseline_iteration_ms:.2f} ms", file=sys.stderr, flush=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.model, prof.device = config.model, config.device
+            prof.save(path)
+            print(f"profile saved to {path}: B = {prof.budget_tokens} tokens, baseline iteration "
+                  f"{prof.baseline_iteration_ms:.2f} ms", file=sys.stderr, flush=True)
+    finally:
+        await client.close()
     budget = config.budget if config.budget else prof.budget_tokens
     return (lambda: PassCost(budget, prof.baseline_iteration_ms, list(prof.curve))), path
 

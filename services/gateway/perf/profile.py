@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -62,6 +63,7 @@ class Profile:
     input_tokens: int
     output_tokens: int
     reference_ms: float = 0.0  # median latency of the batch-decode pass in the curve's rounds: the knee's reference
+    fingerprint: str = ""  # the measured target's (HealthReply.fingerprint): what set these latencies
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -85,12 +87,15 @@ class Profile:
         return profile
 
 
-def default_profile_path(model_dir: str | Path, device: str) -> Path:
+def default_profile_path(model_dir: str | Path, device: str, fingerprint: str = "") -> Path:
     """Where `specserve profile` saves, and the gateway looks, by default:
-    ~/.cache/specserve/profile-<model dir name>-<device>.json (device "cuda:0" is written "cuda-0")."""
+    ~/.cache/specserve/profile-<model dir name>-<device>-<hash of the target's fingerprint>.json (device
+    "cuda:0" is written "cuda-0"), so that a target whose passes differ (other weights or files, pass,
+    dtype, threads, simulation preset or time scale) is measured anew instead of judged by another's."""
     name = Path(model_dir).expanduser().resolve().name or "model"
     safe_device = re.sub(r"[^A-Za-z0-9._-]", "-", str(device))
-    return Path.home() / ".cache" / "specserve" / f"profile-{name}-{safe_device}.json"
+    key = f"-{hashlib.sha1(fingerprint.encode()).hexdigest()[:10]}" if fingerprint else ""
+    return Path.home() / ".cache" / "specserve" / f"profile-{name}-{safe_device}{key}.json"
 
 
 def knee(curve: list[tuple[int, float]], reference_ms: float, ratio: float) -> int:
@@ -239,6 +244,7 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
         model=health.model,
         device=health.device,
         dtype=health.dtype,
+        fingerprint=health.fingerprint,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         batch=batch,
         input_tokens=input_tokens,
@@ -331,7 +337,8 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if proc is not None:
             proc.stop()
-    out = profile.save(Path(args.out) if args.out else default_profile_path(profile.model, profile.device))
+    out = profile.save(Path(args.out) if args.out else default_profile_path(profile.model, profile.device,
+                                                                            profile.fingerprint))
     print(f"target: {profile.model} ({profile.device}, {profile.dtype}); batch {profile.batch}, "
           f"input {profile.input_tokens}, {profile.output_tokens} decode passes")
     print(format_table(profile))
