@@ -4,8 +4,8 @@
 top_p in (0, 1], any integer top_k and any logits without NaN (+-inf and huge or tiny values
 included) every row it returns is finite, non-negative, sums to 1 and keeps a most likely token.
 This matters because one request's parameters must never make a batched call fail: a temperature
-of 1e-38 used to divide the logits into inf - inf = NaN, and a top_p of 1e-300 rounded to 0 in
-float32 and masked every token.
+of 1e-38 would otherwise divide the logits into inf - inf = NaN, and a top_p of 1e-300 round to 0
+in float32 and mask every token.
 """
 
 from __future__ import annotations

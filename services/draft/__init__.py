@@ -1,1 +1,4 @@
-"""The draft service (built in a later issue; see docs/architecture.md)."""
+"""The draft service: batched beam speculation over a paged KV pool.
+
+See docs/architecture.md, "Draft service".
+"""

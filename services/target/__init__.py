@@ -1,1 +1,4 @@
-"""The target service (built in a later issue; see docs/architecture.md)."""
+"""The target service: batched prefill and tree verification over a paged KV pool.
+
+See docs/architecture.md, "Target service".
+"""

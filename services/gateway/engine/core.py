@@ -100,7 +100,6 @@ class Engine:
         self._views: dict[int, tuple[list[RequestView], list[PrefillView]]] = {}  # its last snapshot's own
         self._supervisor: asyncio.Task[None] | None = None
         self.step = 0  # iterations started, all replicas (each iteration's step number)
-        self.last_record: IterationRecord | None = None
         self._mean_latency_s = 1.0  # moving average of finished requests' latency (Retry-After)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -136,10 +135,6 @@ class Engine:
         with contextlib.suppress(*TRANSPORT_ERRORS):
             await self.executor.release_owed()
         await self.pool.close()
-
-    @property
-    def target_up(self) -> bool:
-        return self.pool.any_target_up
 
     def pool_tokens_short(self, prompt_tokens: int, max_tokens: int) -> int | None:
         """The largest replica's whole KV pool, in tokens, when even it cannot hold this request's worst
@@ -390,7 +385,6 @@ class Engine:
         self._unbind(r)
         r.replica, r.prefilled, r.out_of_blocks = None, 0, 0
         r.resuming = bool(r.output)
-        r.preemptions += 1
         r.kv_blocks = self.reserve_blocks_for(len(r.context), r.remaining)
         self.waiting.insert(0, r)
         self.metrics.on_preempted()
@@ -749,7 +743,6 @@ class Engine:
 
     # ---- 7. the record's consumers ---------------------------------------------------------------
     def _consume(self, record: IterationRecord, replica: TargetReplica) -> None:
-        self.last_record = record
         if not record.replicas:
             self._set_load()
             return

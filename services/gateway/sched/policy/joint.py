@@ -1,6 +1,6 @@
 """`joint`: each iteration, who drafts and how deep, chosen together from SLO state and predicted goodput.
 
-Per replica and iteration (issue 30, part 2), from the seeds' models (goodput.py: the per-request
+Per replica and iteration, from the seeds' models (goodput.py: the per-request
 acceptance MLE and the three-service step-time model, refitted online):
 
 1. Every decoding request has a *pace*: the ms per token it may take from now on and still meet
