@@ -37,7 +37,7 @@ from specserve.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.auth import ensure_secret
 from specserve.shared.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
 from specserve.shared.model_store import DEFAULT_MODEL, DEMO, MODELS, NAMED, resolve_or_exit
-from specserve.shared.ports import check_port_free
+from specserve.shared.ports import GATEWAY_PORT, check_port_free
 from specserve.shared.service_base import default_threads
 from specserve.shared.settings import Settings, option
 
@@ -53,7 +53,7 @@ class UpConfig(Settings):
     env_prefix = "SPECSERVE_"
 
     host: str = option("127.0.0.1", "the gateway's HTTP host")
-    port: int = option(8000, "the gateway's HTTP port (0: any free)")
+    port: int = option(GATEWAY_PORT, "the gateway's HTTP port (0: any free)")
     policy: str = option(DEFAULT_POLICY, f"the speculation policy: {policy_help()}")
     targets: int = option(1, "target replicas to start (the gateway spreads requests over them)")
     model: str | None = option(None, "target model: a directory, or a named model (`specserve models list`; "

@@ -13,6 +13,10 @@ import errno
 import socket
 from collections.abc import Iterator
 
+# The default ports, declared here once: the gateway's HTTP API and the draft and target services' RPC.
+GATEWAY_PORT, DRAFT_PORT, TARGET_PORT = 8000, 8101, 8102
+GATEWAY_URL = f"http://127.0.0.1:{GATEWAY_PORT}"
+
 
 class PortInUse(Exception):
     def __init__(self, port: int):

@@ -30,11 +30,12 @@ from specserve.bench.records import RequestRecord, summarize
 from specserve.bench.scrape import PARTS, scrape, server_delta
 from specserve.bench.workload import DEFAULT_MIX, BenchRequest, build_requests, parse_mix
 from specserve.gateway.sched.slo import ALIASES
+from specserve.shared.ports import GATEWAY_URL
 
 
 @dataclass(slots=True)
 class BenchConfig:
-    url: str = "http://127.0.0.1:8000"  # the gateway's base URL (without /v1)
+    url: str = GATEWAY_URL  # the gateway's base URL (without /v1)
     model: str | None = None  # model id to send (default: the server's first model)
     num_requests: int = 100
     request_rate: float = math.inf  # requests/s (inf: all at once)
@@ -59,7 +60,7 @@ class BenchConfig:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
+    p.add_argument("--url", default=GATEWAY_URL, help="the gateway's base URL")
     p.add_argument("--model", default=None, help="model id to send (default: the server's)")
     p.add_argument("--num-requests", "-n", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.shared.model_store import MODELS
+from specserve.shared.ports import DRAFT_PORT
 from specserve.shared.service_base import ServiceConfig
 from specserve.shared.settings import option, override_default
 
@@ -17,7 +18,7 @@ class DraftConfig(ServiceConfig):
     env_prefix = "SPECSERVE_DRAFT_"
 
     model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "draft"))
-    port: int = override_default(ServiceConfig, "port", 8101)
+    port: int = override_default(ServiceConfig, "port", DRAFT_PORT)
     prefill_chunk: int = option(512, "most committed tokens of one request appended per pass")
     max_batch_tokens: int = option(4096, "most tokens in one catch-up pass")
     max_depth: int = option(16, "largest beam depth d accepted")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from specserve.gateway.sched.policy import DEFAULT_POLICY, option_classes, policy_help
 from specserve.gateway.sched.routing import ROUTERS
 from specserve.shared.model_store import MODELS
+from specserve.shared.ports import DRAFT_PORT, GATEWAY_PORT, TARGET_PORT
 from specserve.shared.settings import Settings, option
 
 
@@ -20,8 +21,8 @@ class GatewayConfig(Settings):
 
     env_prefix = "SPECSERVE_GATEWAY_"
 
-    draft: str = option("127.0.0.1:8101", "draft service address (host:port or unix:/path)")
-    target: list[str] = option(default_factory=lambda: ["127.0.0.1:8102"],
+    draft: str = option(f"127.0.0.1:{DRAFT_PORT}", "draft service address (host:port or unix:/path)")
+    target: list[str] = option(default_factory=lambda: [f"127.0.0.1:{TARGET_PORT}"],
                                help="a target replica's address (host:port or unix:/path); repeat it for N "
                                     "replicas (env: comma-separated)")
     discover_targets: bool = option(False, "each --target host:port is a DNS name: one replica per address it "
@@ -38,7 +39,7 @@ class GatewayConfig(Settings):
     served_model_name: str | None = option(None, "model id clients send as \"model\"",
                                            default_text="the model directory's name")
     host: str = option("127.0.0.1", "HTTP host")
-    port: int = option(8000, "HTTP port (0: any free; the ready line names it)")
+    port: int = option(GATEWAY_PORT, "HTTP port (0: any free; the ready line names it)")
     device: str = option("cpu", "the services' device (names the profile file)")
     policy: str = option(DEFAULT_POLICY, f"the speculation policy: {policy_help()}")
     profile: str | None = option(None, "profile file from `specserve profile` (budget B, baseline latency; "

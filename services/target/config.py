@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.shared.model_store import MODELS
+from specserve.shared.ports import TARGET_PORT
 from specserve.shared.service_base import ServiceConfig
 from specserve.shared.settings import option, override_default
 
@@ -18,6 +19,6 @@ class TargetConfig(ServiceConfig):
     env_prefix = "SPECSERVE_TARGET_"
 
     model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "target"))
-    port: int = override_default(ServiceConfig, "port", 8102)
+    port: int = override_default(ServiceConfig, "port", TARGET_PORT)
     cuda_graphs: bool = option(True, "run the passes eagerly on CUDA too, without CUDA graphs (they are captured "
                                "for the torch pass with Triton attention, at bucketed shapes)", negate=True)
