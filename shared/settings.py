@@ -79,11 +79,13 @@ class Option:
     remainder: bool = False  # a list[str] that takes everything left on the command line (no env)
     metavar: str | None = None
     default_text: str | None = None  # how help shows the default, where the value itself says little
+    aliases: tuple[str, ...] = ()  # more flag names, e.g. ("-n",)
 
 
 def option(default: Any = _MISSING, help: str = "", *, default_factory: Callable[[], Any] = _MISSING,
            flag: str | None = None, choices: Sequence | None = None, negate: bool = False,
-           remainder: bool = False, metavar: str | None = None, default_text: str | None = None) -> Any:
+           remainder: bool = False, metavar: str | None = None, default_text: str | None = None,
+           aliases: Sequence[str] = ()) -> Any:
     """A dataclass field that is also a flag and an environment variable.
 
     `default` (or `default_factory`, for lists and computed values such as a path or the core
@@ -91,7 +93,7 @@ def option(default: Any = _MISSING, help: str = "", *, default_factory: Callable
     it). With neither, the setting is required. `default_text` replaces the shown default where
     the value says little (`None` -> "the model directory's name")."""
     meta = Option(help, flag, tuple(choices) if choices is not None else None, negate, remainder, metavar,
-                  default_text)
+                  default_text, tuple(aliases))
     return dataclasses.field(default=default, default_factory=default_factory, metadata={METADATA_KEY: meta})
 
 
@@ -271,10 +273,10 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         if opt.remainder:
             parser.add_argument(spec.name, nargs=argparse.REMAINDER, help=help_text)
         elif spec.kind is bool:
-            parser.add_argument(spec.flag, dest=spec.name, action="store_const", const=not opt.negate,
+            parser.add_argument(spec.flag, *opt.aliases, dest=spec.name, action="store_const", const=not opt.negate,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(spec.flag, dest=spec.name, type=_flag_type(spec), choices=opt.choices,
+            parser.add_argument(spec.flag, *opt.aliases, dest=spec.name, type=_flag_type(spec), choices=opt.choices,
                                 action="append" if spec.is_list else "store", default=argparse.SUPPRESS,
                                 metavar=opt.metavar or _metavar(spec), help=help_text)
 

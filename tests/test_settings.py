@@ -321,3 +321,15 @@ def test_a_bad_draft_variable_stops_the_draft_with_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == "error: SPECSERVE_DRAFT_PORT='abc' is not an integer\n"
     assert "ready" not in proc.stdout
+
+
+def test_a_flag_may_have_aliases():
+    @dataclass(slots=True, kw_only=True)
+    class Aliased(Settings):
+        num_requests: int = option(100, "requests", aliases=("-n",))
+
+    parser = argparse.ArgumentParser()
+    Aliased.add_flags(parser)
+    assert Aliased.from_args(parser.parse_args(["-n", "7"])).num_requests == 7
+    assert Aliased.from_args(parser.parse_args(["--num-requests", "8"])).num_requests == 8
+    assert Aliased.from_args(parser.parse_args([])).num_requests == 100

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import aiohttp
 import msgspec
@@ -31,62 +32,43 @@ from specserve.bench.scrape import PARTS, scrape, server_delta
 from specserve.bench.workload import DEFAULT_MIX, BenchRequest, build_requests, parse_mix
 from specserve.gateway.sched.slo import ALIASES
 from specserve.shared.ports import GATEWAY_URL
+from specserve.shared.settings import Settings, option
 
 
-@dataclass(slots=True)
-class BenchConfig:
-    url: str = GATEWAY_URL  # the gateway's base URL (without /v1)
-    model: str | None = None  # model id to send (default: the server's first model)
-    num_requests: int = 100
-    request_rate: float = math.inf  # requests/s (inf: all at once)
-    burstiness: float = 1.0  # gamma shape of the gaps: 1 = Poisson, < 1 burstier
-    trace: str | None = None  # file of arrival timestamps to replay
-    rate_schedule: str | None = None  # piecewise rate "SECONDS:RATE,...", req/s per segment; sets the request count
-    max_concurrency: int | None = None  # most requests in flight (None: no limit)
-    mix: str = DEFAULT_MIX  # TIER=SHARE:WORKLOAD[:TPOT_MS],...
-    max_tokens: int | None = None  # override every prompt row's max_tokens
-    ignore_eos: bool = False  # generate exactly max_tokens (vLLM's ignore_eos)
-    best_effort: bool = False  # every request allows best effort (slo.best_effort) when its SLO cannot be met
-    sequential_prompts: bool = False  # each prompt set in its file order instead of drawn at random
-    seed: int = 0
-    out: str | None = None  # per-request JSONL; the summary goes to <out minus .jsonl>.summary.json
-    label: str | None = None  # names the run in the summary (default: the server's policy)
-    timeout_s: float = 600.0  # per request
-    progress: bool = True
+@dataclass(slots=True, kw_only=True)
+class BenchConfig(Settings):
+    """`specserve bench`'s settings: each one a flag and a SPECSERVE_BENCH_* variable (shared/settings.py)."""
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+    env_prefix: ClassVar[str] = "SPECSERVE_BENCH_"
+
+    url: str = option(GATEWAY_URL, "the gateway's base URL (without /v1)")
+    model: str | None = option(None, "model id to send", default_text="the server's first model")
+    num_requests: int = option(100, "requests to send", aliases=("-n",))
+    request_rate: float = option(math.inf, "requests/s (inf: all at once)")
+    burstiness: float = option(1.0, "gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    trace: str | None = option(None, "replay arrival timestamps from this file (one per line, or JSONL with "
+                               "'timestamp'); rescaled to --request-rate when that is given")
+    rate_schedule: str | None = option(None, "a piecewise-constant rate instead of --request-rate, e.g. "
+                                       "20:0.5,10:1.5,30:0.5 (a burst); gaps within a segment follow --burstiness; "
+                                       "the request count follows from the schedule", metavar="SECONDS:RATE,...")
+    max_concurrency: int | None = option(None, "most requests in flight", default_text="no limit")
+    mix: str = option(DEFAULT_MIX, "categories TIER=SHARE:WORKLOAD[:TPOT_MS],...")
+    max_tokens: int | None = option(None, "override each prompt's max_tokens", default_text="the prompt's")
+    ignore_eos: bool = option(False, "generate exactly max_tokens (vLLM's ignore_eos)")
+    best_effort: bool = option(False, "every request allows best effort when no replica can meet its SLO "
+                               "(gateway --admission slo)")
+    sequential_prompts: bool = option(False, "take each category's prompts in file order (cycling) instead of "
+                                      "at random")
+    seed: int = option(0, "seeds arrivals, category order and prompt choice")
+    out: str | None = option(None, "per-request JSONL; the summary goes beside it (.summary.json)",
+                             default_text="specserve-bench-<time>.jsonl")
+    label: str | None = option(None, "names the run in the summary", default_text="the server's policy")
+    timeout_s: float = option(600.0, "per-request timeout, s")
+    progress: bool = option(True, "no progress bar", negate=True)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=GATEWAY_URL, help="the gateway's base URL")
-    p.add_argument("--model", default=None, help="model id to send (default: the server's)")
-    p.add_argument("--num-requests", "-n", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
-    p.add_argument("--trace", default=None,
-                   help="replay arrival timestamps from this file (one per line, or JSONL with 'timestamp'); "
-                        "rescaled to --request-rate when that is given")
-    p.add_argument("--rate-schedule", default=None, metavar="SECONDS:RATE,...",
-                   help="a piecewise-constant rate instead of --request-rate, e.g. 20:0.5,10:1.5,30:0.5 (a burst); "
-                        "gaps within a segment follow --burstiness; the request count follows from the schedule")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    p.add_argument("--mix", default=DEFAULT_MIX,
-                   help=f"categories TIER=SHARE:WORKLOAD[:TPOT_MS],... (default {DEFAULT_MIX})")
-    p.add_argument("--max-tokens", type=int, default=None, help="override each prompt's max_tokens")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (vLLM's ignore_eos)")
-    p.add_argument("--best-effort", action="store_true",
-                   help="every request allows best effort when no replica can meet its SLO (gateway --admission slo)")
-    p.add_argument("--sequential-prompts", action="store_true",
-                   help="take each category's prompts in file order (cycling) instead of at random")
-    p.add_argument("--seed", type=int, default=0, help="seeds arrivals, category order and prompt choice")
-    p.add_argument("--out", default=None,
-                   help="per-request JSONL (default: specserve-bench-<time>.jsonl); summary beside it")
-    p.add_argument("--label", default=None, help="names the run in the summary (default: the server's policy)")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout, s")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    BenchConfig.add_flags(p)
 
 
 def arrival_times(cfg: BenchConfig) -> list[float]:
