@@ -15,13 +15,15 @@ Sections, in this order (each is timed; one that fails is reported with its erro
 3. **ipc**: a tensor of draft features (tokens x 4096, bfloat16) sent draft -> target over a Unix socket, as
    payload bytes against as a CUDA IPC handle (shared/cuda_ipc.py), to an RpcServer in another process:
    median round trip.
-4. **stack**: `specserve up --device cuda --dtype bfloat16` on the demo pair, a gateway per policy
+4. **offload**: the draft service's Offload / Reload (Nightjar), in process: the demo and SmolLM2 drafts'
+   weights to pinned host memory and back over PCIe, median of 3.
+5. **stack**: `specserve up --device cuda --dtype bfloat16` on the demo pair, a gateway per policy
    (joint, the default; none; chain:4), at 1, 16 and 64 requests in flight (64 greedy tokens each, short
    prompts): tokens/s, TTFT and TPOT p50 (`specserve bench`); every policy's greedy texts against
    `none`'s; and transformers `generate` on the GPU at batch 1, 16 and 64 on the same prompts.
-5. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
+6. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
    bench/sim_fit_latency.py, acceptance of the cpu-demo preset: the same pair), and the simulated stack
-   (`up --simulate`) against the real one of section 4 at 16 in flight: the error of tokens/s and TPOT p50.
+   (`up --simulate`) against the real one of section 5 at 16 in flight: the error of tokens/s and TPOT p50.
 
 `--dry-run` runs every section end to end on CPU in minutes: the tiny random shape for the curves,
 float32, Triton kernels through the interpreter, the stack on the CPU at 1 and 2 in flight with 8
@@ -369,6 +371,35 @@ def ipc(plan: Plan) -> list[dict]:
     return rows
 
 
+# ---- 3b. the draft offloaded to host memory and back (Nightjar's offload) ------------------------------------
+
+def offload(plan: Plan) -> list[dict]:
+    """The draft service's Offload / Reload, in process: weights to (pinned) host memory and back, and the
+    KV pool freed and rebuilt; median of 3 of each, for the demo draft and the SmolLM2 draft."""
+    from specserve.draft.config import DraftConfig
+    from specserve.draft.engine import DraftEngine
+
+    rows = []
+    for name in ("draft", "smollm2-draft"):
+        engine = DraftEngine(DraftConfig(model=str(ROOT / "models" / name), device=plan.device,
+                                         dtype=plan.stack_dtype, kv_blocks=1024, threads=1))
+        offs, ons = [], []
+        for _ in range(3):
+            off, _ = engine.offload()
+            on, _ = engine.reload()
+            offs.append(off)
+            ons.append(on)
+        weights = offs[0].weight_bytes
+        row = {"draft": name, "weights_mb": round(weights / 2**20, 2),
+               "offload_ms": round(statistics.median(r.seconds for r in offs) * 1e3, 3),
+               "reload_ms": round(statistics.median(r.seconds for r in ons) * 1e3, 3)}
+        row["reload_gb_s"] = round(weights / 2**30 / (row["reload_ms"] / 1e3), 2) if row["reload_ms"] else None
+        rows.append(row)
+        print("  offload", row, flush=True)
+        del engine
+    return rows
+
+
 # ---- 4. the stack, and transformers on the same device -------------------------------------------------------
 
 def _prompts(n: int) -> list[str]:
@@ -612,6 +643,13 @@ def markdown(report: dict) -> str:
                   f"| {r['path']} | {r['tokens']} x {r['width']} | {r['mb']} | {r['round_trip_ms']} |"
                   for r in ipc_rows]
         lines.append("")
+    off = report["sections"].get("offload", {}).get("result")
+    if off:
+        lines += ["## The draft offloaded to host memory and back (median of 3)", "",
+                  "| draft | weights MB | offload ms | reload ms | reload GB/s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['draft']} | {r['weights_mb']} | {r['offload_ms']} | {r['reload_ms']} | {r['reload_gb_s']} |"
+                  for r in off]
+        lines.append("")
     st = report["sections"].get("stack", {}).get("result")
     if st:
         lines += ["## `specserve up` on the device against transformers `generate`", "",
@@ -644,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes (minutes)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "gpu_suite"))
-    ap.add_argument("--sections", default="parity,curves,ipc,stack,sim", help="comma-separated, in order")
+    ap.add_argument("--sections", default="parity,curves,ipc,offload,stack,sim", help="comma-separated, in order")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--echo-server", help=argparse.SUPPRESS)  # section 3's receiving process
     ap.add_argument("--ipc", action="store_true", help=argparse.SUPPRESS)
@@ -666,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                               "sections": {}}
     steps: dict[str, Callable[[], Any]] = {
         "parity": lambda: parity(plan), "curves": lambda: curves(plan), "ipc": lambda: ipc(plan),
+        "offload": lambda: offload(plan),
         "stack": lambda: stack(plan, work),
         "sim": lambda: sim(plan, work, report["sections"].get("stack", {}).get("result")),
     }

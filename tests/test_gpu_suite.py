@@ -22,7 +22,7 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["parity", "curves", "ipc", "stack", "sim"]
+    assert list(sections) == ["parity", "curves", "ipc", "offload", "stack", "sim"]
     assert not [name for name, s in sections.items() if "error" in s]
     assert report["dry_run"] and report["environment"]["triton_interpret"]
     parity = sections["parity"]["result"]
@@ -34,6 +34,8 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
     assert {r["kind"] for r in rows} == {"decode", "tree", "context"}
     assert all(r[m] > 0 for r in rows for m in ("sdpa", "triton", "graphs"))
     assert [r["path"] for r in sections["ipc"]["result"]] == ["socket", "cuda_ipc"]  # CUDA IPC: skipped on CPU
+    assert [r["draft"] for r in sections["offload"]["result"]] == ["draft", "smollm2-draft"]
+    assert all(r["weights_mb"] > 1 and r["reload_ms"] > 0 for r in sections["offload"]["result"])
     stack = sections["stack"]["result"]
     assert all(n == stack["lossless_of"] for n in stack["lossless"].values())  # every policy: none's texts
     assert {(r["policy"], r["concurrency"]) for r in stack["runs"]} == {
