@@ -209,13 +209,9 @@ class Engine:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(r)
         else:
-            replica = self.pool.targets[r.replica]
-            replica.requests.discard(r.rid)
-            replica.reserved_blocks -= r.kv_blocks
-            replica.owed_releases.add(r.rid)
+            self._unbind(r)
             if self.pool.draft is not None and r.draft_seen:
                 self.pool.draft.owed_releases.add(r.rid)
-            self._unbind(r)
         self.requests.pop(r.rid, None)
         if notify:
             r.events.put_nowait(Finished(reason, error, retry_after_s))
@@ -296,9 +292,15 @@ class Engine:
         self._on.setdefault(replica, {})[r.rid] = r
 
     def _unbind(self, r: GenRequest) -> None:
+        """The one place a bound request leaves its replica: out of the running set, its target KV given
+        back (its reservation, and a release owed to the target). Its draft state is the caller's."""
         self.running.pop(r.rid, None)
         if r.replica is not None:
             self._on.get(r.replica, {}).pop(r.rid, None)
+            replica = self.pool.targets[r.replica]
+            replica.requests.discard(r.rid)
+            replica.reserved_blocks -= r.kv_blocks
+            replica.owed_releases.add(r.rid)
 
     async def _iteration(self, replica: TargetReplica) -> bool:
         """One iteration of a replica; False when it changed nothing (no pass ran, nobody was admitted or
@@ -377,12 +379,9 @@ class Engine:
         """Give its KV back on both services and queue it again at the head; it keeps its tokens."""
         assert r.replica is not None
         replica = self.pool.targets[r.replica]
-        replica.requests.discard(r.rid)
-        replica.reserved_blocks -= r.kv_blocks
-        replica.owed_releases.add(r.rid)
+        self._unbind(r)
         if r.draft_seen:
             self._resync_draft(r)
-        self._unbind(r)
         r.replica, r.prefilled, r.out_of_blocks = None, 0, 0
         r.resuming = bool(r.output)
         r.kv_blocks = self.reserve_blocks_for(len(r.context), r.remaining)
