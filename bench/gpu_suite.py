@@ -518,7 +518,7 @@ def sim(plan: Plan, work: Path, real: dict | None) -> dict:
                                       device=plan.device, kernels="auto")
         if name == "target" and runner.inputs_for == "triton":
             runner.use_graphs(capture=plan.device.startswith("cuda"))  # as the target service runs it
-        passes = (grid((1, 2), (1, 4), (16,)) if dry else grid((1, 4, 16, 32, 64), (1, 2, 4, 8), (64, 512)))
+        passes = (grid((1, 2, 4), (1, 4), (16,)) if dry else grid((1, 4, 16, 32, 64), (1, 2, 4, 8), (64, 512)))
         points = []
         rng = torch.Generator().manual_seed(2)
         for p, entries in enumerate(passes):

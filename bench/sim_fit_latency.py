@@ -123,7 +123,7 @@ def fit(points: list[dict]) -> LatencyModel:
         sub = np.linalg.lstsq((a * w[:, None])[:, keep], y * w, rcond=None)[0]
         coef = np.zeros(a.shape[1])
         coef[keep] = sub
-    table = [round(float(v), 3) for v in coef[: len(knots)]]
+    table = [round(max(float(v), 0.0), 3) for v in coef[: len(knots)]]  # a negative knot is a few points' noise
     return LatencyModel(knots, tuple(table), round(float(coef[-3]), 4), round(float(coef[-2]), 4),
                         round(float(coef[-1]), 4), padded_attention=True)
 
