@@ -506,7 +506,7 @@ def transformers_generate(plan: Plan, texts_none: list[str]) -> list[dict]:
 # ---- 5. a simulator preset from this device's passes -------------------------------------------------------
 
 def sim(plan: Plan, work: Path, real: dict | None) -> dict:
-    from bench.sim_fit_latency import fit, grid
+    from bench.sim_fit_latency import fit, grid, measure
     from bench.sweep import bench_point
     from specserve.shared.simulate.preset import load_preset
     from tests.gateway_procs import Up
@@ -519,26 +519,7 @@ def sim(plan: Plan, work: Path, real: dict | None) -> dict:
         if name == "target" and runner.inputs_for == "triton":
             runner.use_graphs(capture=plan.device.startswith("cuda"))  # as the target service runs it
         passes = (grid((1, 2, 4), (1, 4), (16,)) if dry else grid((1, 4, 16, 32, 64), (1, 2, 4, 8), (64, 512)))
-        points = []
-        rng = torch.Generator().manual_seed(2)
-        for p, entries in enumerate(passes):
-            rids = [f"s{p}-{i}" for i in range(len(entries))]
-            runner.forward([Chunk(r, torch.randint(1, runner.vocab_size, (c,), generator=rng).tolist())
-                            for r, (_, _, c) in zip(rids, entries)])
-            times = []
-            for _ in range(plan.reps + 2):
-                batch = [Tree(r, torch.randint(1, runner.vocab_size, (k,), generator=rng).tolist(),
-                              [-1] + list(range(k - 1))) for r, (_, k, _) in zip(rids, entries)]
-                sync(plan.device)
-                t0 = time.perf_counter()
-                runner.forward(batch)
-                sync(plan.device)
-                times.append((time.perf_counter() - t0) * 1e3)
-                for r in rids:
-                    runner.discard_tree(r)
-            for r in rids:
-                runner.release(r)
-            points.append({"entries": [list(e) for e in entries], "ms": statistics.median(times[2:])})
+        points = measure(None, passes, plan.reps, runner, lambda: sync(plan.device))
         model = fit(points)
         fitted[name] = {"tokens": list(model.tokens), "ms": list(model.ms), "per_request_ms": model.per_request_ms,
                         "per_context_token_us": model.per_context_token_us, "per_pair_ns": model.per_pair_ns,

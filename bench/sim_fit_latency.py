@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +36,15 @@ from specserve.shared.simulate.latency import LatencyModel
 KNOTS = (1, 2, 8, 16, 32, 64, 128, 256, 512)
 
 
-def measure(model_dir: Path, passes: list[list[tuple[str, int, int]]], repeats: int) -> list[dict]:
+def measure(model_dir: Path | None, passes: list[list[tuple[str, int, int]]], repeats: int,
+            runner: ModelRunner | None = None, sync: Callable[[], None] = lambda: None) -> list[dict]:
     """passes: per pass, its entries as (kind, new tokens, context): kind "T" a chain tree of that many
     nodes (a decode when 1), "C" a prefill chunk. Each entry's context is prefilled first (untimed);
-    after each timed call the trees are discarded and the chunks truncated, so the context stays."""
-    runner = ModelRunner.from_dir(model_dir, num_blocks=4096)
+    after each timed call the trees are discarded and the chunks truncated, so the context stays.
+    runner: the one to time (default: `model_dir`'s on CPU); sync: waits for the device's queued work."""
+    if runner is None:
+        assert model_dir is not None
+        runner = ModelRunner.from_dir(model_dir, num_blocks=4096)
     rng = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
 
@@ -54,8 +59,10 @@ def measure(model_dir: Path, passes: list[list[tuple[str, int, int]]], repeats: 
         for rep in range(repeats + 1):
             batch = [Tree(r, tokens(n), [-1] + list(range(n - 1))) if kind == "T"
                      else Chunk(r, tokens(n), logits_at=[n - 1]) for r, (kind, n, _) in zip(rids, entries)]
+            sync()
             t0 = time.perf_counter()
             runner.forward(batch)
+            sync()
             ms = (time.perf_counter() - t0) * 1e3
             for r, (kind, _, c) in zip(rids, entries):
                 if kind == "T":
