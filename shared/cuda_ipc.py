@@ -59,8 +59,8 @@ class TorchCudaIpc:
 
     def open(self, shared: list[Any], dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
         storage = torch.UntypedStorage._new_shared_cuda(*shared)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset // itemsize, (count,), (1,))
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset // dtype.itemsize, (count,),
+                                                                       (1,))
 
 
 def default_backend() -> IpcBackend:

@@ -42,8 +42,7 @@ class HostIpc:
         storage = self.table.pop(handle)  # KeyError: never shared, or opened already
         assert storage.nbytes() == nbytes
         self.opened += 1
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return torch.empty(0, dtype=dtype).set_(storage, offset // itemsize, (count,), (1,))
+        return torch.empty(0, dtype=dtype).set_(storage, offset // dtype.itemsize, (count,), (1,))
 
 
 def run(coro, timeout: float = 10.0):
