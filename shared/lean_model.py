@@ -64,6 +64,8 @@ class LeanModel(torch.nn.Module):
         self.embed, self.head, self.norm, self.layers = embed, head, norm, layers
         self.source = source  # where the weights came from, for logs: "model.gguf (q4_1, q8_0)", ...
         self.rotary = RotaryEmbedding(config)
+        self.keep_features = False  # as CausalLM's: the final norm's output at every token, in `features`
+        self.features: torch.Tensor | None = None
         self._tensors: list[torch.Tensor] = []
         self._kinds: list[int] = []
         for layer in layers:
@@ -95,6 +97,8 @@ class LeanModel(torch.nn.Module):
         ops.decoder_layers(x, self._tensors, self._kinds, cos.reshape(t, -1), sin.reshape(t, -1), kv.data,
                            keys.slot_mapping, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots,
                            keys.block_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        if self.keep_features:
+            self.features = ops.rms_norm(x, self.norm, c.rms_norm_eps)
         h = ops.rms_norm(x.index_select(0, inputs.logits_indices), self.norm, c.rms_norm_eps)
         logits: torch.Tensor = ops.linear(h, self.head.data, self.head.scales, self.head.kind, c.hidden_size, None)
         return logits

@@ -60,6 +60,7 @@ class HealthReply(Struct, tag=True):
     dtype: str  # e.g. "float32"
     uptime_s: float  # seconds since the service started
     fingerprint: str = ""  # what sets its pass latency (service_base.latency_fingerprint); profiles are keyed by it
+    reads_features: bool = False  # a draft that drafts from the target's features (Forward.features feeds it)
 
 
 class Stats(Struct, tag=True):
@@ -101,10 +102,13 @@ class SpeculateEntry(Struct):
     width: int  # beam width w (children kept per step)
     num_assumed: int = 0  # drafting ahead: the last tokens of its slice are a guess, not committed; the tree
     # grows from them, then the draft forgets them (tokens and KV)
+    feature_start: int = 0  # position of the first of its target features in tensor "features"
+    num_features: int = 0  # its rows of "features" (a feature-level draft's input; 0 for other drafts)
 
 
 class Speculate(Struct, tag=True):
-    """Payload: "tokens" int32 [sum num_new], the entries' new tokens concatenated in order."""
+    """Payload: "tokens" int32 [sum num_new], the entries' new tokens concatenated in order; for a draft
+    that reads the target's features, "features" float32 [sum num_features, hidden] in the same order."""
 
     entries: list[SpeculateEntry]
 
@@ -179,6 +183,9 @@ class Forward(Struct, tag=True):
 
     prefill: list[PrefillEntry] = msgspec.field(default_factory=list)
     verify: list[VerifyEntry] = msgspec.field(default_factory=list)
+    # Return the target's features: the final norm's output at every prefill chunk token and at each
+    # verified tree's accepted path (its root first), for a draft that reads them.
+    features: bool = False
 
 
 class StepResult(Struct):
@@ -187,10 +194,12 @@ class StepResult(Struct):
     num_tokens: int  # tokens emitted (its slice of "tokens"): accepted drafts + 1, or the first token
     num_accepted: int  # accepted draft nodes (tree steps only)
     error: ErrorInfo | None = None
+    num_features: int = 0  # with Forward.features: its rows of "features" (every chunk token; the accepted path)
 
 
 class ForwardReply(Struct, tag=True):
-    """Payload: "tokens" int32, the emitted tokens of all results concatenated in order."""
+    """Payload: "tokens" int32, the emitted tokens of all results concatenated in order; with
+    Forward.features, "features" float32 [sum num_features, hidden] in the same order."""
 
     results: list[StepResult]  # prefill entries first, then verify entries, in request order
     forward_ms: float  # the model pass, milliseconds

@@ -146,6 +146,10 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # With keep_features, each pass leaves in `features` the final norm's output at every token
+        # [T, hidden] (what the LM head reads; a feature-level draft's input); the logits are unchanged.
+        self.keep_features = False
+        self.features: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(
@@ -161,6 +165,8 @@ class CausalLM(nn.Module):
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache, meta)
+        if self.keep_features:
+            self.features = self.model.norm(x)
         x = self.model.norm(x.index_select(0, logits_indices))
         logits: torch.Tensor = self.lm_head(x)
         return logits.float()

@@ -163,6 +163,22 @@ class ModelRunner:
                     self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
         return outputs
 
+    def forward_features(self, entries: Sequence[Entry]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`forward`, and per entry the final norm's output at each of its tokens [len(tokens), hidden]
+        float32 (a feature-level draft's input). The logits are those `forward` gives; the pass runs
+        without CUDA graphs."""
+        model = self.model
+        model.keep_features, model.features = True, None
+        try:
+            logits = self.forward(entries)
+            features = model.features
+        finally:
+            model.keep_features, model.features = False, None
+        if not entries:
+            return logits, []
+        assert features is not None
+        return logits, list(torch.split(features.float(), [len(e.tokens) for e in entries]))
+
     def _compute(self, entries: Sequence[Entry], starts: list[int], prior_parents: dict[int, list[int]],
                  run_model: RunModel | None) -> list[torch.Tensor]:
         """The model pass of `forward`, once the entries' slots are taken: per entry its logits rows.
@@ -175,7 +191,7 @@ class ModelRunner:
         assert isinstance(self.model, CausalLM)
         if self.inputs_for == "triton" and run_model is None:  # the static step's graphs take SDPA's inputs
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
-            if self.graphs is not None and self.graphs.fits(lean):
+            if self.graphs is not None and self.graphs.fits(lean) and not self.model.keep_features:
                 logits = self.graphs.run(lean)
             else:
                 logits = self.model(lean.input_ids.to(self.device), lean.positions.to(self.device), self.kv,

@@ -60,6 +60,8 @@ class SpeculateItem:
     depth: int
     width: int
     assumed: int = 0  # drafting ahead: the last `assumed` new tokens are a guess the draft forgets afterwards
+    features: torch.Tensor | None = None  # target features [n, hidden] from position feature_start (EAGLE drafts)
+    feature_start: int = 0
 
 
 @dataclass(slots=True)
@@ -102,6 +104,7 @@ class StepOutput:
     tokens: list[int] = field(default_factory=list)  # accepted drafts + 1 target token, or the first token
     num_accepted: int = 0
     error: ErrorInfo | None = None
+    features: torch.Tensor | None = None  # with forward(features=True): see StepResult.num_features
 
 
 class _ServiceClient:
@@ -131,9 +134,13 @@ class _ServiceClient:
 class DraftClient(_ServiceClient):
     async def speculate(self, items: list[SpeculateItem]) -> tuple[list[Candidate], SpeculateReply]:
         entries = [SpeculateEntry(i.rid, i.step, len(i.new_tokens), i.num_committed, i.depth, i.width,
-                                  i.assumed) for i in items]
-        reply, out = await self.rpc.call(Speculate(entries), SpeculateReply,
-                                         _nonempty({"tokens": _flat([i.new_tokens for i in items])}))
+                                  i.assumed, i.feature_start, 0 if i.features is None else len(i.features))
+                   for i in items]
+        tensors = {"tokens": _flat([i.new_tokens for i in items])}
+        feats = [i.features for i in items if i.features is not None and len(i.features)]
+        if feats:
+            tensors["features"] = torch.cat(feats).float()
+        reply, out = await self.rpc.call(Speculate(entries), SpeculateReply, _nonempty(tensors))
         counts = [t.num_nodes for t in reply.trees]
         tokens, parents, probs = (_cut(out[k], counts) for k in ("tokens", "parents", "path_prob"))
         return [Candidate(t.rid, t.step, tok, par, pp, t.depth, t.error)
@@ -149,15 +156,19 @@ class DraftClient(_ServiceClient):
 
 
 class TargetClient(_ServiceClient):
-    async def forward(self, prefill: Sequence[PrefillItem] = (),
-                      verify: Sequence[VerifyItem] = ()) -> tuple[list[StepOutput], ForwardReply]:
+    async def forward(self, prefill: Sequence[PrefillItem] = (), verify: Sequence[VerifyItem] = (),
+                      features: bool = False) -> tuple[list[StepOutput], ForwardReply]:
+        """features: also return the target's features (StepResult.num_features) in StepOutput.features."""
         msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling, p.resume_token)
                        for p in prefill],
-                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens)) for v in verify])
+                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens)) for v in verify], features)
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),
                    "tree_parents": _flat([v.parents for v in verify])}
         reply, out = await self.rpc.call(msg, ForwardReply, _nonempty(tensors))
         tokens = _cut(out["tokens"], [r.num_tokens for r in reply.results])
-        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error)
-                for r, toks in zip(reply.results, tokens)], reply
+        rows: list[torch.Tensor | None] = [None] * len(reply.results)
+        if "features" in out:
+            rows = list(out["features"].split([r.num_features for r in reply.results]))
+        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error, f if r.num_features else None)
+                for r, toks, f in zip(reply.results, tokens, rows)], reply

@@ -53,6 +53,8 @@ class _Request:
 
 
 class DraftEngine:
+    reads_features = False  # the calls carry the target's features (the EAGLE draft)
+
     def __init__(self, config: DraftConfig):
         self.config = config
         self.device = parse_device(config.device)
@@ -85,6 +87,7 @@ class DraftEngine:
             req = self.requests.setdefault(entry.rid, _Request([]))
             req.tokens.extend(toks)
             req.last_step = entry.step
+        self._take_payload(msg.entries, {e.rid for e, _ in accepted}, tensors)
         depths = {e.rid: e.depth for e, _ in accepted}
         failed: dict[str, ErrorInfo] = {}  # requests whose own work failed: released before the reply
         catchup_ms = beam_ms = 0.0
@@ -147,6 +150,11 @@ class DraftEngine:
             "parents": torch.tensor(out_parents, dtype=torch.int32),
             "path_prob": torch.tensor(out_logp, dtype=torch.float32).exp(),
         }
+
+    def _take_payload(self, entries: list[SpeculateEntry], accepted: set[str],
+                      tensors: dict[str, torch.Tensor]) -> None:
+        """The call's other payload, for the accepted entries (a feature-level draft takes the target's
+        features here; a token draft has none)."""
 
     def _beam_search(self, beams: list[BeamRequest]) -> tuple[dict[str, BeamTree], int]:
         """The beam speculation of one call (the simulated draft replaces it: services/draft/simulated.py)."""

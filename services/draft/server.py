@@ -19,6 +19,8 @@ from specserve.shared.service_base import (
 
 
 def build_host(config: DraftConfig) -> ServiceHost:
+    from specserve.draft.eagle_engine import EagleDraftEngine
+    from specserve.draft.eagle_head import is_eagle_dir
     from specserve.draft.engine import DraftEngine
     from specserve.draft.ngram import NGRAM, NgramDraftEngine
 
@@ -28,6 +30,8 @@ def build_host(config: DraftConfig) -> ServiceHost:
         engine = exit_on_load_error(lambda: simulated_engine(config))
     elif config.model == NGRAM:  # no model: trees from the request's own tokens
         engine = NgramDraftEngine(config)
+    elif is_eagle_dir(config.model):  # a head over the target's features, which the calls carry
+        engine = exit_on_load_error(lambda: EagleDraftEngine(config))
     else:
         engine = exit_on_load_error(lambda: DraftEngine(config))
     handlers = {
@@ -39,7 +43,8 @@ def build_host(config: DraftConfig) -> ServiceHost:
     dtype = dtype_name(config.dtype, engine.device)
     return ServiceHost("draft", config.model, str(engine.device), dtype, handlers, engine.stats,
                        status=lambda: "offloaded" if engine.runner is None else "ok", call_tokens=call_tokens,
-                       fingerprint=latency_fingerprint(config, str(engine.device), dtype))
+                       fingerprint=latency_fingerprint(config, str(engine.device), dtype),
+                       reads_features=engine.reads_features)
 
 
 def call_tokens(body: Message) -> int | None:

@@ -104,28 +104,42 @@ class TargetEngine:
         entries = self._fit_to_pool(entries, errors)
 
         t0 = time.perf_counter()
-        logits = self.runner.forward([e for _, e in entries]) if entries else []
+        passed = [e for _, e in entries]
+        if msg.features:
+            logits, features = self.runner.forward_features(passed)
+        else:
+            logits, features = (self.runner.forward(passed) if entries else []), []
         forward_ms = ms_since(t0)
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
-        for (index, entry), entry_logits in zip(entries, logits):
+        kept: dict[int, torch.Tensor] = {}  # by result index: the features returned
+        for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
-                emitted[index] = self._accept(all_entries[index], entry, entry_logits)
+                emitted[index], path = self._accept(all_entries[index], entry, entry_logits)
+                if features:
+                    kept[index] = features[i] if path is None else features[i][path]
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
         accept_ms = ms_since(t0)
 
-        results, out = [], []
+        results, out, feats = [], [], []
         for index, entry in enumerate(all_entries):
             if index in errors:
                 results.append(StepResult(entry.rid, entry.step, 0, 0, errors[index]))
                 continue
             tokens, accepted = emitted[index]
             out += tokens
-            results.append(StepResult(entry.rid, entry.step, len(tokens), accepted))
+            rows = kept.get(index)
+            if rows is not None:
+                feats.append(rows)
+            results.append(StepResult(entry.rid, entry.step, len(tokens), accepted,
+                                      num_features=0 if rows is None else len(rows)))
         self.entry_errors += len(errors)
         reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks)
-        return reply, {"tokens": torch.tensor(out, dtype=torch.int32)}
+        payload = {"tokens": torch.tensor(out, dtype=torch.int32)}
+        if feats:
+            payload["features"] = torch.cat(feats)
+        return reply, payload
 
     # ---- isolation ---------------------------------------------------------------------------
     def _isolated(self, rid: str, what: str, check: Callable[..., ErrorInfo | None], *args: Any) -> ErrorInfo | None:
@@ -226,8 +240,9 @@ class TargetEngine:
 
     # ---- acceptance --------------------------------------------------------------------------
     def _accept(self, message: PrefillEntry | VerifyEntry, entry: Chunk | Tree,
-                logits: torch.Tensor) -> tuple[list[int], int]:
-        """Commit the entry's outcome; return (emitted tokens, accepted draft nodes)."""
+                logits: torch.Tensor) -> tuple[tuple[list[int], int], list[int] | None]:
+        """Commit the entry's outcome; return (emitted tokens, accepted draft nodes) and, for a tree,
+        its accepted path (node indices, root first; None for a prefill chunk)."""
         rid = entry.request_id
         req = self.requests.get(rid)
         if isinstance(entry, Chunk):
@@ -238,20 +253,20 @@ class TargetEngine:
             req.prefilled += len(entry.tokens)
             req.last_step = message.step
             if not message.last:
-                return [], 0
+                return ([], 0), None
             if message.resume_token is not None:  # a preempted request: its next token is already known
                 token = message.resume_token
             else:
                 token = (self.accept or accept_tree)([entry.tokens[-1]], [-1], logits, req.params,
                                                      req.generator).tokens[0]
             req.committed, req.last_token = req.prefilled + 1, token
-            return [token], 0
+            return ([token], 0), None
         acceptance = (self.accept or accept_tree)(entry.tokens, entry.parents, logits, req.params, req.generator)
         self.runner.commit_tree(rid, acceptance.path)
         req.committed += len(acceptance.tokens)
         req.last_token = acceptance.tokens[-1]
         req.last_step = message.step
-        return acceptance.tokens, acceptance.num_accepted_drafts
+        return (acceptance.tokens, acceptance.num_accepted_drafts), list(acceptance.path)
 
     # ---- release, stats ----------------------------------------------------------------------
     def release(self, rid: str) -> bool:

@@ -62,6 +62,7 @@ class TargetPass:
     replica: TargetReplica
     prefill: list[PrefillItem]
     verify: list[VerifyItem]
+    features: bool = False  # return the target's features (the draft reads them)
 
 
 class Executor:
@@ -216,7 +217,7 @@ class Executor:
         def forward(p: TargetPass) -> Callable[[], Awaitable[tuple[list[StepOutput], ForwardReply]]]:
             client = p.replica.client
             assert client is not None
-            return lambda: client.forward(p.prefill, p.verify)
+            return lambda: client.forward(p.prefill, p.verify, p.features)
 
         # The first replica's call is awaited directly, so its frame is written now; the others (and the
         # eager sync) are tasks, which start at the next turn of the event loop. Wrapping the first in a

@@ -131,6 +131,7 @@ class DraftService(_Service):
         super().__init__(address)
         self.client: DraftClient | None = None
         self.offloaded = False  # weights in host memory: root-only trees until reloaded
+        self.reads_features = False  # it drafts from the target's features: the passes return them
 
     async def connect(self) -> None:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
@@ -144,6 +145,7 @@ class DraftService(_Service):
         self.client = client
         self.last_ok = time.monotonic()
         self.offloaded = health.status == "offloaded"
+        self.reads_features = health.reads_features
         # Its state for any request is stale now (every request rebuilds its draft state after a
         # reconnect), so everything it holds is released with the next owed releases.
         self.owed_releases.update(stats.request_ids)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from specserve.gateway.backends.executor import Executor, Failure, TargetPass
 from specserve.gateway.backends.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
 from specserve.gateway.engine.ahead import Guess, assumed_path, next_tree, reroot
+from specserve.gateway.engine.features import FeatureLog
 from specserve.gateway.engine.preempt import Holder, victims
 from specserve.gateway.engine.record import IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
@@ -486,8 +487,16 @@ class Engine:
     def _speculate_item(self, r: GenRequest, plan: IterationPlan) -> SpeculateItem:
         shape = plan.shapes[r.rid]
         r.draft_seen = True
-        return SpeculateItem(r.rid, draft_step(plan.step), list(r.draft_unsent), r.committed, shape.depth,
+        item = SpeculateItem(r.rid, draft_step(plan.step), list(r.draft_unsent), r.committed, shape.depth,
                              shape.width)
+        if r.features is not None and self._reads_features():
+            item.feature_start, item.features = r.features_sent, r.features.read(r.features_sent)
+        return item
+
+    def _reads_features(self) -> bool:
+        """The draft drafts from the target's features: the passes return them, the draft calls carry them."""
+        draft = self.pool.draft
+        return draft is not None and draft.up and draft.reads_features
 
     # ---- 4b. drafting ahead (--overlap) ---------------------------------------------------------------
     def _held_trees(self, plan: IterationPlan, decoding: list[GenRequest]) -> dict[str, CandidateTree]:
@@ -538,6 +547,7 @@ class Engine:
         while the call ran, by another replica's loop, takes nothing from it); roots: the root each tree
         must have where it is not the request's newest token (drafting ahead)."""
         sent = {i.rid: len(i.new_tokens) - i.assumed for i in items}
+        features_to = {i.rid: i.feature_start + len(i.features) for i in items if i.features is not None}
         for cand in candidates:
             r = self.requests.get(cand.rid)
             if r is None or r.finish_reason is not None or r.draft_epoch != epochs.get(cand.rid):
@@ -548,6 +558,7 @@ class Engine:
                 self._resync_draft(r)
                 continue
             del r.draft_unsent[: sent[cand.rid]]
+            r.features_sent = features_to.get(cand.rid, r.features_sent)
             if trees is not None:
                 trees[cand.rid] = CandidateTree(cand.tokens, cand.parents, cand.path_prob)
 
@@ -571,6 +582,7 @@ class Engine:
     def _resync_draft(self, r: GenRequest) -> None:
         """Forget the draft's copy: release it there and resend every committed token next time."""
         r.draft_unsent = r.prompt + r.output if r.output else []
+        r.features_sent = 0
         r.draft_epoch += 1
         r.ahead = None
         if self.pool.draft is not None:
@@ -597,7 +609,7 @@ class Engine:
 
         def pass_of(replica: int) -> TargetPass:
             if replica not in by_replica:
-                by_replica[replica] = TargetPass(self.pool.targets[replica], [], [])
+                by_replica[replica] = TargetPass(self.pool.targets[replica], [], [], features=self._reads_features())
             return by_replica[replica]
 
         for r in mine:
@@ -702,6 +714,9 @@ class Engine:
                 self._finish(r, "error", f"{out.error.code}: {out.error.message}")
                 continue
             step.emitted = len(out.tokens)
+            if out.features is not None:  # at the chunk's start, or at the verified tree's root
+                r.features = r.features or FeatureLog()
+                r.features.write(r.committed - 1 if step.verified else r.prefilled, out.features)
             if step.verified:
                 step.accepted = out.num_accepted
                 r.accepted.append(out.num_accepted)

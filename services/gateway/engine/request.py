@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specserve.gateway.engine.features import FeatureLog
 from specserve.gateway.sched.slo import SloClass
 from specserve.shared.messages import SamplingSpec
 
@@ -58,6 +59,8 @@ class GenRequest:
     draft_unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen
     draft_seen: bool = False  # the draft may hold state for it (it must be released there)
     draft_epoch: int = 0  # how many times its draft state was rebuilt (a reply to an older entry is stale)
+    features: FeatureLog | None = None  # the target's features by position, for a draft that reads them
+    features_sent: int = 0  # leading positions of `features` the draft holds
     ahead: CandidateTree | None = None  # its next tree, drafted ahead during the last target pass (--overlap)
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None

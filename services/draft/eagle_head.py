@@ -1,0 +1,142 @@
+"""EagleHead: an EAGLE-style draft, one decoder layer that reads the target's own features.
+
+Entry i of a request pairs the target's feature at position i (its final norm's output, what its LM
+head reads) with the committed token at position i + 1: `fc([embed(x_{i+1}); f_i])`. The layer, with
+causal attention over the earlier entries, predicts the feature at i + 1; the target's LM head,
+restricted to the head's draft vocabulary, turns that prediction into logits for position i + 2.
+A tree node's entry pairs its parent's predicted feature with its own token, so speculation past
+the first token runs on the head's own predictions.
+
+The token embedding and the LM head are the target's (loaded from its weights, never saved here);
+the head saves only its layer, its input projection and its vocabulary (target token ids).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specserve.shared.model_config import ModelConfig
+from specserve.shared.rope import RotaryEmbedding, apply_rotary
+
+WEIGHTS = "eagle.safetensors"
+CONFIG = "eagle.json"
+FROZEN = ("embed.weight", "head.weight")  # the target's, loaded from its weights
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target: ModelConfig, intermediate_size: int, vocab: torch.Tensor):
+        super().__init__()
+        h, self.heads, self.kv_heads, self.head_dim = (target.hidden_size, target.num_heads, target.num_kv_heads,
+                                                       target.head_dim)
+        self.target_config, self.intermediate_size = target, intermediate_size
+        self.register_buffer("vocab", vocab.to(torch.int64))
+        self.embed = nn.Embedding(target.vocab_size, h)
+        self.head = nn.Linear(h, len(vocab), bias=False)
+        for frozen in (self.embed, self.head):
+            frozen.weight.requires_grad_(False)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.attn_norm = nn.RMSNorm(h, eps=target.rms_norm_eps)
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.mlp_norm = nn.RMSNorm(h, eps=target.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, h, bias=False)
+        self.rope = RotaryEmbedding(target)
+        self.scale = self.head_dim ** -0.5
+
+    # ---- the pieces of one pass: inputs, q/k/v, the rest of the layer, logits ---------------------
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """features [..., H] and tokens [...] -> the layer's input stream [..., H]."""
+        return self.fc(torch.cat((self.embed(tokens).to(features.dtype), features), dim=-1))
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H], positions [N] -> q [N, heads, d], k and v [N, kv_heads, d], RoPE applied."""
+        n = x.shape[0]
+        a = self.attn_norm(x)
+        q = self.q_proj(a).view(n, self.heads, self.head_dim)
+        k = self.k_proj(a).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(a).view(n, self.kv_heads, self.head_dim)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention ([N, heads * d]) and the MLP: the predicted feature."""
+        h = x + self.o_proj(attn)
+        m = self.mlp_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Predicted features [..., H] -> float32 logits over the draft vocabulary [..., V']."""
+        return self.head(predicted).float()
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [N, heads, d] over keys k, v [M, kv_heads, d]; mask [N, M] bool (True: may attend) or None."""
+        groups = self.heads // self.kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", q, k) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+        out = torch.einsum("hnm,mhd->nhd", scores.float().softmax(-1).to(v.dtype), v)
+        return out.reshape(q.shape[0], -1)
+
+    # ---- saving and loading -----------------------------------------------------------------------
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if k not in FROZEN}
+
+    def save(self, out: Path, target: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        """The trained tensors and eagle.json (`target`: the target model's name or directory)."""
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.trained_state().items()}
+        save_file(state, str(out / WEIGHTS))
+        (out / CONFIG).write_text(json.dumps({"target": target, "intermediate_size": self.intermediate_size,
+                                              "draft_vocab_size": len(self.vocab)}, indent=1) + "\n")
+
+    def load_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """The target's embedding [V, H] and LM head [V, H] (its rows for the draft vocabulary are kept)."""
+        with torch.no_grad():
+            self.embed.weight.copy_(embed)
+            self.head.weight.copy_(lm_head[self.vocab])
+
+
+def is_eagle_dir(path: str | Path) -> bool:
+    return (Path(path) / WEIGHTS).is_file()
+
+
+def target_of(path: str | Path) -> str:
+    """The target model (name or directory) a saved head was trained on."""
+    return str(json.loads((Path(path) / CONFIG).read_text())["target"])
+
+
+def load_for_target(path: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
+    """A saved head over the target in `target_dir` (its config.json and model.safetensors: only the
+    embedding and the LM head are read)."""
+    target_dir = Path(target_dir)
+    cfg = ModelConfig.from_dict(json.loads((target_dir / "config.json").read_text()))
+    with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight").float()
+        lm_head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else embed
+    return load_head(Path(path), cfg, embed, lm_head, dtype)
+
+
+def load_head(path: Path, target: ModelConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> EagleHead:
+    """A saved head (`path`) over the target's config, embedding and LM head."""
+    meta = json.loads((Path(path) / CONFIG).read_text())
+    state = load_file(str(Path(path) / WEIGHTS))
+    head = EagleHead(target, meta["intermediate_size"], state["vocab"])
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - set(FROZEN):
+        raise ValueError(f"{path}: not an EAGLE head of this shape (missing {missing}, unexpected {unexpected})")
+    head.load_target(embed, lm_head)
+    return head.to(dtype).eval()

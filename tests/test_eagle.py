@@ -1,0 +1,180 @@
+"""The EAGLE draft: a head over the target's features (services/draft/eagle_head.py, eagle.py, eagle_engine.py).
+
+Fast: the target's runner returns the final norm's output as features (transformers' last hidden
+state) without changing a logit; the target service returns them for every prefill chunk token and
+for each verified tree's accepted path; the head's entries give the same predictions appended at once
+or in pieces; a tree node attends to its ancestors only (its prediction is what appending its path as
+entries gives); the engine speaks the draft protocol (features by position, root-only trees while
+they are missing, a malformed tensor refused). Slow: `specserve up --draft-model <head>` gives
+transformers' greedy text under every policy, verifying the head's trees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve.draft.config import DraftConfig
+from specserve.draft.eagle import EagleDrafter
+from specserve.draft.eagle_engine import EagleDraftEngine
+from specserve.draft.eagle_head import EagleHead, load_for_target
+from specserve.shared.batch import Chunk
+from specserve.shared.messages import Forward, PrefillEntry, SamplingSpec, Speculate, SpeculateEntry, VerifyEntry
+from specserve.shared.model_config import ModelConfig
+from specserve.shared.model_store import MODELS
+from specserve.shared.runner import ModelRunner
+from specserve.shared.service_base import BadCall
+from specserve.target.config import TargetConfig
+from specserve.target.engine import TargetEngine
+from tests.gateway_procs import Up, gateway
+from tests.test_gateway import MAX_TOKENS, POLICIES, PROMPTS, aclient, wait_all_free
+
+TARGET = MODELS / "target"
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 18, 64, 9, 11, 300]
+
+
+def make_head(out, seed: int = 0, vocab: int = 512):
+    """An untrained head over the demo target (random layer; the target's embedding and LM head), saved."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_dict(__import__("json").loads((TARGET / "config.json").read_text()))
+    head = EagleHead(cfg, 128, torch.arange(vocab))
+    hf = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)
+    head.load_target(hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach())
+    head.save(out, str(TARGET), dtype=torch.float32)
+    return load_for_target(out, TARGET)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle")
+    make_head(out)
+    return out
+
+
+def test_runner_features_are_the_last_hidden_state_and_leave_the_logits_alone():
+    runner = ModelRunner.from_dir(TARGET, num_blocks=64)
+    plain = runner.forward([Chunk("a", PROMPT, logits_at=[len(PROMPT) - 1])])[0]
+    runner.release("a")
+    logits, features = runner.forward_features([Chunk("a", PROMPT, logits_at=[len(PROMPT) - 1])])
+    assert torch.equal(logits[0], plain) and features[0].shape == (len(PROMPT), 384)
+    hf = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = hf.model(input_ids=torch.tensor([PROMPT])).last_hidden_state[0]
+    torch.testing.assert_close(features[0], want, atol=1e-4, rtol=1e-4)
+    assert runner.model.features is None and not runner.model.keep_features
+
+
+def test_the_target_returns_features_for_chunks_and_accepted_paths():
+    engine = TargetEngine(TargetConfig(model=str(TARGET), kv_blocks=64))
+    greedy = SamplingSpec(0.0, 1.0, 0, None)
+    reply, out = engine.forward(Forward([PrefillEntry("a", 0, 0, len(PROMPT), True, greedy)], [], features=True),
+                                {"prefill_tokens": torch.tensor(PROMPT, dtype=torch.int32)})
+    first = out["tokens"].tolist()
+    assert reply.results[0].num_features == len(PROMPT) and out["features"].shape == (len(PROMPT), 384)
+    # a tree whose first child is the target's own next token: the accepted path's features come back
+    runner = ModelRunner.from_dir(TARGET, num_blocks=64)
+    logits, _ = runner.forward_features([Chunk("x", PROMPT + first, logits_at=[len(PROMPT)])])
+    nxt = int(logits[0][0].argmax())
+    tree, parents = [first[0], nxt, (nxt + 1) % 512], [-1, 0, 0]
+    reply, out = engine.forward(Forward([], [VerifyEntry("a", 1, len(PROMPT) + 1, 3)], features=True),
+                                {"tree_tokens": torch.tensor(tree, dtype=torch.int32),
+                                 "tree_parents": torch.tensor(parents, dtype=torch.int32)})
+    result = reply.results[0]
+    assert result.num_accepted >= 1 and result.num_features == result.num_tokens == len(out["features"])
+    emitted = out["tokens"].tolist()
+    runner.release("x")
+    _, want = runner.forward_features([Chunk("x", PROMPT + first + emitted[:-1])])
+    torch.testing.assert_close(out["features"], want[0][len(PROMPT):], atol=1e-4, rtol=1e-4)
+    # without the flag: no features
+    reply, out = engine.forward(Forward([PrefillEntry("b", 0, 0, 4, True, greedy)], []),
+                                {"prefill_tokens": torch.tensor(PROMPT[:4], dtype=torch.int32)})
+    assert reply.results[0].num_features == 0 and "features" not in out
+
+
+def test_entries_appended_in_pieces_and_tree_nodes_see_only_their_path(tmp_path):
+    drafter = EagleDrafter(make_head(tmp_path))
+    torch.manual_seed(1)
+    feats, toks = torch.randn(20, 384), torch.randint(0, 512, (20,))
+    drafter.append([("a", feats, toks)])
+    drafter.append([("b", feats[:7], toks[:7])])
+    drafter.append([("b", feats[7:], toks[7:]), ("c", feats[:3], toks[:3])])
+    torch.testing.assert_close(drafter.requests["b"].last, drafter.requests["a"].last, atol=1e-5, rtol=1e-5)
+    trees, passes = drafter.speculate([("a", 1, 3, 2), ("c", 1, 2, 1)])
+    assert passes == 2 and len(trees["a"].tokens) == 7 and len(trees["c"].tokens) == 3
+    # the chain's second token is what the head predicts after its first, appended as a real entry
+    chain, _ = drafter.speculate([("a", 1, 2, 1)])
+    y1, y2 = chain["a"].tokens[1:]
+    drafter.append([("a", drafter.requests["a"].last[None], torch.tensor([y1]))])
+    assert y2 == int(drafter.head.vocab[drafter.head.logits(drafter.requests["a"].last).argmax()])
+    # a width-2 tree's second layer: each node's score is its own path's alone (its parent appended
+    # as a real entry after the committed ones gives the same log probability)
+    drafter.truncate("a", 19)
+    drafter.append([("a", feats[19:], toks[19:])])
+    tree = drafter.speculate([("a", 1, 3, 4)])[0]["a"]
+    index = {t: i for i, t in enumerate(drafter.head.vocab.tolist())}
+    for node in range(5, len(tree.tokens)):  # layers 2 and 3
+        path, p = [], tree.parents[node]
+        while p > 0:
+            path.insert(0, tree.tokens[p])
+            p = tree.parents[p]
+        d = EagleDrafter(drafter.head)
+        d.append([("a", feats, toks)])
+        for token in path:
+            d.append([("a", d.requests["a"].last[None], torch.tensor([token]))])
+        logp = torch.log_softmax(d.head.logits(d.requests["a"].last), -1)[index[tree.tokens[node]]]
+        assert tree.logp[node] == pytest.approx(tree.logp[tree.parents[node]] + float(logp), abs=1e-4)
+
+
+def test_the_engine_speaks_the_draft_protocol(head_dir):
+    engine = EagleDraftEngine(DraftConfig(model=str(head_dir)))
+    assert engine.reads_features and engine.hidden == 384
+    prompt = PROMPT + [77]  # the prompt and the first token
+    toks = {"tokens": torch.tensor(prompt, dtype=torch.int32)}
+    # features not there yet: a root-only tree
+    reply, out = engine.speculate(Speculate([SpeculateEntry("a", 0, len(prompt), len(prompt), 3, 1)]), toks)
+    assert reply.trees[0].error is None and reply.trees[0].depth == 0 and out["tokens"].tolist() == [77]
+    # the prompt's features arrive: entries for every committed token, a chain of 3 from the root
+    feats = torch.randn(len(PROMPT), 384)
+    reply, out = engine.speculate(Speculate([SpeculateEntry("a", 1, 0, len(prompt), 3, 1, 0, 0, len(PROMPT))]),
+                                  {"features": feats})
+    assert reply.trees[0].depth == 3 and out["parents"].tolist() == [-1, 0, 1, 2]
+    assert engine.drafter.entries("a") == len(PROMPT)
+    with pytest.raises(BadCall):
+        engine.speculate(Speculate([SpeculateEntry("a", 2, 0, len(prompt), 1, 1, 0, 0, 2)]),
+                         {"features": torch.randn(2, 100)})
+    assert engine.release("a") and "a" not in engine.features and engine.drafter.entries("a") == 0
+
+
+@pytest.fixture(scope="module")
+def up_eagle(suite_profile, head_dir):
+    server = Up("--draft-model", str(head_dir), "--policy", "adaserve", "--profile", str(suite_profile), "--",
+                "--budget", "24")
+    yield server
+    server.interrupt()
+
+
+@pytest.mark.slow
+def test_up_with_an_eagle_head_is_lossless_under_every_policy(up_eagle, reference):
+    """`specserve up --draft-model <head>`: the target's features reach the head through the gateway, its
+    trees are verified, and every policy gives transformers' greedy text."""
+    async def run(url: str) -> list:
+        c = aclient(url)
+        out = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                          temperature=0) for p in PROMPTS])
+        await c.close()
+        return out
+
+    results = asyncio.run(run(up_eagle.url))
+    assert [r.choices[0].text for r in results] == reference
+    steps = [s for r in results for s in r.model_extra["specserve"]["steps"]]
+    assert any(nodes > 1 for _, nodes, _ in steps), steps
+    for policy in POLICIES:
+        g = gateway(up_eagle, policy, "--budget", "24")
+        try:
+            assert [r.choices[0].text for r in asyncio.run(run(g.address))] == reference, policy
+        finally:
+            g.stop()
+    wait_all_free(up_eagle)
