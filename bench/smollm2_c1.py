@@ -11,11 +11,13 @@ up to --max-tokens new tokens (the answer ends at the model's end of turn, the s
 float32, one torch thread everywhere:
 - `hf_generate`: transformers `generate`;
 - `hf_prompt_lookup`: transformers `generate(prompt_lookup_num_tokens=K)` (K = --lookup-tokens);
-- `hf_assisted` (only when --draft-model is a model directory): transformers `generate(assistant_model=
-  the same draft)`;
+- `hf_assisted` (only when --draft-model is a model directory, not an EAGLE head): transformers
+  `generate(assistant_model=the same draft)`;
 - `llama_cpp` (where llama-cpp-python is installed; it is not a specserve dependency: `.venv/bin/pip
   install llama-cpp-python` builds it, about 5 minutes): llama.cpp on the same GGUF file the named
   model keeps as model.gguf, the same token ids, greedy;
+- `llama_cpp_lookup` (with `llama_cpp`): llama.cpp's own speculative decoding as llama-cpp-python exposes
+  it, prompt lookup (`draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K)`, K = --lookup-tokens);
 - `none`, `chain:4`, `adaserve`, `joint` (the default policy): specserve (`specserve up --model
   smollm2-135m-instruct --draft-model D --threads N`, one stack; each policy is a gateway of
   its own on the same target and draft), through the official openai client.
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="result file (default bench/results/smollm2_c1.json, or smollm2_c1-<draft dir>.json)")
     args = ap.parse_args(argv)
     ngram = args.draft_model == "ngram"
+    token_draft = not ngram and (Path(args.draft_model) / "config.json").is_file()  # not an EAGLE head
     args.out = args.out or str(ROOT / "bench" / "results" / (
         "smollm2_c1.json" if ngram else f"smollm2_c1-{Path(args.draft_model).name}.json"))
 
@@ -96,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assistant = None if ngram else AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=torch.float32).eval()
-    hf_modes = ["hf_generate", "hf_prompt_lookup"] + ([] if ngram else ["hf_assisted"])
+    assistant = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=torch.float32).eval() \
+        if token_draft else None
+    hf_modes = ["hf_generate", "hf_prompt_lookup"] + (["hf_assisted"] if token_draft else [])
     llm = None if args.no_llamacpp else _llama_cpp(Path(model_dir) / "model.gguf", args.threads)
-    peer_modes = hf_modes + (["llama_cpp"] if llm is not None else [])
+    llm_lookup = None if llm is None else _llama_cpp(Path(model_dir) / "model.gguf", args.threads,
+                                                     args.lookup_tokens)
+    peer_modes = hf_modes + (["llama_cpp", "llama_cpp_lookup"] if llm is not None else [])
     policies = args.policies.split(",")
     sets = {name: [_ids(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
                    for p in prompts] for name, prompts in (("chat", CHAT), ("edit", EDIT))
@@ -130,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(args.quiet_s)
                     t0, outs, steps, n = time.perf_counter(), [], [], 0
                     for i, ids in enumerate(ids_list):
-                        if mode == "llama_cpp":
-                            new = _llama_generate(llm, ids, args.max_tokens, tok.eos_token_id)
+                        if mode.startswith("llama_cpp"):
+                            new = _llama_generate(llm if mode == "llama_cpp" else llm_lookup, ids, args.max_tokens,
+                                                  tok.eos_token_id)
                             outs.append(tok.decode(new, skip_special_tokens=True))
                             n += len(new)
                         elif mode.startswith("hf"):
@@ -195,15 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _llama_cpp(gguf: Path, threads: int):  # noqa: ANN202 - llama_cpp.Llama, an optional import
-    """llama.cpp on `gguf`, or None (with a line saying so) where llama-cpp-python is not installed."""
+def _llama_cpp(gguf: Path, threads: int, lookup_tokens: int = 0):  # noqa: ANN202 - llama_cpp.Llama, optional
+    """llama.cpp on `gguf` (with prompt-lookup speculation of `lookup_tokens` when > 0), or None (with a line
+    saying so) where llama-cpp-python is not installed."""
     try:
         from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         print("llama-cpp-python is not installed: no llama_cpp mode (`.venv/bin/pip install llama-cpp-python`)",
               flush=True)
         return None
-    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False,
+                 draft_model=draft)
 
 
 def _llama_generate(llm, ids: list[int], max_tokens: int, eos: int) -> list[int]:  # noqa: ANN001

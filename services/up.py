@@ -103,13 +103,31 @@ def default_draft(model: str) -> str:
     return draft if draft == NGRAM else str(MODELS / draft)
 
 
+def _shape(model: str) -> tuple[int, int] | None:
+    from specserve.shared.model_config import ModelConfig, ModelLoadError
+
+    try:
+        cfg = ModelConfig.from_dir(model)
+    except (ModelLoadError, ValueError, FileNotFoundError):
+        return None
+    return cfg.vocab_size, cfg.hidden_size
+
+
 def _same_vocabulary(model: str, draft_model: str) -> bool:
     """Speculation needs a draft with the target's tokenizer; say so in one line when the vocabularies differ."""
+    from specserve.draft.eagle_head import is_eagle_dir, target_of
     from specserve.draft.ngram import NGRAM
     from specserve.shared.model_config import ModelConfig, ModelLoadError
 
     if draft_model == NGRAM:
         return True  # it drafts the target's own token ids
+    if is_eagle_dir(draft_model):  # a head reads its own target's features: the same shape of model is needed
+        draft_model = resolve_or_exit(target_of(draft_model))
+        if _shape(model) != _shape(draft_model):
+            print(f"error: the EAGLE head was trained on {draft_model}, whose vocabulary and width differ from "
+                  f"{model}'s; pass --draft-model, or --policy none", file=sys.stderr)
+            return False
+        return True
     try:
         target, draft = ModelConfig.from_dir(model).vocab_size, ModelConfig.from_dir(draft_model).vocab_size
     except (ModelLoadError, ValueError, FileNotFoundError):

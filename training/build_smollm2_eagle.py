@@ -232,7 +232,7 @@ def stage_train(state: dict) -> None:
     head.eval()
     if OUT.exists():
         shutil.rmtree(OUT)
-    head.save(OUT, TARGET)
+    head.save(OUT, TARGET, int8=True)
     (BUILD / "train_log.json").write_text(json.dumps(log))
     tail = log[-20:]
     state["train"] = {"trained_parameters": sum(p.numel() for p in params), "intermediate_size": INTERMEDIATE,

@@ -28,6 +28,7 @@ from specserve.shared.rope import RotaryEmbedding, apply_rotary
 WEIGHTS = "eagle.safetensors"
 CONFIG = "eagle.json"
 FROZEN = ("embed.weight", "head.weight")  # the target's, loaded from its weights
+SCALE = ":scale"  # suffix of an int8 matrix's per-row scales in eagle.safetensors
 
 
 class EagleHead(nn.Module):
@@ -94,11 +95,18 @@ class EagleHead(nn.Module):
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if k not in FROZEN}
 
-    def save(self, out: Path, target: str, dtype: torch.dtype = torch.bfloat16) -> None:
-        """The trained tensors and eagle.json (`target`: the target model's name or directory)."""
+    def save(self, out: Path, target: str, int8: bool = False) -> None:
+        """The trained tensors and eagle.json (`target`: the target model's name or directory). int8: each
+        matrix as int8 rows with a float32 scale per row (symmetric; a quarter of the float32 bytes)."""
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.trained_state().items()}
-        save_file(state, str(out / WEIGHTS))
+        state = {}
+        for k, v in self.trained_state().items():
+            if int8 and v.is_floating_point() and v.dim() == 2:
+                scale = v.abs().amax(1).clamp_min(1e-12) / 127
+                state[k], state[k + SCALE] = (v / scale[:, None]).round().to(torch.int8), scale.float()
+            else:
+                state[k] = v.float() if v.is_floating_point() else v
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS))
         (out / CONFIG).write_text(json.dumps({"target": target, "intermediate_size": self.intermediate_size,
                                               "draft_vocab_size": len(self.vocab)}, indent=1) + "\n")
 
@@ -134,6 +142,9 @@ def load_head(path: Path, target: ModelConfig, embed: torch.Tensor, lm_head: tor
     """A saved head (`path`) over the target's config, embedding and LM head."""
     meta = json.loads((Path(path) / CONFIG).read_text())
     state = load_file(str(Path(path) / WEIGHTS))
+    for k in [k for k in state if k.endswith(SCALE)]:
+        name = k.removesuffix(SCALE)
+        state[name] = state[name].float() * state.pop(k)[:, None]
     head = EagleHead(target, meta["intermediate_size"], state["vocab"])
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or set(missing) - set(FROZEN):
