@@ -195,3 +195,20 @@ def test_an_int8_head_keeps_its_predictions(tmp_path):
     a.append([("r", feats, toks)])
     b.append([("r", feats, toks)])
     torch.testing.assert_close(a.requests["r"].last, b.requests["r"].last, atol=0.05, rtol=0.05)
+
+
+def test_the_head_on_the_cpu_kernels_predicts_as_in_float32(tmp_path):
+    """`to_cpu_kernels` (q8_0 linears through the compiled operators, as the draft service runs the head):
+    the predicted features close to float32's, the same greedy chain in most cases."""
+    head = make_head(tmp_path)
+    fast = load_for_target(tmp_path, TARGET)
+    if not fast.to_cpu_kernels():
+        pytest.skip("the compiled CPU operators are not built here")
+    assert type(fast.head).__name__ == "QuantLinear"
+    feats, toks = torch.randn(30, 384), torch.randint(0, 512, (30,))
+    a, b = EagleDrafter(head), EagleDrafter(fast)
+    a.append([("r", feats, toks)])
+    b.append([("r", feats, toks)])
+    torch.testing.assert_close(a.requests["r"].last, b.requests["r"].last, atol=0.05, rtol=0.05)
+    la, lb = head.logits(a.requests["r"].last), fast.logits(b.requests["r"].last)
+    assert int(la.argmax()) == int(lb.argmax()) or la.max() - la[lb.argmax()] < 0.05

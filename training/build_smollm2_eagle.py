@@ -145,7 +145,7 @@ def _train_loss(head: EagleHead, samples: list[dict]) -> tuple[torch.Tensor, dic
     predictions (as a tree node's child does), each attending to the true entries before it."""
     lens = [len(s["features"]) for s in samples]
     b, t = len(samples), max(lens)
-    feats = torch.zeros(b, t, head.fc.in_features // 2)
+    feats = torch.zeros(b, t, head.hidden_size)
     toks = torch.zeros(b, t, dtype=torch.int64)
     for r, s in enumerate(samples):
         feats[r, :lens[r]] = s["features"].float()
@@ -295,7 +295,7 @@ def head_cost(target_dir: str, drafter: EagleDrafter, context: int = 128, rounds
     from specserve.shared.runner import ModelRunner
 
     target = ModelRunner.from_dir(Path(target_dir), num_blocks=64)
-    hidden = drafter.head.fc.in_features // 2
+    hidden = drafter.head.hidden_size
     times: dict[str, list[float]] = {"target": [], "head_step": [], "append": []}
     with torch.inference_mode():
         target.forward([Chunk("cost", list(range(1, context + 1)))])
@@ -320,7 +320,9 @@ def head_cost(target_dir: str, drafter: EagleDrafter, context: int = 128, rounds
 
 def stage_evaluate(state: dict) -> None:
     target_dir = resolve(TARGET)
-    drafter = EagleDrafter(load_for_target(OUT, target_dir))
+    head = load_for_target(OUT, target_dir)
+    head.to_cpu_kernels()  # as the draft service runs it
+    drafter = EagleDrafter(head)
     runs = _held_out_runs(target_dir)
     chains = {str(k): round(simulate(drafter, runs, k, 1), 3) for k in tqdm(CHAINS, desc="chains", unit="k")}
     trees = {f"d{d}w{w}": round(simulate(drafter, runs, d, w), 3)

@@ -45,8 +45,8 @@ class _Pending:
 class EagleDrafter:
     def __init__(self, head: EagleHead):
         self.head = head
-        self.dtype = head.fc.weight.dtype
-        self.device = head.fc.weight.device
+        self.dtype = head.attn_norm.weight.dtype
+        self.device = head.attn_norm.weight.device
         self.requests: dict[str, _Entries] = {}
 
     def entries(self, rid: str) -> int:

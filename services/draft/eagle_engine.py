@@ -60,8 +60,10 @@ class EagleDraftEngine(DraftEngine):
         self.device = parse_device(config.device)
         self.target_dir = resolve(target_of(config.model))
         head = load_for_target(config.model, self.target_dir).to(self.device)
+        if config.kernels != "torch":
+            head.to_cpu_kernels()  # q8_0 linears through the compiled operators, where they run (CPU)
         self.drafter = EagleDrafter(head)
-        self.hidden = head.fc.in_features // 2
+        self.hidden = head.hidden_size
         self.model = None
         self.vocab_size = head.embed.num_embeddings
         self.runner = NoKV(config.kv_blocks)  # type: ignore[assignment]

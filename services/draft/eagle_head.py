@@ -22,6 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specserve.shared import kernels
+from specserve.shared.kernels import KIND_Q8_0
 from specserve.shared.model_config import ModelConfig
 from specserve.shared.rope import RotaryEmbedding, apply_rotary
 
@@ -31,12 +33,35 @@ FROZEN = ("embed.weight", "head.weight")  # the target's, loaded from its weight
 SCALE = ":scale"  # suffix of an int8 matrix's per-row scales in eagle.safetensors
 
 
+class QuantLinear(nn.Module):
+    """A bias-free linear over a weight as the compiled CPU operators store it (q8_0): at one token a
+    draft step reads its weights once, so a quarter of float32's bytes is most of its time."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        from specserve.shared.quant import quantize
+
+        stored = quantize(weight.detach().float(), KIND_Q8_0)
+        self.register_buffer("data", stored.data, persistent=False)
+        self.register_buffer("scales", stored.scales, persistent=False)
+        self.in_features, self.out_features = stored.cols, stored.rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        out: torch.Tensor = torch.ops.specserve_cpu.linear(flat, self.data, self.scales, KIND_Q8_0, self.in_features,
+                                                           None)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "head")
+
+
 class EagleHead(nn.Module):
     def __init__(self, target: ModelConfig, intermediate_size: int, vocab: torch.Tensor):
         super().__init__()
         h, self.heads, self.kv_heads, self.head_dim = (target.hidden_size, target.num_heads, target.num_kv_heads,
                                                        target.head_dim)
-        self.target_config, self.intermediate_size = target, intermediate_size
+        self.target_config, self.intermediate_size, self.hidden_size = target, intermediate_size, h
         self.register_buffer("vocab", vocab.to(torch.int64))
         self.embed = nn.Embedding(target.vocab_size, h)
         self.head = nn.Linear(h, len(vocab), bias=False)
@@ -75,6 +100,17 @@ class EagleHead(nn.Module):
         h = x + self.o_proj(attn)
         m = self.mlp_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def to_cpu_kernels(self) -> bool:
+        """Run every linear, the head's rows included, as q8_0 through the compiled CPU operators (float32
+        on CPU only; the head then serves, it no longer trains). False, changing nothing, where they are
+        not built."""
+        if self.attn_norm.weight.device.type != "cpu" or self.attn_norm.weight.dtype != torch.float32 \
+                or not kernels.load():
+            return False
+        for name in LINEARS:
+            setattr(self, name, QuantLinear(getattr(self, name).weight))
+        return True
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Predicted features [..., H] -> float32 logits over the draft vocabulary [..., V']."""
