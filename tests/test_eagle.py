@@ -29,8 +29,8 @@ from specserve.shared.runner import ModelRunner
 from specserve.shared.service_base import BadCall
 from specserve.target.config import TargetConfig
 from specserve.target.engine import TargetEngine
-from tests.gateway_procs import Up, gateway
-from tests.test_gateway import MAX_TOKENS, POLICIES, PROMPTS, aclient, wait_all_free
+from tests.gateway_procs import Up
+from tests.test_gateway import PROMPTS, every_policy_is_lossless, greedy_results
 
 TARGET = MODELS / "target"
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 18, 64, 9, 11, 300]
@@ -160,24 +160,12 @@ def up_eagle(suite_profile, head_dir):
 def test_up_with_an_eagle_head_is_lossless_under_every_policy(up_eagle, reference):
     """`specserve up --draft-model <head>`: the target's features reach the head through the gateway, its
     trees are verified, and every policy gives transformers' greedy text."""
-    async def run(url: str) -> list:
-        c = aclient(url)
-        out = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
-                                                          temperature=0) for p in PROMPTS])
-        await c.close()
-        return out
 
-    results = asyncio.run(run(up_eagle.url))
+    results = asyncio.run(greedy_results(up_eagle.url, PROMPTS))
     assert [r.choices[0].text for r in results] == reference
     steps = [s for r in results for s in r.model_extra["specserve"]["steps"]]
     assert any(nodes > 1 for _, nodes, _ in steps), steps
-    for policy in POLICIES:
-        g = gateway(up_eagle, policy, "--budget", "24")
-        try:
-            assert [r.choices[0].text for r in asyncio.run(run(g.address))] == reference, policy
-        finally:
-            g.stop()
-    wait_all_free(up_eagle)
+    every_policy_is_lossless(up_eagle, reference)
 
 
 def test_an_int8_head_keeps_its_predictions(tmp_path):

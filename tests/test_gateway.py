@@ -52,12 +52,17 @@ def aclient(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-async def complete_all(url: str, prompts: list[str], **kw) -> list[str]:
+async def greedy_results(url: str, prompts: list[str], **kw) -> list:
+    """The greedy completions of `prompts`, all at once, whole (text, usage, the `specserve` report)."""
     c = aclient(url)
     results = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
                                                           temperature=0, **kw) for p in prompts])
     await c.close()
-    return [r.choices[0].text for r in results]
+    return results
+
+
+async def complete_all(url: str, prompts: list[str], **kw) -> list[str]:
+    return [r.choices[0].text for r in await greedy_results(url, prompts, **kw)]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +99,18 @@ def wait_all_free(up: Up, timeout_s: float = 30) -> None:
             return
         assert time.monotonic() < deadline, f"KV not freed: {stats}"
         time.sleep(0.3)
+
+
+def every_policy_is_lossless(up: Up, reference: list[str]) -> None:
+    """A gateway per policy of POLICIES on `up`'s services gives `reference` (greedy) on PROMPTS; then
+    every KV block is free."""
+    for policy in POLICIES:
+        g = gateway(up, policy, "--budget", "24")
+        try:
+            assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
+        finally:
+            g.stop()
+    wait_all_free(up)
 
 
 # ---- the fast tier's end-to-end request -------------------------------------------------------------
@@ -192,13 +209,7 @@ def test_stop_strings_and_seeded_sampling(up):
 def test_greedy_identical_across_policies(up, reference):
     """Every policy, with the prompts sent concurrently (so they batch), equals the target alone."""
     assert asyncio.run(complete_all(up.url, PROMPTS)) == reference  # adaserve, the up's own policy
-    for policy in POLICIES:
-        g = gateway(up, policy, "--budget", "24")
-        try:
-            assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
-        finally:
-            g.stop()
-    wait_all_free(up)
+    every_policy_is_lossless(up, reference)
 
 
 def test_greedy_identical_across_policies_with_overlap(up, reference):

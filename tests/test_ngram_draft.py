@@ -20,8 +20,8 @@ import torch
 from specserve.draft.config import DraftConfig
 from specserve.draft.ngram import NgramDraftEngine, ngram_tree
 from specserve.shared.messages import Speculate, SpeculateEntry
-from tests.gateway_procs import Up, gateway
-from tests.test_gateway import MAX_TOKENS, POLICIES, PROMPTS, aclient, wait_all_free
+from tests.gateway_procs import Up
+from tests.test_gateway import PROMPTS, every_policy_is_lossless, greedy_results
 
 
 def paths(tree) -> dict[tuple[int, ...], float]:
@@ -110,21 +110,9 @@ def up_ngram(suite_profile):
 def test_up_with_the_ngram_draft_is_lossless_under_every_policy(up_ngram, reference):
     """`specserve up --draft-model ngram`: every policy gives transformers' greedy text, and the n-gram
     trees are verified and accepted (the demo prompts repeat themselves, as code does)."""
-    async def run(url: str) -> list:
-        c = aclient(url)
-        out = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
-                                                          temperature=0) for p in PROMPTS])
-        await c.close()
-        return out
 
-    results = asyncio.run(run(up_ngram.url))  # adaserve, up's own policy
+    results = asyncio.run(greedy_results(up_ngram.url, PROMPTS))  # adaserve, up's own policy
     assert [r.choices[0].text for r in results] == reference
     steps = [s for r in results for s in r.model_extra["specserve"]["steps"]]
     assert any(nodes > 1 for _, nodes, _ in steps) and any(acc > 0 for _, _, acc in steps), steps
-    for policy in POLICIES:
-        g = gateway(up_ngram, policy, "--budget", "24")
-        try:
-            assert [r.choices[0].text for r in asyncio.run(run(g.address))] == reference, policy
-        finally:
-            g.stop()
-    wait_all_free(up_ngram)
+    every_policy_is_lossless(up_ngram, reference)

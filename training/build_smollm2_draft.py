@@ -20,10 +20,8 @@ on each; an interrupted distill resumes from its checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -36,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from specserve.shared.model_store import resolve
 from training import corpus, smollm2_prompts
-from training.stages import run_stages
+from training.stages import build_main
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "smollm2_draft"
@@ -255,34 +253,12 @@ def stage_evaluate(state: dict) -> None:
     print(json.dumps(state["evaluate"], indent=1), flush=True)
 
 
-def stage_done(stage: str) -> bool:
-    return {"answers": (BUILD / "answers.pt").exists(), "distill": (OUT / "model.safetensors").exists(),
-            "evaluate": False}[stage]
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=STAGES, action="append", help="run only these stages (repeatable)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--limit", type=int, help="answer only this many training prompts (a quick trial)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    BUILD.mkdir(parents=True, exist_ok=True)
-    report = BUILD / "report.json"
-    state = json.loads(report.read_text()) if report.exists() else {}
-    t0 = time.perf_counter()
-
-    def run(stage: str) -> None:
-        if stage == "answers":
-            stage_answers(state, args.limit)
-        else:
-            globals()[f"stage_{stage}"](state)
-
-    run_stages(STAGES, args.stage, stage_done, run, state, report)
-    print(f"[build] done in {time.perf_counter() - t0:.0f} s", flush=True)
-    if OUT.is_dir():
-        shutil.copy(report, OUT / "report.json")
-    return 0
+    stages = {"answers": lambda state, args: stage_answers(state, args.limit),
+              "distill": lambda state, _: stage_distill(state),
+              "evaluate": lambda state, _: stage_evaluate(state)}
+    outputs = {"answers": BUILD / "answers.pt", "distill": OUT / "model.safetensors"}
+    return build_main(argv, __doc__, stages, outputs, BUILD, OUT)
 
 
 if __name__ == "__main__":

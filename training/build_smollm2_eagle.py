@@ -18,9 +18,7 @@ The features stage costs one batched generation; the train stage never runs the 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -38,7 +36,7 @@ from specserve.draft.eagle_head import EagleHead, load_for_target
 from specserve.shared.model_config import ModelConfig
 from specserve.shared.model_store import resolve
 from training import corpus, smollm2_prompts
-from training.stages import run_stages
+from training.stages import build_main
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "smollm2_eagle"
@@ -334,32 +332,12 @@ def stage_evaluate(state: dict) -> None:
     print(json.dumps(state["evaluate"], indent=1), flush=True)
 
 
-def stage_done(stage: str) -> bool:
-    return {"features": (BUILD / "features.pt").exists(), "train": (OUT / "eagle.safetensors").exists(),
-            "evaluate": False}[stage]
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=STAGES, action="append", help="run only these stages (repeatable)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--limit", type=int, help="only this many training prompts (a quick trial)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    BUILD.mkdir(parents=True, exist_ok=True)
-    report = BUILD / "report.json"
-    state = json.loads(report.read_text()) if report.exists() else {}
-    t0 = time.perf_counter()
-
-    def run(stage: str) -> None:
-        if stage == "features":
-            stage_features(state, args.limit)
-        else:
-            globals()[f"stage_{stage}"](state)
-
-    run_stages(STAGES, args.stage, stage_done, run, state, report)
-    print(f"[build] done in {time.perf_counter() - t0:.0f} s", flush=True)
-    return 0
+    stages = {"features": lambda state, args: stage_features(state, args.limit),
+              "train": lambda state, _: stage_train(state),
+              "evaluate": lambda state, _: stage_evaluate(state)}
+    outputs = {"features": BUILD / "features.pt", "train": OUT / "eagle.safetensors"}
+    return build_main(argv, __doc__, stages, outputs, BUILD, OUT)
 
 
 if __name__ == "__main__":
