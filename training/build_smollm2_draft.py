@@ -218,8 +218,6 @@ def stage_distill(state: dict) -> None:
         shutil.rmtree(OUT)
     draft.to(torch.bfloat16).save_pretrained(OUT, safe_serialization=True)
     draft.generation_config.save_pretrained(OUT)
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    tok.save_pretrained(OUT)
     (BUILD / "distill_log.json").write_text(json.dumps(log))
     state["distill"] = {"parameters": params, "config": DRAFT_SHAPE, "epochs": EPOCHS, "steps": total,
                         "train_tokens": sum(e["tokens"] for e in log), "wall_s": log[-1]["time_s"],
