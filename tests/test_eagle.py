@@ -200,3 +200,17 @@ def test_the_head_on_the_cpu_kernels_predicts_as_in_float32(tmp_path):
     torch.testing.assert_close(a.requests["r"].last, b.requests["r"].last, atol=0.05, rtol=0.05)
     la, lb = head.logits(a.requests["r"].last), fast.logits(b.requests["r"].last)
     assert int(la.argmax()) == int(lb.argmax()) or la.max() - la[lb.argmax()] < 0.05
+
+
+def test_the_feature_log_keeps_rows_by_position():
+    """The gateway's and the draft's FeatureLog: rows at their positions, grown as needed, a rewrite (a
+    re-prefill) in place, a write past the known positions refused."""
+    from specserve.shared.feature_log import FeatureLog
+
+    log = FeatureLog()
+    rows = torch.arange(200 * 4, dtype=torch.float32).view(200, 4)
+    assert log.read(0).shape == (0, 0) and not log.write(1, rows[1:3])
+    assert log.write(0, rows[:10]) and log.write(10, rows[10:200]) and log.known == 200
+    assert log.write(5, rows[5:8]) and log.known == 200  # a rewrite keeps what follows it
+    assert torch.equal(log.read(0), rows) and torch.equal(log.read(150, 160), rows[150:160])
+    assert log.read(200).shape == (0, 4) and not log.write(201, rows[:1]) and log.known == 200

@@ -22,33 +22,13 @@ from specserve.draft.eagle import EagleDrafter
 from specserve.draft.eagle_head import load_for_target, target_of
 from specserve.draft.engine import DraftEngine
 from specserve.draft.ngram import NoKV
+from specserve.shared.feature_log import FeatureLog
 from specserve.shared.loader import parse_device
 from specserve.shared.messages import ErrorInfo, Offload, Reload, SpeculateEntry, TransitionReply
 from specserve.shared.model_store import resolve
 from specserve.shared.service_base import BadCall
 
 log = logging.getLogger(__name__)
-
-
-class _Features:
-    """One request's target features by position (a growable buffer)."""
-
-    def __init__(self, hidden: int):
-        self.rows = torch.empty(64, hidden)
-        self.n = 0
-
-    def write(self, start: int, rows: torch.Tensor) -> bool:
-        """Rows from position `start` (at most the positions held: a rewrite keeps what is before it)."""
-        if start > self.n:
-            return False
-        end = start + len(rows)
-        if end > len(self.rows):
-            grown = torch.empty(max(end, 2 * len(self.rows)), self.rows.shape[1])
-            grown[:self.n] = self.rows[:self.n]
-            self.rows = grown
-        self.rows[start:end] = rows
-        self.n = end
-        return True
 
 
 class EagleDraftEngine(DraftEngine):
@@ -69,7 +49,7 @@ class EagleDraftEngine(DraftEngine):
         self.runner = NoKV(config.kv_blocks)  # type: ignore[assignment]
         self.static_step = None
         self.requests = {}
-        self.features: dict[str, _Features] = {}
+        self.features: dict[str, FeatureLog] = {}
         self._host_weights = None
         self.calls = self.entry_errors = 0
         self.last_offload_s = self.last_reload_s = 0.0
@@ -86,10 +66,10 @@ class EagleDraftEngine(DraftEngine):
         for entry, rows in zip(entries, flat.float().split(counts)):
             if entry.rid not in accepted or not len(rows):
                 continue
-            store = self.features.setdefault(entry.rid, _Features(self.hidden))
+            store = self.features.setdefault(entry.rid, FeatureLog())
             if not store.write(entry.feature_start, rows):
                 log.warning("%s: features from position %d, but only %d are held; dropped", entry.rid,
-                            entry.feature_start, store.n)
+                            entry.feature_start, store.known)
 
     def _fit_to_pool(self, entries: list[SpeculateEntry], depths: dict[str, int],
                      failed: dict[str, ErrorInfo]) -> set[str]:
@@ -104,7 +84,7 @@ class EagleDraftEngine(DraftEngine):
             rid = entry.rid
             tokens = self.requests[rid].tokens
             store = self.features.get(rid)
-            avail = min(store.n if store else 0, len(tokens) - 1)  # entry i: feature i, token i + 1
+            avail = min(store.known if store else 0, len(tokens) - 1)  # entry i: feature i, token i + 1
             have = drafter.entries(rid)
             if have > avail:
                 drafter.truncate(rid, avail)
@@ -115,7 +95,7 @@ class EagleDraftEngine(DraftEngine):
                 have = avail - 1
             if have < avail:
                 assert store is not None
-                items.append((rid, store.rows[have:avail], torch.tensor(tokens[have + 1:avail + 1])))
+                items.append((rid, store.read(have, avail), torch.tensor(tokens[have + 1:avail + 1])))
             if depths[rid] > 0:
                 if complete:
                     ready[rid] = torch.empty(0)

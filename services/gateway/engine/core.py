@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from specserve.gateway.backends.executor import Executor, Failure, TargetPass
 from specserve.gateway.backends.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
 from specserve.gateway.engine.ahead import Guess, assumed_path, next_tree, reroot
-from specserve.gateway.engine.features import FeatureLog
 from specserve.gateway.engine.preempt import Holder, victims
 from specserve.gateway.engine.record import IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
@@ -56,6 +55,7 @@ from specserve.gateway.sched.plan import (
 from specserve.gateway.sched.policy import CandidateTree, Policy, RequestView
 from specserve.gateway.sched.scheduler import Scheduler
 from specserve.shared import tracing
+from specserve.shared.feature_log import FeatureLog
 from specserve.shared.rpc import TRANSPORT_ERRORS
 from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
 

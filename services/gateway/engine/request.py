@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specserve.gateway.engine.features import FeatureLog
 from specserve.gateway.sched.slo import SloClass
+from specserve.shared.feature_log import FeatureLog
 from specserve.shared.messages import SamplingSpec
 
 if TYPE_CHECKING:
