@@ -23,7 +23,6 @@ from specserve.draft.eagle_head import load_for_target, target_of
 from specserve.draft.engine import DraftEngine
 from specserve.draft.ngram import NoKV
 from specserve.shared.feature_log import FeatureLog
-from specserve.shared.loader import parse_device
 from specserve.shared.messages import ErrorInfo, Offload, Reload, SpeculateEntry, TransitionReply
 from specserve.shared.model_store import resolve
 from specserve.shared.service_base import BadCall
@@ -35,9 +34,7 @@ class EagleDraftEngine(DraftEngine):
     reads_features = True
 
     def __init__(self, config: DraftConfig):
-        # DraftEngine.__init__ loads a token model; this loads the head over its target's embedding and LM head.
-        self.config = config
-        self.device = parse_device(config.device)
+        self._init_state(config)  # DraftEngine.__init__ would load a token model; this loads the head
         self.target_dir = resolve(target_of(config.model))
         head = load_for_target(config.model, self.target_dir).to(self.device)
         if config.kernels != "torch":
@@ -47,12 +44,7 @@ class EagleDraftEngine(DraftEngine):
         self.model = None
         self.vocab_size = head.embed.num_embeddings
         self.runner = NoKV(config.kv_blocks)  # type: ignore[assignment]
-        self.static_step = None
-        self.requests = {}
         self.features: dict[str, FeatureLog] = {}
-        self._host_weights = None
-        self.calls = self.entry_errors = 0
-        self.last_offload_s = self.last_reload_s = 0.0
 
     def _take_payload(self, entries: list[SpeculateEntry], accepted: set[str],
                       tensors: dict[str, torch.Tensor]) -> None:

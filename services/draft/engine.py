@@ -56,14 +56,19 @@ class DraftEngine:
     reads_features = False  # the calls carry the target's features (the EAGLE draft)
 
     def __init__(self, config: DraftConfig):
-        self.config = config
-        self.device = parse_device(config.device)
+        self._init_state(config)
         self.model = load_model(config.model, parse_dtype(config.dtype, self.device), self.device,
                                 config.weights, config.kernels)
-        self.runner: ModelRunner | None = None
-        self.static_step: StaticBeamStep | None = None
         self._new_pool()
         self.vocab_size = self.model.config.vocab_size
+
+    def _init_state(self, config: DraftConfig) -> None:
+        """The fields every draft engine has before its model (the subclasses without a token model
+        call this instead of __init__): no requests, no pool, nothing offloaded, no calls."""
+        self.config = config
+        self.device = parse_device(config.device)
+        self.runner: ModelRunner | None = None
+        self.static_step: StaticBeamStep | None = None
         self.requests: dict[str, _Request] = {}
         self._host_weights: dict[str, torch.Tensor] | None = None
         self.calls = self.entry_errors = 0

@@ -24,7 +24,6 @@ import torch
 from specserve.draft.beam import BeamRequest, BeamTree
 from specserve.draft.config import DraftConfig
 from specserve.draft.engine import DraftEngine
-from specserve.shared.loader import parse_device
 from specserve.shared.messages import ErrorInfo, Offload, Reload, SpeculateEntry, TransitionReply
 
 NGRAM = "ngram"  # the --model / --draft-model value that selects this draft
@@ -96,17 +95,10 @@ class NoKV:
 
 class NgramDraftEngine(DraftEngine):
     def __init__(self, config: DraftConfig):
-        # DraftEngine.__init__ loads a model; this sets the same fields without one.
-        self.config = config
-        self.device = parse_device(config.device)
+        self._init_state(config)  # DraftEngine.__init__ would load a model
         self.model = None
         self.vocab_size = ANY_TOKEN
         self.runner = NoKV(config.kv_blocks)  # type: ignore[assignment]
-        self.static_step = None
-        self.requests = {}
-        self._host_weights = None
-        self.calls = self.entry_errors = 0
-        self.last_offload_s = self.last_reload_s = 0.0
 
     def _fit_to_pool(self, entries: list[SpeculateEntry], depths: dict[str, int],
                      failed: dict[str, ErrorInfo]) -> set[str]:

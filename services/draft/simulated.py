@@ -13,7 +13,6 @@ from specserve.draft.beam import BeamRequest, BeamTree
 from specserve.draft.config import DraftConfig
 from specserve.draft.engine import DraftEngine
 from specserve.shared.batch import DraftNodes
-from specserve.shared.loader import parse_device
 from specserve.shared.messages import Offload, Reload, TransitionReply
 from specserve.shared.model_config import ModelConfig
 from specserve.shared.simulate.preset import Preset, load_preset
@@ -24,17 +23,11 @@ from specserve.shared.token_tree import depths
 
 class SimulatedDraftEngine(DraftEngine):
     def __init__(self, config: DraftConfig, preset: Preset, vocab_size: int, truth: TruthText):
-        # DraftEngine.__init__ loads a model; this sets the same fields without one.
-        self.config, self.preset, self.truth = config, preset, truth
-        self.device = parse_device(config.device)
+        self._init_state(config)  # DraftEngine.__init__ would load a model
+        self.preset, self.truth = preset, truth
         self.model = None
         self.vocab_size = vocab_size
-        self.runner = self.static_step = None
         self._new_pool()
-        self.requests = {}
-        self._host_weights = None
-        self.calls = self.entry_errors = 0
-        self.last_offload_s = self.last_reload_s = 0.0
 
     def _new_pool(self) -> None:
         self.runner = SimulatedRunner(self.config.kv_blocks, self.config.block_size, self.vocab_size,
