@@ -104,6 +104,7 @@ def default_draft(model: str) -> str:
 
 
 def _shape(model: str) -> tuple[int, int] | None:
+    """(vocabulary size, hidden size) of a model directory; None where its config cannot be read."""
     from specserve.shared.model_config import ModelConfig, ModelLoadError
 
     try:
@@ -117,7 +118,6 @@ def _same_vocabulary(model: str, draft_model: str) -> bool:
     """Speculation needs a draft with the target's tokenizer; say so in one line when the vocabularies differ."""
     from specserve.draft.eagle_head import is_eagle_dir, target_of
     from specserve.draft.ngram import NGRAM
-    from specserve.shared.model_config import ModelConfig, ModelLoadError
 
     if draft_model == NGRAM:
         return True  # it drafts the target's own token ids
@@ -128,10 +128,10 @@ def _same_vocabulary(model: str, draft_model: str) -> bool:
                   f"{model}'s; pass --draft-model, or --policy none", file=sys.stderr)
             return False
         return True
-    try:
-        target, draft = ModelConfig.from_dir(model).vocab_size, ModelConfig.from_dir(draft_model).vocab_size
-    except (ModelLoadError, ValueError, FileNotFoundError):
+    target_shape, draft_shape = _shape(model), _shape(draft_model)
+    if target_shape is None or draft_shape is None:
         return True  # a bad directory is reported by the service that loads it
+    target, draft = target_shape[0], draft_shape[0]
     if target != draft:
         print(f"error: the draft model's vocabulary ({draft} tokens, {draft_model}) differs from the target's "
               f"({target}, {model}): speculation needs a draft with the target's tokenizer; pass --draft-model, "

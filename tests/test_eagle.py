@@ -39,7 +39,7 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 18, 64, 9, 11, 300]
 def make_head(out, seed: int = 0, vocab: int = 512):
     """An untrained head over the demo target (random layer; the target's embedding and LM head), saved."""
     torch.manual_seed(seed)
-    cfg = ModelConfig.from_dict(__import__("json").loads((TARGET / "config.json").read_text()))
+    cfg = ModelConfig.from_dir(TARGET)
     head = EagleHead(cfg, 128, torch.arange(vocab))
     hf = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)
     head.load_target(hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach())

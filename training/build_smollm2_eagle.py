@@ -27,13 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.draft.eagle import EagleDrafter
-from specserve.draft.eagle_head import EagleHead, load_for_target
-from specserve.shared.model_config import ModelConfig
+from specserve.draft.eagle_head import EagleHead, load_for_target, target_parts
 from specserve.shared.model_store import resolve
 from training import corpus, smollm2_prompts
 from training.stages import build_main
@@ -185,11 +183,9 @@ def _train_loss(head: EagleHead, samples: list[dict]) -> tuple[torch.Tensor, dic
 
 
 def new_head(target_dir: str, vocab: torch.Tensor) -> EagleHead:
-    cfg = ModelConfig.from_dict(json.loads((Path(target_dir) / "config.json").read_text()))
+    cfg, embed, lm_head = target_parts(target_dir)
     head = EagleHead(cfg, INTERMEDIATE, vocab)
-    weights = load_file(str(Path(target_dir) / "model.safetensors"))
-    embed = weights["model.embed_tokens.weight"].float()
-    head.load_target(embed, weights.get("lm_head.weight", embed).float())
+    head.load_target(embed, lm_head)
     with torch.no_grad():  # the stream starts as the input feature; the layer learns the step to the next
         head.fc.weight.zero_()
         head.fc.weight[:, cfg.hidden_size:].copy_(torch.eye(cfg.hidden_size))

@@ -162,15 +162,18 @@ def target_of(path: str | Path) -> str:
     return str(json.loads((Path(path) / CONFIG).read_text())["target"])
 
 
-def load_for_target(path: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
-    """A saved head over the target in `target_dir` (its config.json and model.safetensors: only the
-    embedding and the LM head are read)."""
-    target_dir = Path(target_dir)
-    cfg = ModelConfig.from_dict(json.loads((target_dir / "config.json").read_text()))
-    with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+def target_parts(target_dir: str | Path) -> tuple[ModelConfig, torch.Tensor, torch.Tensor]:
+    """The target's config, embedding [V, H] and LM head [V, H] (float32; the embedding where the head is
+    tied), read from its config.json and model.safetensors (only those two tensors)."""
+    with safe_open(str(Path(target_dir) / "model.safetensors"), "pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight").float()
         lm_head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in f.keys() else embed
-    return load_head(Path(path), cfg, embed, lm_head, dtype)
+    return ModelConfig.from_dir(target_dir), embed, lm_head
+
+
+def load_for_target(path: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
+    """A saved head over the target in `target_dir` (`target_parts`)."""
+    return load_head(Path(path), *target_parts(target_dir), dtype)
 
 
 def load_head(path: Path, target: ModelConfig, embed: torch.Tensor, lm_head: torch.Tensor,
