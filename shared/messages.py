@@ -61,6 +61,8 @@ class HealthReply(Struct, tag=True):
     uptime_s: float  # seconds since the service started
     fingerprint: str = ""  # what sets its pass latency (service_base.latency_fingerprint); profiles are keyed by it
     reads_features: bool = False  # a draft that drafts from the target's features (Forward.features feeds it)
+    max_depth: int = 0  # a draft: the deepest tree it accepts (its --max-depth); 0 for a target
+    max_width: int = 0  # a draft: the widest beam it accepts (its --max-width)
 
 
 class Stats(Struct, tag=True):

@@ -120,11 +120,12 @@ class ServiceHost:
     def __init__(self, name: str, model: str, device: str, dtype: str, handlers: dict[type, Callable],
                  stats: Callable[[], Message], status: Callable[[], str] = lambda: "ok",
                  call_tokens: Callable[[Message], int | None] = lambda _body: None, fingerprint: str = "",
-                 reads_features: bool = False):
+                 reads_features: bool = False, tree_caps: tuple[int, int] = (0, 0)):
         """call_tokens: a call's size in tokens, from its message alone; None: never inline. fingerprint:
-        `latency_fingerprint`, reported by Health. reads_features: a draft that reads the target's features."""
+        `latency_fingerprint`, reported by Health. reads_features: a draft that reads the target's features.
+        tree_caps: a draft's deepest and widest tree (--max-depth, --max-width), reported by Health."""
         self.name, self.model, self.device, self.dtype = name, model, device, dtype
-        self.fingerprint, self.reads_features = fingerprint, reads_features
+        self.fingerprint, self.reads_features, self.tree_caps = fingerprint, reads_features, tree_caps
         self.stats, self.status, self.call_tokens = stats, status, call_tokens
         self.metrics = ServiceMetrics(name, stats)  # served only with --metrics-port
         self.handlers = {kind: self.metrics.timed(h, kind.__name__) for kind, h in handlers.items()}
@@ -144,7 +145,7 @@ class ServiceHost:
         if isinstance(body, Health):
             return HealthReply(self.name, self.status(), self.model, self.device, self.dtype,
                                round(time.monotonic() - self.started, 3), self.fingerprint,
-                               self.reads_features), None
+                               self.reads_features, *self.tree_caps), None
         if isinstance(body, Stats):
             return self.stats(), None
         handler = self.handlers.get(type(body))
