@@ -122,7 +122,7 @@ def stack(device: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from tests.gateway_procs import Up, gateway
+    from tests.support.procs import Up, gateway
 
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))
     lines = (ROOT / "bench" / "workloads" / "short.jsonl").read_text().splitlines()[:8]

@@ -427,7 +427,7 @@ def _texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
 
 def stack(plan: Plan, work: Path) -> dict:
     from bench.sweep import bench_point
-    from tests.gateway_procs import Up, gateway
+    from tests.support.procs import Up, gateway
 
     profile = work / "profile.json"
     first, *others = plan.policies
@@ -509,7 +509,7 @@ def sim(plan: Plan, work: Path, real: dict | None) -> dict:
     from bench.sim_fit_latency import fit, grid, measure
     from bench.sweep import bench_point
     from specserve.shared.simulate.preset import load_preset
-    from tests.gateway_procs import Up
+    from tests.support.procs import Up
 
     dry = plan.device == "cpu"
     fitted: dict[str, Any] = {}

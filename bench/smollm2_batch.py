@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specserve.shared.model_store import resolve
-    from tests.gateway_procs import Up, gateway
+    from tests.support.procs import Up, gateway
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateway share it

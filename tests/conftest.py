@@ -66,7 +66,7 @@ def suite_profile(tmp_path_factory) -> Path:
 def up(suite_profile):
     """`specserve up` for a test module, on the suite's profile; B is pinned to 24 so the tests do not
     depend on this machine's timing. (test_gateway.py has its own.)"""
-    from tests.gateway_procs import Up
+    from tests.support.procs import Up
 
     server = Up("--profile", str(suite_profile), "--", "--budget", "24")
     yield server

@@ -44,7 +44,7 @@ from specserve.shared.rpc import RpcClient, RpcServer
 from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient
 from specserve.shared.settings import SettingsError
 from specserve.shared.transport import MAGIC, PREFIX, frame_bytes, read_frame
-from tests.service_procs import Req, drive
+from tests.support.drive import Req, drive
 
 FRAME_TIMEOUT_S = 1.0
 HANDSHAKE_TIMEOUT_S = 2.0

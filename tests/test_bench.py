@@ -46,7 +46,7 @@ from specserve.bench.workload import (
 )
 from specserve.gateway.perf.profile import Profile
 from specserve.gateway.sched.policy import DEFAULT_POLICY
-from tests.gateway_procs import Up, gateway
+from tests.support.procs import Up, gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [json.loads(line) for line in (ROOT / "bench/workloads/short.jsonl").read_text().splitlines()]

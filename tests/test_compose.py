@@ -3,7 +3,7 @@
 - `docker-compose config` (or `docker compose config`) accepts compose.yaml and the GPU override,
   and refuses a broken copy (so the check can fail);
 - the `secret`, `draft`, two `target` replicas and `gateway` services run with their exact
-  commands and environment (tests/compose_stack.py says what differs from a container and why);
+  commands and environment (tests/support/compose.py says what differs from a container and why);
   the gateway finds the target replicas by resolving the name `target` (`--discover-targets`,
   here through its hosts file, in containers through compose's DNS):
   - a replica that appears in the name's addresses joins, and requests are spread over both;
@@ -30,7 +30,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.compose_stack import COMPOSE, ROOT, ComposeStack, known_variables
+from tests.support.compose import COMPOSE, ROOT, ComposeStack, known_variables
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
 

@@ -216,7 +216,7 @@ def gateway_successes(url: str) -> float:
 @pytest.fixture(scope="module")
 def drafting_up(suite_profile):
     """`specserve up` as conftest's `up` starts it, with a policy that always drafts."""
-    from tests.gateway_procs import Up
+    from tests.support.procs import Up
 
     server = Up("--policy", "chain:4", "--profile", str(suite_profile), "--", "--budget", "24")
     yield server

@@ -29,7 +29,7 @@ from specserve.shared.runner import ModelRunner
 from specserve.shared.service_base import BadCall
 from specserve.target.config import TargetConfig
 from specserve.target.engine import TargetEngine
-from tests.gateway_procs import Up
+from tests.support.procs import Up
 from tests.test_gateway import PROMPTS, every_policy_is_lossless, greedy_results
 
 TARGET = MODELS / "target"

@@ -31,7 +31,7 @@ import pytest
 from specserve.gateway.frontend import wire
 from specserve.launch import free_port
 from specserve.shared.messages import SamplingSpec
-from tests.gateway_procs import Up, health, wait_health
+from tests.support.procs import Up, health, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS
 from tests.test_replicas import run_all
 

@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.shared.service_client import DraftClient, TargetClient
-from tests.gateway_procs import Up, gateway, service_pid
+from tests.support.procs import Up, gateway, service_pid
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "models" / "target"

@@ -37,7 +37,7 @@ import pytest
 
 from specserve.shared.messages import SamplingSpec
 from specserve.shared.service_client import DraftClient, PrefillItem, TargetClient
-from tests.gateway_procs import await_health, gateway, health, kill, service_pid, wait_health
+from tests.support.procs import await_health, gateway, health, kill, service_pid, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 
 

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.compose_stack import ROOT, known_variables
+from tests.support.compose import ROOT, known_variables
 
 KUSTOMIZE = ROOT / "deploy/kubernetes"
 K8S_VERSION = "1.32.0"  # the schema version checked against (kubernetes-validate ships it)

@@ -20,7 +20,7 @@ import torch
 from specserve.draft.config import DraftConfig
 from specserve.draft.ngram import NgramDraftEngine, ngram_tree
 from specserve.shared.messages import Speculate, SpeculateEntry
-from tests.gateway_procs import Up
+from tests.support.procs import Up
 from tests.test_gateway import PROMPTS, every_policy_is_lossless, greedy_results
 
 

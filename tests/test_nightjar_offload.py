@@ -16,7 +16,7 @@ import math
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.gateway_procs import gateway
+from tests.support.procs import gateway
 from tests.test_gateway import PROMPTS, TARGET, aclient, service_stats, wait_all_free
 
 TREE_TOKENS = 64  # the gateway reserves prompt + max_tokens + 64 tree tokens per request

@@ -33,7 +33,7 @@ from specserve.gateway.backends.pool import DraftService, ServicePool, TargetRep
 from specserve.gateway.perf.cost import PassCost
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_client import PrefillItem, SpeculateItem, TargetClient
-from tests.gateway_procs import Up, await_health, health, kill, service_pid, wait_health
+from tests.support.procs import Up, await_health, health, kill, service_pid, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
 

@@ -28,7 +28,7 @@ from specserve.shared.rpc import RpcClient
 from specserve.shared.runner import ModelRunner
 from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
 from specserve.shared.transport import MAGIC, PREFIX, frame_bytes, read_frame
-from tests.service_procs import Req, drive
+from tests.support.drive import Req, drive
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 MAX_NEW = 40

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from specserve.shared.simulate.preset import load_preset
 from specserve.shared.simulate.text import load_corpus
-from tests.gateway_procs import Up
+from tests.support.procs import Up
 from tests.test_gateway import (  # noqa: F401  (collected here, against the simulated `up`)
     MAX_TOKENS,
     PROMPTS,

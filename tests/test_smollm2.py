@@ -37,7 +37,7 @@ from specserve.shared import model_store
 from specserve.shared.batch import Chunk
 from specserve.shared.generate import generate
 from specserve.shared.runner import ModelRunner
-from tests.gateway_procs import Up
+from tests.support.procs import Up
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"

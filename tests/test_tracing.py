@@ -42,7 +42,7 @@ from specserve.shared import tracing
 from specserve.shared.messages import Health, HealthReply, Message
 from specserve.shared.rpc import RpcClient, RpcServer
 from specserve.shared.transport import PREFIX, TensorMeta, encode_frame, read_frame
-from tests.gateway_procs import Up
+from tests.support.procs import Up
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "bench/results/sweep-full/profile.json"  # a measured profile: no profiling at start

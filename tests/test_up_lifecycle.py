@@ -31,7 +31,7 @@ from specserve.launch import free_port
 from specserve.shared.lifeline import DEATH_SIGNAL_VAR, PARENT_PID_VAR, child_environment, follow_parent
 from specserve.shared.ports import PortInUse, check_port_free
 from specserve.shared.rpc import RpcServer
-from tests.gateway_procs import Up, service_pid
+from tests.support.procs import Up, service_pid
 
 SECRET_VARS = ("SPECSERVE_SECRET", "SPECSERVE_SECRET_FILE")
 PROFILE = Path(__file__).resolve().parent.parent / "bench/results/sweep-full/profile.json"  # no profiling at start

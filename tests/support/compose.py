@@ -38,7 +38,7 @@ import yaml
 
 from specserve.shared.lifeline import child_environment
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 DROPPED = ("OTEL_EXPORTER_OTLP_ENDPOINT",)  # the jaeger service is not run here

@@ -1,0 +1,1 @@
+"""The test suite's support kit: what test modules share, by job."""
