@@ -6,7 +6,12 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BUNDLED_TARGET = Path(__file__).resolve().parent.parent / "models" / "target"
 
@@ -53,7 +58,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenizer(model_dir: Path):
+def _tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         return None
     from transformers import AutoTokenizer
@@ -163,11 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _service(module: str):
+def _service(module: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        return importlib.import_module(module).main(args)
+        code: int = importlib.import_module(module).main(args)  # the service module's main(args) -> int
+        return code
 
     return run
 
@@ -178,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code: int = args.func(args)  # the subcommand's cmd_*/main(args) -> int (set_defaults above)
+        return code
     except SettingsError as exc:  # a bad SPECSERVE_* variable of this subcommand (read only by it), no secret
         print(f"error: {exc}", file=sys.stderr)
         return 2

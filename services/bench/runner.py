@@ -148,7 +148,8 @@ def _record(req: BenchRequest, classes: dict, scheduled: float) -> RequestRecord
                          scheduled_s=scheduled, sent_s=scheduled, max_tokens=req.max_tokens)
 
 
-async def _drive(session, url, model, cfg: BenchConfig, requests, records, times) -> tuple[dict, float]:
+async def _drive(session: aiohttp.ClientSession, url: str, model: str, cfg: BenchConfig, requests: list[BenchRequest],
+                 records: list[RequestRecord], times: list[float]) -> tuple[dict, float]:
     from tqdm import tqdm
 
     endpoint = f"{url}/v1/completions"
@@ -186,7 +187,7 @@ async def _drive(session, url, model, cfg: BenchConfig, requests, records, times
 def format_summary(s: dict) -> str:
     """The summary as a small plain-text report (overall, then per category, then the iteration split)."""
 
-    def f(v, spec=".1f", scale=1.0):
+    def f(v: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
         return "-" if v is None else format(v * scale, spec)
 
     policy = s.get("policy")

@@ -97,6 +97,12 @@ class EagleDrafter:
         h = self.head
         return torch.empty(0, h.kv_heads, h.head_dim, dtype=self.dtype, device=self.device)
 
+    def _last(self, rid: str) -> torch.Tensor:
+        """The newest entry's predicted feature (its tree's root; speculate's requests have run it)."""
+        last = self.requests[rid].last
+        assert last is not None, f"{rid!r}: the newest entry has not run"
+        return last
+
     @torch.inference_mode()
     def speculate(self, requests: list[tuple[str, int, int, int]]) -> tuple[dict[str, BeamTree], int]:
         """(rid, root token, depth >= 1, width >= 1) per request whose newest entry has run -> the trees
@@ -106,8 +112,8 @@ class EagleDrafter:
         trees = {rid: BeamTree([root], [-1], [0.0], [0]) for rid, root, _, _ in requests}
         if not requests:
             return trees, 0
-        pending = {rid: _Pending(path={0: []}, predicted={0: self.requests[rid].last}) for rid, *_ in requests}
-        root_logp = torch.log_softmax(h.logits(torch.stack([self.requests[rid].last for rid, *_ in requests])), -1)
+        pending = {rid: _Pending(path={0: []}, predicted={0: self._last(rid)}) for rid, *_ in requests}
+        root_logp = torch.log_softmax(h.logits(torch.stack([self._last(rid) for rid, *_ in requests])), -1)
         for (rid, _, _, width), lp in zip(requests, root_logp):
             _select(trees[rid], torch.zeros(1), lp[None], width)
         passes = 0

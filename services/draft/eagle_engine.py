@@ -41,7 +41,6 @@ class EagleDraftEngine(DraftEngine):
             head.to_cpu_kernels()  # q8_0 linears through the compiled operators, where they run (CPU)
         self.drafter = EagleDrafter(head)
         self.hidden = head.hidden_size
-        self.model = None
         self.vocab_size = head.embed.num_embeddings
         self.runner = NoKV(config.kv_blocks)  # type: ignore[assignment]
         self.features: dict[str, FeatureLog] = {}
@@ -110,9 +109,11 @@ class EagleDraftEngine(DraftEngine):
         self.drafter.release(rid)
         return super().release(rid)
 
-    def offload(self, _msg: Offload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def offload(self, _msg: Offload | None = None,
+                _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         """Nothing moves: the head is small and stays where it is."""
         return self._transition(0.0, 0, 0), None
 
-    def reload(self, _msg: Reload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def reload(self, _msg: Reload | None = None,
+               _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         return self._transition(0.0, 0, 0), None

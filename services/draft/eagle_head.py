@@ -37,6 +37,9 @@ class QuantLinear(nn.Module):
     """A bias-free linear over a weight as the compiled CPU operators store it (q8_0): at one token a
     draft step reads its weights once, so a quarter of float32's bytes is most of its time."""
 
+    data: torch.Tensor  # buffers (register_buffer below)
+    scales: torch.Tensor
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         from specserve.shared.quant import quantize
@@ -57,6 +60,8 @@ LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 class EagleHead(nn.Module):
+    vocab: torch.Tensor  # a buffer (register_buffer below): the draft vocabulary's target token ids
+
     def __init__(self, target: ModelConfig, intermediate_size: int, vocab: torch.Tensor):
         super().__init__()
         h, self.heads, self.kv_heads, self.head_dim = (target.hidden_size, target.num_heads, target.num_kv_heads,
@@ -83,7 +88,8 @@ class EagleHead(nn.Module):
     # ---- the pieces of one pass: inputs, q/k/v, the rest of the layer, logits ---------------------
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """features [..., H] and tokens [...] -> the layer's input stream [..., H]."""
-        return self.fc(torch.cat((self.embed(tokens).to(features.dtype), features), dim=-1))
+        x: torch.Tensor = self.fc(torch.cat((self.embed(tokens).to(features.dtype), features), dim=-1))
+        return x
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H], positions [N] -> q [N, heads, d], k and v [N, kv_heads, d], RoPE applied."""
@@ -97,9 +103,11 @@ class EagleHead(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention ([N, heads * d]) and the MLP: the predicted feature."""
-        h = x + self.o_proj(attn)
+        projected: torch.Tensor = self.o_proj(attn)
+        h = x + projected
         m = self.mlp_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        mlp: torch.Tensor = self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        return h + mlp
 
     def to_cpu_kernels(self) -> bool:
         """Run every linear, the head's rows included, as q8_0 through the compiled CPU operators (float32
@@ -114,7 +122,8 @@ class EagleHead(nn.Module):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Predicted features [..., H] -> float32 logits over the draft vocabulary [..., V']."""
-        return self.head(predicted).float()
+        logits: torch.Tensor = self.head(predicted)
+        return logits.float()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [N, heads, d] over keys k, v [M, kv_heads, d]; mask [N, M] bool (True: may attend) or None."""

@@ -54,6 +54,7 @@ class _Request:
 
 class DraftEngine:
     reads_features = False  # the calls carry the target's features (the EAGLE draft)
+    model: CausalLM | LeanModel | None  # the token model (the n-gram, EAGLE and simulated drafts have none)
 
     def __init__(self, config: DraftConfig):
         self._init_state(config)
@@ -67,7 +68,8 @@ class DraftEngine:
         call this instead of __init__): no requests, no pool, nothing offloaded, no calls."""
         self.config = config
         self.device = parse_device(config.device)
-        self.runner: ModelRunner | None = None
+        self.model = None
+        self.runner: ModelRunner | None = None  # None while offloaded
         self.static_step: StaticBeamStep | None = None
         self.requests: dict[str, _Request] = {}
         self._host_weights: dict[str, torch.Tensor] | None = None
@@ -76,9 +78,20 @@ class DraftEngine:
 
     def _new_pool(self) -> None:
         """A fresh KV pool (and, on CUDA, fresh graphs: captured graphs point at the old pool)."""
-        self.runner = ModelRunner(self.model, self.config.kv_blocks, self.config.block_size)
+        self.runner = ModelRunner(self._token_model(), self.config.kv_blocks, self.config.block_size)
         use_graphs = self.device.type == "cuda" and self.config.cuda_graphs
         self.static_step = StaticBeamStep(self.runner, use_graphs=True) if use_graphs else None
+
+    def _token_model(self) -> CausalLM | LeanModel:
+        """The token model; the drafts without one override each method that calls this (_new_pool,
+        offload, reload)."""
+        assert self.model is not None, f"{type(self).__name__} has no token model"
+        return self.model
+
+    def _pool(self) -> ModelRunner:
+        """The KV pool's runner (its callers run only while the pool is loaded, not offloaded)."""
+        assert self.runner is not None, "the draft is offloaded"
+        return self.runner
 
     # ---- speculate ---------------------------------------------------------------------------
     def speculate(self, msg: Speculate, tensors: dict[str, torch.Tensor]) -> tuple[SpeculateReply, dict]:
@@ -163,7 +176,7 @@ class DraftEngine:
 
     def _beam_search(self, beams: list[BeamRequest]) -> tuple[dict[str, BeamTree], int]:
         """The beam speculation of one call (the simulated draft replaces it: services/draft/simulated.py)."""
-        return beam_search(self.runner, beams, self.static_step)
+        return beam_search(self._pool(), beams, self.static_step)
 
     def _validate(self, entries: list[SpeculateEntry], new_tokens: list[list[int]]) -> list[ErrorInfo | None]:
         errors: list[ErrorInfo | None] = []
@@ -229,7 +242,7 @@ class DraftEngine:
             req.last_step = snap[1]
             if req.synced > len(req.tokens):
                 req.synced = len(req.tokens)
-                self.runner.truncate(rid, req.synced)
+                self._pool().truncate(rid, req.synced)
 
     def _fit_to_pool(self, entries: list[SpeculateEntry], depths: dict[str, int],
                      failed: dict[str, ErrorInfo]) -> set[str]:
@@ -239,7 +252,7 @@ class DraftEngine:
         whose catch-up does not fit either stays behind (its tokens are kept; it catches up later).
         A request whose check raises goes into `failed` and takes no blocks.
         """
-        blocks = self.runner.blocks
+        blocks = self._pool().blocks
         free = blocks.num_free_blocks
         skip = set()
         for entry in entries:
@@ -265,7 +278,7 @@ class DraftEngine:
         """Append each request's unsynced tokens in chunks; return the root logits of those with d > 0.
 
         A request whose own preparation raises goes into `failed` and is left out of the passes."""
-        runner, cfg = self.runner, self.config
+        runner, cfg = self._pool(), self.config
         todo = {}
         for entry in entries:
             if entry.rid in skip:
@@ -324,7 +337,8 @@ class DraftEngine:
                           request_ids=sorted(self.requests))
 
     # ---- offload, reload ---------------------------------------------------------------------
-    def offload(self, _msg: Offload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def offload(self, _msg: Offload | None = None,
+                _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         """Weights to host memory, KV pool freed. Speculation is off until reload."""
         if self.runner is None:
             return self._transition(0.0, 0, 0), None
@@ -332,7 +346,7 @@ class DraftEngine:
         kv_bytes = self.runner.kv.data.nbytes
         pin = self.device.type == "cuda"
         host = {}
-        for name, param in _weights(self.model):
+        for name, param in _weights(self._token_model()):
             copy = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
             copy.copy_(param.detach())
             host[name] = copy
@@ -347,19 +361,21 @@ class DraftEngine:
         self.last_offload_s = time.perf_counter() - t0
         return self._transition(self.last_offload_s, _nbytes(host), kv_bytes), None
 
-    def reload(self, _msg: Reload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def reload(self, _msg: Reload | None = None,
+               _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         """Weights back on the device and a fresh, empty KV pool; requests catch up on their next call."""
         if self.runner is not None:
             return self._transition(0.0, 0, 0), None
         t0 = time.perf_counter()
-        host = self._host_weights
-        for name, param in _weights(self.model):
+        host, model = self._host_weights, self._token_model()
+        assert host is not None  # offload kept the weights here
+        for name, param in _weights(model):
             param.data = host[name].to(self.device, non_blocking=True)
         self._host_weights = None
         self._new_pool()
         _sync(self.device)
         self.last_reload_s = time.perf_counter() - t0
-        kv_bytes = KVCache.bytes_per_block(self.model.config, self.config.block_size, self.runner.dtype)
+        kv_bytes = KVCache.bytes_per_block(model.config, self.config.block_size, self._pool().dtype)
         return self._transition(self.last_reload_s, _nbytes(host), kv_bytes * self.config.kv_blocks), None
 
     def _transition(self, seconds: float, weight_bytes: int, kv_bytes: int) -> TransitionReply:

@@ -96,7 +96,6 @@ class NoKV:
 class NgramDraftEngine(DraftEngine):
     def __init__(self, config: DraftConfig):
         self._init_state(config)  # DraftEngine.__init__ would load a model
-        self.model = None
         self.vocab_size = ANY_TOKEN
         self.runner = NoKV(config.kv_blocks)  # type: ignore[assignment]
 
@@ -112,9 +111,11 @@ class NgramDraftEngine(DraftEngine):
     def _beam_search(self, beams: list[BeamRequest]) -> tuple[dict[str, BeamTree], int]:
         return {r.rid: ngram_tree(self.requests[r.rid].tokens, r.depth, r.width) for r in beams}, 0
 
-    def offload(self, _msg: Offload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def offload(self, _msg: Offload | None = None,
+                _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         """Nothing to move: the drafting stays on (the gateway's offload policy gains nothing here)."""
         return self._transition(0.0, 0, 0), None
 
-    def reload(self, _msg: Reload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def reload(self, _msg: Reload | None = None,
+               _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         return self._transition(0.0, 0, 0), None

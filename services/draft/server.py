@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from specserve.draft.config import DraftConfig
 from specserve.shared.loader import dtype_name
@@ -24,6 +26,7 @@ def build_host(config: DraftConfig) -> ServiceHost:
     from specserve.draft.engine import DraftEngine
     from specserve.draft.ngram import NGRAM, NgramDraftEngine
 
+    engine: DraftEngine
     if config.simulate is not None:  # the model pass replaced by the preset's models (no weights)
         from specserve.draft.simulated import simulated_engine
 
@@ -34,7 +37,7 @@ def build_host(config: DraftConfig) -> ServiceHost:
         engine = exit_on_load_error(lambda: EagleDraftEngine(config))
     else:
         engine = exit_on_load_error(lambda: DraftEngine(config))
-    handlers = {
+    handlers: dict[type, Callable[..., Any]] = {
         Speculate: engine.speculate,
         Release: release_handler(engine.release, engine.free_blocks),
         Offload: engine.offload,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import random
 
+import torch
+
 from specserve.draft.beam import BeamRequest, BeamTree
 from specserve.draft.config import DraftConfig
 from specserve.draft.engine import DraftEngine
@@ -25,7 +27,6 @@ class SimulatedDraftEngine(DraftEngine):
     def __init__(self, config: DraftConfig, preset: Preset, vocab_size: int, truth: TruthText):
         self._init_state(config)  # DraftEngine.__init__ would load a model
         self.preset, self.truth = preset, truth
-        self.model = None
         self.vocab_size = vocab_size
         self._new_pool()
 
@@ -54,7 +55,7 @@ class SimulatedDraftEngine(DraftEngine):
             level = depths(parents)
             layers[r.rid] = [[i for i in range(len(tokens)) if level[i] == k] for k in range(r.depth + 1)]
         forwards = 0
-        runner = self.runner
+        runner = self._pool()
         try:
             for step in range(2, max((r.depth for r in beams), default=0) + 1):
                 entries = []
@@ -74,7 +75,8 @@ class SimulatedDraftEngine(DraftEngine):
                     runner.discard_tree(r.rid)
         return trees, forwards
 
-    def offload(self, _msg: Offload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def offload(self, _msg: Offload | None = None,
+                _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         """No weights to move: the KV pool goes, the histories stay (requests catch up after reload)."""
         if self.runner is not None:
             self.runner = None
@@ -82,7 +84,8 @@ class SimulatedDraftEngine(DraftEngine):
                 req.synced = 0
         return self._transition(0.0, 0, 0), None
 
-    def reload(self, _msg: Reload | None = None, _tensors=None) -> tuple[TransitionReply, None]:
+    def reload(self, _msg: Reload | None = None,
+               _tensors: dict[str, torch.Tensor] | None = None) -> tuple[TransitionReply, None]:
         if self.runner is None:
             self._new_pool()
         return self._transition(0.0, 0, 0), None

@@ -76,14 +76,16 @@ class StaticBeamStep:
         key = (n_b, w, blocks_b)
         static = self.statics.get(key)
         fresh = static is None
-        if fresh:
+        if static is None:
             static = self.statics[key] = self._allocate(n_b, w, blocks_b, inputs)
         self._fill(static, inputs, n * w)
         if not self.use_graphs:
-            out = model(static.input_ids, static.positions, kv, static.meta(n_b, w), static.logits_indices)
+            out: torch.Tensor = model(static.input_ids, static.positions, kv, static.meta(n_b, w),
+                                      static.logits_indices)
             return out[: n * w]
         if fresh:
             self._capture(static, model, kv, n_b, w)
+        assert static.graph is not None and static.output is not None  # _capture set both on the first call
         static.graph.replay()
         return static.output[: n * w].clone()
 
@@ -91,14 +93,14 @@ class StaticBeamStep:
         device = inputs.input_ids.device
         rows = n_b * w
         kv_len = blocks_b * self.runner.blocks.block_size
-        longs = dict(dtype=torch.int64, device=device)
+        i64 = torch.int64
         return _Static(
-            input_ids=torch.zeros(rows, **longs),
-            positions=torch.zeros(rows, **longs),
-            slot_mapping=torch.full((rows,), self.pad_slot, **longs),
-            block_table=torch.full((n_b, blocks_b), self.pad_block, **longs),
-            query_dest=torch.arange(rows, **longs),
-            logits_indices=torch.arange(rows, **longs),
+            input_ids=torch.zeros(rows, dtype=i64, device=device),
+            positions=torch.zeros(rows, dtype=i64, device=device),
+            slot_mapping=torch.full((rows,), self.pad_slot, dtype=i64, device=device),
+            block_table=torch.full((n_b, blocks_b), self.pad_block, dtype=i64, device=device),
+            query_dest=torch.arange(rows, dtype=i64, device=device),
+            logits_indices=torch.arange(rows, dtype=i64, device=device),
             masks={window: torch.zeros(n_b, 1, w, kv_len, dtype=torch.bool, device=device)
                    for window in inputs.attention.groups[0].masks},
         )

@@ -86,21 +86,21 @@ class TargetEngine:
         seen: set[str] = set()
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         entries: list[tuple[int, Chunk | Tree]] = []
-        all_entries = list(msg.prefill) + list(msg.verify)
-        for i, (entry, toks) in enumerate(zip(msg.prefill, chunks)):
-            error = self._isolated(entry.rid, "check", self._check_prefill, entry, toks, seen)
+        all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
+        for i, (prefill, toks) in enumerate(zip(msg.prefill, chunks)):
+            error = self._isolated(prefill.rid, "check", self._check_prefill, prefill, toks, seen)
             if error:
                 errors[i] = error
             else:
-                last = [len(toks) - 1] if entry.last else []
-                entries.append((i, Chunk(entry.rid, toks, logits_at=last)))
+                last = [len(toks) - 1] if prefill.last else []
+                entries.append((i, Chunk(prefill.rid, toks, logits_at=last)))
         base = len(msg.prefill)
-        for j, (entry, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
-            error = self._isolated(entry.rid, "check", self._check_verify, entry, toks, parents, seen)
+        for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
+            error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
             if error:
                 errors[base + j] = error
             else:
-                entries.append((base + j, Tree(entry.rid, toks, parents)))
+                entries.append((base + j, Tree(verify.rid, toks, parents)))
         entries = self._fit_to_pool(entries, errors)
 
         t0 = time.perf_counter()
@@ -123,16 +123,16 @@ class TargetEngine:
         accept_ms = ms_since(t0)
 
         results, out, feats = [], [], []
-        for index, entry in enumerate(all_entries):
+        for index, message in enumerate(all_entries):
             if index in errors:
-                results.append(StepResult(entry.rid, entry.step, 0, 0, errors[index]))
+                results.append(StepResult(message.rid, message.step, 0, 0, errors[index]))
                 continue
             tokens, accepted = emitted[index]
             out += tokens
             rows = kept.get(index)
             if rows is not None:
                 feats.append(rows)
-            results.append(StepResult(entry.rid, entry.step, len(tokens), accepted,
+            results.append(StepResult(message.rid, message.step, len(tokens), accepted,
                                       num_features=0 if rows is None else len(rows)))
         self.entry_errors += len(errors)
         reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks)
@@ -246,8 +246,10 @@ class TargetEngine:
         rid = entry.request_id
         req = self.requests.get(rid)
         if isinstance(entry, Chunk):
+            assert isinstance(message, PrefillEntry)  # a chunk is a prefill entry's
             if req is None:
                 spec = message.sampling
+                assert spec is not None  # _check_prefill refused a first chunk without sampling parameters
                 params = SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
                 req = self.requests[rid] = _Request(params, params.make_generator())
             req.prefilled += len(entry.tokens)
@@ -261,6 +263,7 @@ class TargetEngine:
                                                      req.generator).tokens[0]
             req.committed, req.last_token = req.prefilled + 1, token
             return ([token], 0), None
+        assert req is not None  # _check_verify refused a tree of an unknown request
         acceptance = (self.accept or accept_tree)(entry.tokens, entry.parents, logits, req.params, req.generator)
         self.runner.commit_tree(rid, acceptance.path)
         req.committed += len(acceptance.tokens)

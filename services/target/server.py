@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from specserve.shared.loader import dtype_name
 from specserve.shared.messages import Forward, Message, Release
@@ -27,7 +29,10 @@ def build_host(config: TargetConfig) -> ServiceHost:
         engine = exit_on_load_error(lambda: simulated_engine(config))
     else:
         engine = exit_on_load_error(lambda: TargetEngine(config))
-    handlers = {Forward: engine.forward, Release: release_handler(engine.release, engine.free_blocks)}
+    handlers: dict[type, Callable[..., Any]] = {
+        Forward: engine.forward,
+        Release: release_handler(engine.release, engine.free_blocks),
+    }
     dtype = dtype_name(config.dtype, engine.device)
     return ServiceHost("target", config.model, str(engine.device), dtype, handlers, engine.stats,
                        call_tokens=call_tokens, fingerprint=latency_fingerprint(config, str(engine.device), dtype))
