@@ -28,6 +28,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 echo "[specserve] ruff check"
 "$VENV/bin/ruff" check .
-echo "[specserve] mypy (the gateway and shared/)"
-"$VENV/bin/mypy" -p specserve.gateway -p specserve.shared
+echo "[specserve] mypy (the whole package: services/ and shared/)"
+"$VENV/bin/mypy" -p specserve
 exec "$VENV/bin/python" -m pytest "${tier[@]}" "$@"

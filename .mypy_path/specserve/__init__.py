@@ -1,0 +1,1 @@
+../../services/__init__.py
