@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.launch import ServiceProcess
 from specserve.shared.service_client import DraftClient, TargetClient
+from tests.support import poll
 from tests.support.procs import gateway
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 
@@ -168,12 +169,9 @@ def test_preempted_requests_resume_exactly_and_free_every_block(reference):
 async def _stats(kind: str, address: str):
     client = await (TargetClient if kind == "target" else DraftClient).connect(address)
     try:
-        for _ in range(100):  # releases are sent at the start of the gateway's next iteration
-            stats = await client.stats()
-            if stats.free_blocks == stats.total_blocks and stats.resident_requests == 0:
-                return stats
-            await asyncio.sleep(0.1)
-        return stats
+        # releases are sent at the start of the gateway's next iteration
+        return await poll.until_async(client.stats, 10, f"the {kind} to hold nothing", interval_s=0.1,
+                                      ok=lambda s: s.free_blocks == s.total_blocks and s.resident_requests == 0)
     finally:
         await client.close()
 

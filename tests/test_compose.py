@@ -22,7 +22,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -30,6 +29,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import poll
 from tests.support.compose import COMPOSE, ROOT, ComposeStack, known_variables
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
@@ -97,10 +97,7 @@ def replicas(url: str) -> dict[str, dict]:
 
 
 def wait_for(predicate, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    poll.until(predicate, timeout_s, what, interval_s=0.2)
 
 
 def service_metrics(host: str, port: int) -> dict[str, float]:
@@ -150,8 +147,9 @@ def test_compose_processes_parity_and_scaling(stack, reference):
         pytest.fail("could not catch requests in flight on the second replica")
     try:
         stack.set_hosts("target", [first.host])
-        interval = 5.0  # the gateway's --discovery-interval-s default (compose does not set it)
-        time.sleep(2 * interval + 1)  # the gateway has looked the name up again (its pass still waits)
+        # the gateway looks the name up again (every --discovery-interval-s, 5 s by default: compose does not
+        # set it) and drains the replica that left it, whose pass still waits
+        wait_for(lambda: replicas(url)[second.host]["state"] == "draining", "the second replica to be draining")
     finally:
         second.signal(signal.SIGCONT)
     assert task.result(timeout=300) == reference  # drained, not lost

@@ -28,7 +28,6 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -40,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.launch import free_port
 from specserve.up import SERVICE_HOST, UpConfig, add_flags
+from tests.support import poll
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy/grafana/dashboards/specserve.json"
@@ -69,17 +69,6 @@ def fill_in(expr: str, window: str) -> str:
         expr = re.sub(r"\$\{" + re.escape(name) + r"(?::\w+)?\}|\$" + re.escape(name) + r"\b", ".*", expr)
     assert "$" not in expr, f"a Grafana variable this test does not fill in: {expr}"
     return expr
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 120) -> bool:
-    """Poll a condition until it holds (True) or the deadline passes (False); the deadline only bounds
-    a hang (a loaded machine is slow, not wrong)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def up_defaults() -> UpConfig:
@@ -230,38 +219,34 @@ def test_every_dashboard_query_has_data_under_up(drafting_up, tmp_path):
     targets = scrape_targets(up)
     prom = Prometheus(targets, tmp_path)
     try:
-        assert wait_until(prom.ready), "prometheus did not become ready"
+        poll.until(prom.ready, 120, "prometheus to become ready", interval_s=0.2)
         every = {(job, a) for job, addresses in targets.items() for a in addresses}
-
-        def all_up() -> bool:
-            return {(r["metric"]["job"], r["metric"]["instance"]) for r in prom.query("up == 1")} == every
-
-        assert wait_until(all_up), f"not every /metrics was scraped and up: {targets}"
+        poll.until(lambda: {(r["metric"]["job"], r["metric"]["instance"]) for r in prom.query("up == 1")}, 120,
+                   f"every /metrics scraped and up: {targets} (up: the last value)", ok=lambda up: up == every,
+                   interval_s=0.2)
         # Before any request every query has a series (rate() needs two scrapes of each: hence a wait).
-        idle: list[str] = []
-
-        def idle_series() -> bool:
-            idle[:] = empty_panels(prom, finite=False)
-            return not idle
-
-        assert wait_until(idle_series, 30), "queries with no series before any request:\n" + "\n".join(idle)
+        poll.until(lambda: empty_panels(prom, finite=False), 30,
+                   "a series for every query before any request (without one: the last value)",
+                   ok=lambda idle: not idle, interval_s=0.2, show=lambda idle: "\n" + "\n".join(idle))
         assert gateway_successes(up.url) == 0  # nothing was sent yet: those series were there from the start
 
         sent = asyncio.run(load(up.url))
         direct = gateway_successes(up.url)
         assert direct == sent
 
-        seen: dict[str, list] = {}
         wanted_calls = {("target", "Forward")} | ({("draft", "Speculate")} if targets["draft"] else set())
 
-        def scraped() -> bool:  # Prometheus has the gateway's final counts, and both services' calls
-            seen["done"] = prom.query('sum(vllm:request_success_total{job="gateway"})')
-            seen["calls"] = prom.query('sum by (service, call) (specserve:service_call_seconds_count)')
+        def counts() -> dict[str, list]:
+            return {"done": prom.query('sum(vllm:request_success_total{job="gateway"})'),
+                    "calls": prom.query('sum by (service, call) (specserve:service_call_seconds_count)')}
+
+        def scraped(seen: dict[str, list]) -> bool:  # Prometheus has the gateway's final counts, and the calls
             called = {(r["metric"]["service"], r["metric"]["call"]) for r in seen["calls"] if float(r["value"][1]) > 0}
             return bool(seen["done"]) and float(seen["done"][0]["value"][1]) == direct and \
                 {("target", "Forward"), ("draft", "Speculate")} & called == wanted_calls
 
-        assert wait_until(scraped), f"prometheus did not scrape the counts after the load: {direct}, {seen}"
+        seen = poll.until(counts, 120, f"prometheus to scrape the counts after the load ({direct} requests)",
+                          ok=scraped, interval_s=0.2)
         empty = empty_panels(prom, finite=True)
         assert not empty, f"dashboard queries with no data after the load ({seen}):\n" + "\n".join(empty)
     finally:

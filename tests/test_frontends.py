@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -31,6 +30,7 @@ import pytest
 from specserve.gateway.frontend import wire
 from specserve.launch import free_port
 from specserve.shared.messages import SamplingSpec
+from tests.support import poll
 from tests.support.procs import Up, health, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS
 from tests.test_replicas import run_all
@@ -222,13 +222,9 @@ def test_a_frontend_of_its_own_over_tcp(up_fe, reference, link_port):
 
 def wait_for_line(lines, text: str, timeout_s: float = 60.0) -> str:
     """The first line of `lines` (a growing sequence, read by another thread) that contains `text`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = next((line for line in list(lines) if text in line), None)
-        if found is not None:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"no line with {text!r} within {timeout_s:g} s: {''.join(list(lines)[-20:])}")
+    return poll.until(lambda: next((line for line in list(lines) if text in line), None), timeout_s,
+                      f"a line with {text!r}", ok=lambda found: found is not None,
+                      show=lambda _: "".join(list(lines)[-20:]))
 
 
 def test_a_frame_over_the_handshake_limit_is_refused_before_its_body(up_fe, link_port):

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +21,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.shared.service_client import DraftClient, TargetClient
-from tests.support.procs import Up, gateway, service_pid
+from tests.support import poll
+from tests.support.procs import Up, gateway, service_pid, wait_health
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "models" / "target"
@@ -92,13 +92,9 @@ async def service_stats(up: Up):
 
 
 def wait_all_free(up: Up, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = asyncio.run(service_stats(up))
-        if all(s.free_blocks == s.total_blocks and s.resident_requests == 0 for s in stats):
-            return
-        assert time.monotonic() < deadline, f"KV not freed: {stats}"
-        time.sleep(0.3)
+    poll.until(lambda: asyncio.run(service_stats(up)), timeout_s, "every KV block freed, no request resident",
+               ok=lambda stats: all(s.free_blocks == s.total_blocks and s.resident_requests == 0 for s in stats),
+               interval_s=0.3)
 
 
 def every_policy_is_lossless(up: Up, reference: list[str]) -> None:
@@ -347,10 +343,7 @@ def test_draft_crash_is_survived_losslessly(up, reference):
         return out
 
     assert asyncio.run(run()) == reference[:3]
-    deadline = time.monotonic() + 90
-    while httpx.get(f"{up.url}/health").json()["draft"] is not True:
-        assert time.monotonic() < deadline, "the draft did not come back"
-        time.sleep(0.5)
+    wait_health(up.url, lambda h: h["draft"] is True, "the draft to come back", timeout_s=90)
     r = client(up.url).completions.create(model="target", prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].text == reference[5]
     assert any(nodes > 1 for _, nodes, _ in r.model_extra["specserve"]["steps"]), "no speculation after restart"

@@ -33,6 +33,7 @@ from specserve.gateway.backends.pool import DraftService, ServicePool, TargetRep
 from specserve.gateway.perf.cost import PassCost
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_client import PrefillItem, SpeculateItem, TargetClient
+from tests.support import poll
 from tests.support.procs import Up, await_health, health, kill, service_pid, wait_health
 from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
 
@@ -70,13 +71,9 @@ def wait_idle(up: Up, timeout_s: float = 30) -> None:
             await c.close()
         return out
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = asyncio.run(stats())
-        if all(x.resident_requests == 0 and x.free_blocks == x.total_blocks for x in s):
-            return
-        assert time.monotonic() < deadline, s
-        time.sleep(0.3)
+    poll.until(lambda: asyncio.run(stats()), timeout_s, "both replicas and the draft idle",
+               ok=lambda s: all(x.resident_requests == 0 and x.free_blocks == x.total_blocks for x in s),
+               interval_s=0.3)
 
 
 def test_greedy_equals_transformers_and_spreads_over_both(up2, reference):

@@ -20,7 +20,6 @@ import asyncio
 import gzip
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from specserve.shared import tracing
 from specserve.shared.messages import Health, HealthReply, Message
 from specserve.shared.rpc import RpcClient, RpcServer
 from specserve.shared.transport import PREFIX, TensorMeta, encode_frame, read_frame
+from tests.support import poll
 from tests.support.procs import Up
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,12 +253,8 @@ def traced_up():
 
 
 def _wait_for(receiver: OtlpReceiver, done, timeout_s: float = 60) -> list[SpanData]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = receiver.spans()
-        if done(spans) or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.2)
+    return poll.until(receiver.spans, timeout_s, "the spans the test looks for", ok=done, interval_s=0.2,
+                      show=lambda spans: f"{len(spans)} spans: {sorted({(s.service, s.name) for s in spans})}")
 
 
 def test_span_tree_of_one_streamed_request_across_three_processes(traced_up):

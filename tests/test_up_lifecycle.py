@@ -31,6 +31,7 @@ from specserve.launch import free_port
 from specserve.shared.lifeline import DEATH_SIGNAL_VAR, PARENT_PID_VAR, child_environment, follow_parent
 from specserve.shared.ports import PortInUse, check_port_free
 from specserve.shared.rpc import RpcServer
+from tests.support import poll
 from tests.support.procs import Up, service_pid
 
 SECRET_VARS = ("SPECSERVE_SECRET", "SPECSERVE_SECRET_FILE")
@@ -93,11 +94,9 @@ def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port(
 
         os.kill(up.proc.pid, signal.SIGKILL)
         up.proc.wait()
-        deadline = time.monotonic() + 15
-        while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        survivors = {name: pid for name, pid in pids.items() if _alive(pid)}
-        assert not survivors, f"still running after up was killed: {survivors}"
+        poll.until(lambda: {name: pid for name, pid in pids.items() if _alive(pid)}, 15,
+                   "up's services to follow it (still running: the last value)", ok=lambda alive: not alive,
+                   interval_s=0.2)
         sockets = [Path(up.draft.removeprefix("unix:")), Path(up.target.removeprefix("unix:"))]
         assert not [p for p in sockets if p.exists()]  # each service removed its own socket as it stopped
         sockets[0].parent.rmdir()  # a killed `up` could not remove its (now empty) directory
@@ -181,10 +180,7 @@ def test_a_child_started_from_a_worker_thread_outlives_the_thread_and_follows_th
         assert _alive(child), "the child died with the thread that started it"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
-        deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(child), "the child outlived its parent"
+        poll.until(lambda: not _alive(child), 10, "the child to follow its parent", interval_s=0.1)
     finally:
         if parent.poll() is None:
             os.kill(parent.pid, signal.SIGKILL)

@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from specserve.shared.lifeline import child_environment
+from tests.support import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -166,13 +166,16 @@ class ComposeStack:
         return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
 
     def wait_healthy(self, proc: Proc, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.healthcheck(proc):
+        """Run the service's healthcheck until it passes; a process that exits first ends the wait."""
+        def healthy() -> bool:
+            if self.healthcheck(proc):
+                return True
             if not proc.alive():
                 raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.log()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.name} is not healthy after {timeout_s:.0f} s:\n{proc.log()[-3000:]}")
-            time.sleep(0.5)
+            return False
+
+        poll.until(healthy, timeout_s, f"{proc.name} to be healthy", interval_s=0.5,
+                   show=lambda _: f"not healthy; its output:\n{proc.log()[-3000:]}")
 
     def wait_done(self, proc: Proc, timeout_s: float = 60) -> None:
         code = proc.popen.wait(timeout_s)

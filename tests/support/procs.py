@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
 import httpx
 
 from specserve.launch import ServiceProcess
+from tests.support import poll
 
 
 class Up:
@@ -105,28 +105,18 @@ def health(url: str) -> dict:
 
 def wait_health(url: str, ok: Callable[[dict], bool], what: str, timeout_s: float = 180) -> dict:
     """Poll /health until `ok(body)`; the deadline only bounds a hang (a loaded machine is slow, not wrong)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        body = health(url)
-        if ok(body):
-            return body
-        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}; /health: {body}"
-        time.sleep(0.05)
+    return poll.until(lambda: health(url), timeout_s, what, ok=ok, show=lambda body: f"/health: {body}")
 
 
 async def await_health(url: str, ok: Callable[[dict], bool], until: asyncio.Future | None = None,
-                       timeout_s: float = 180) -> dict | None:
+                       timeout_s: float = 180, what: str = "a state of /health") -> dict | None:
     """Inside a test's event loop: poll /health until `ok(body)` and return the body, or None if `until`
     finishes first (the load the test waits on ended before the state was seen)."""
-    deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(base_url=url, timeout=30) as h:
-        while until is None or not until.done():
-            body = (await h.get("/health")).json()
-            if ok(body):
-                return body
-            assert time.monotonic() < deadline, f"waited {timeout_s:g} s; /health: {body}"
-            await asyncio.sleep(0.01)
-    return None
+        async def body() -> dict:
+            return (await h.get("/health")).json()
+
+        return await poll.until_async(body, timeout_s, what, ok=ok, unless=until, show=lambda b: f"/health: {b}")
 
 
 def kill(kind: str, address: str) -> int:
@@ -134,10 +124,7 @@ def kill(kind: str, address: str) -> int:
     (the peers have their EOF by then); returns its pid."""
     pid = service_pid(kind, address)
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while not _dead(pid):
-        assert time.monotonic() < deadline, f"{kind} {pid} survived SIGKILL for 60 s"
-        time.sleep(0.01)
+    poll.until(lambda: _dead(pid), 60, f"{kind} {pid} to die of SIGKILL", interval_s=0.01)
     return pid
 
 
