@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway = sub.add_parser("gateway", help="run the gateway (OpenAI API, admission, speculation policy)")
     GatewayConfig.add_all_flags(gateway)
-    gateway.set_defaults(func=_service("specserve.gateway.http.server"))
+    gateway.set_defaults(func=_service("specserve.gateway.main"))
     prof = sub.add_parser("profile", help="measure the target: budget B and baseline iteration latency")
     profiling.add_flags(prof)
     prof.set_defaults(func=profiling.main)

@@ -14,7 +14,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
-from specserve.gateway.engine.core import Engine, EngineLimits
+from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine.loop import Engine
 from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.engine.request import Finished, GenRequest, Tokens
 from specserve.gateway.obs.metrics import GatewayMetrics
@@ -82,13 +83,13 @@ async def serve(policy: Steered, services, prompts, stops, *, sync: bool, overla
     target, draft = services
     pool = ServicePool([TargetReplica(0, target.address, PassCost(16, 10.0))], DraftService(draft.address))
     engine = Engine(policy, Scheduler(policy, RoundRobin(), sync_draft=sync), pool, GatewayMetrics("t"),
-                    EngineLimits(), overlap=overlap, draft_misses=draft_misses)
+                    GatewayConfig(overlap=overlap, overlap_miss="draft" if draft_misses else "root"))
     await engine.start()
     try:
         reqs = [GenRequest(f"r{i}", ids, SamplingSpec(), max_tokens, SloClass("chat", 100.0, 5000.0),
                            frozenset(stops)) for i, (ids, _) in enumerate(prompts)]
         for r in reqs:
-            engine.submit(r)
+            engine.intake.submit(r)
 
         async def collect(r: GenRequest) -> list[int]:
             out: list[int] = []
@@ -97,7 +98,7 @@ async def serve(policy: Steered, services, prompts, stops, *, sync: bool, overla
                 if isinstance(event, Tokens):
                     out += event.tokens
                     if abort is not None and r is reqs[abort]:
-                        engine.abort(r.rid)  # the engine is in its next pass: aborted mid-step
+                        engine.intake.abort(r.rid)  # the engine is in its next pass: aborted mid-step
                         return out
                 elif isinstance(event, Finished):
                     assert event.reason in ("stop", "length"), event
@@ -194,11 +195,11 @@ def test_a_request_larger_than_every_pool_is_named_with_the_pool_size():
     replicas = [TargetReplica(0, "unix:/a", PassCost(16, 10.0)), TargetReplica(1, "unix:/b", PassCost(16, 10.0))]
     policy = Steered()
     engine = Engine(policy, Scheduler(policy, RoundRobin()), ServicePool(replicas, None), GatewayMetrics("t"),
-                    EngineLimits(tree_slack_tokens=64))
-    assert engine.pool_tokens_short(10_000, 10_000) is None  # no pool size known yet
+                    GatewayConfig(tree_slack_tokens=64))
+    assert engine.intake.pool_tokens_short(10_000, 10_000) is None  # no pool size known yet
     replicas[0].total_blocks, replicas[1].total_blocks = 8, 20  # 128 and 320 tokens
-    assert engine.pool_tokens_short(100, 156) is None  # 100 + 156 + 64 = 320 tokens: the larger pool
-    assert engine.pool_tokens_short(100, 157) == 320
+    assert engine.intake.pool_tokens_short(100, 156) is None  # 100 + 156 + 64 = 320 tokens: the larger pool
+    assert engine.intake.pool_tokens_short(100, 157) == 320
 
 
 def test_a_finished_request_meets_its_slo_only_with_both_its_ttft_and_its_tpot_in_time():

@@ -12,14 +12,13 @@ import msgspec
 import pytest
 
 from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
+from specserve.gateway.http.parse import parse_chat, parse_completion
 from specserve.gateway.http.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     Sampling,
     messages_of,
-    parse_chat,
-    parse_completion,
     prompt_of,
     sampling_of,
 )
@@ -188,11 +187,11 @@ def test_slo_rules(field, good, bad):
 
 def test_non_finite_floats_refused_when_constructed_directly():
     # JSON cannot carry NaN/inf (msgspec refuses them above); the check also guards Structs built in code.
-    from specserve.gateway.http import protocol
+    from specserve.gateway.http import parse
 
     for value in (float("nan"), float("inf")):
         with pytest.raises(ApiError) as info:
-            protocol._check_common(CompletionRequest(model="m", prompt="x", top_p=value))
+            parse._check_common(CompletionRequest(model="m", prompt="x", top_p=value))
         assert info.value.param == "top_p"
 
 

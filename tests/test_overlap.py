@@ -1,4 +1,4 @@
-"""Drafting ahead (`--overlap`, gateway/engine/ahead.py): the guess, the re-rooted tree, and the engine with it on
+"""Drafting ahead (`--overlap`, gateway/engine/overlap.py): the guess, the re-rooted tree, and the engine with it on
 against real draft and target services: greedy output equals the target alone, trees drafted ahead are
 used, a request that ends (or is aborted) while its next tree is drafted leaves no KV in either service.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from specserve.gateway.engine.ahead import Guess, assumed_path, next_tree, reroot
+from specserve.gateway.engine.overlap import Guess, assumed_path, next_tree, reroot
 from specserve.gateway.sched.policy.base import CandidateTree
 from tests.test_engine import MAX_TOKENS, Steered, idle, prompts_and_reference, serve, services  # noqa: F401
 

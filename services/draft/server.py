@@ -47,7 +47,7 @@ def build_host(config: DraftConfig) -> ServiceHost:
     return ServiceHost("draft", config.model, str(engine.device), dtype, handlers, engine.stats,
                        status=lambda: "offloaded" if engine.runner is None else "ok", call_tokens=call_tokens,
                        fingerprint=latency_fingerprint(config, str(engine.device), dtype),
-                       reads_features=engine.reads_features)
+                       reads_features=engine.reads_features, tree_caps=(config.max_depth, config.max_width))
 
 
 def call_tokens(body: Message) -> int | None:

@@ -59,6 +59,8 @@ class GatewayConfig(Settings):
                                       "for its context + N output tokens, grown by N as it goes; when its replica is "
                                       "short, lower-priority requests (best effort, then the newest) are preempted and "
                                       "later resumed by recompute")
+    tree_slack_tokens: int = option(64, "KV a request reserves beyond its prompt and output, tokens: room for "
+                                    "the tree nodes verified beside its committed tokens")
     max_waiting: int = option(256, "most requests waiting for admission; more get 503 with Retry-After")
     client_timeout_s: float = option(10.0, "a client must send its request head, and then its body, within this "
                                      "many seconds (408 for a body, the connection closed for a head)")

@@ -38,10 +38,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.plan import DraftView, ReplicaView
 from specserve.shared.service_client import DraftClient, TargetClient
+
+if TYPE_CHECKING:
+    from specserve.gateway.engine.request import GenRequest
 
 log = logging.getLogger("specserve.gateway")
 RECONNECT_INTERVAL_S = 1.0
@@ -97,7 +101,7 @@ class TargetReplica(_Service):
         self.block_size = 16  # tokens per block
         self.free_blocks = 0  # free after its last call (what the service said)
         self.reserved_blocks = 0  # reserved by the requests bound to it
-        self.requests: set[str] = set()  # ids of the requests bound to it
+        self.requests: dict[str, GenRequest] = {}  # the requests bound to it, in admission order (engine/table.py)
         self.retired = False  # its address vanished: no new requests; dropped once drained
 
     @property
@@ -119,7 +123,7 @@ class TargetReplica(_Service):
         self.total_blocks, self.block_size, self.free_blocks = stats.total_blocks, stats.block_size, stats.free_blocks
         # Whatever it holds that no request of ours is bound to (a gateway restarted, a call that timed
         # out after it ran) is released with the next owed releases.
-        self.owed_releases.update(set(stats.request_ids) - self.requests)
+        self.owed_releases.update(set(stats.request_ids) - self.requests.keys())
 
     def view(self) -> ReplicaView:
         return ReplicaView(self.index, self.up and not self.retired, self.total_blocks, self.reserved_blocks,
@@ -132,6 +136,7 @@ class DraftService(_Service):
         self.client: DraftClient | None = None
         self.offloaded = False  # weights in host memory: root-only trees until reloaded
         self.reads_features = False  # it drafts from the target's features: the passes return them
+        self.max_depth = self.max_width = 0  # the largest tree it accepts (its Health reply says)
 
     async def connect(self) -> None:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
@@ -146,6 +151,7 @@ class DraftService(_Service):
         self.last_ok = time.monotonic()
         self.offloaded = health.status == "offloaded"
         self.reads_features = health.reads_features
+        self.max_depth, self.max_width = health.max_depth, health.max_width
         # Its state for any request is stale now (every request rebuilds its draft state after a
         # reconnect), so everything it holds is released with the next owed releases.
         self.owed_releases.update(stats.request_ids)

@@ -1,1 +1,3 @@
-"""The step loop (core.Engine) and what it tracks per request: its iteration record, drafting ahead, preemption."""
+"""The step loops (`loop.Engine`) and their parts, one job each: the request table, intake, snapshots,
+admission, draft calls (drafting ahead in overlap.py), passes and commit; the per-request state and the
+iteration record."""

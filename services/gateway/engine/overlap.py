@@ -13,14 +13,20 @@ root`: then the draft's first-level guess of the bonus token is all it must get 
 tree before the pass as without --overlap (`draft`: a miss costs what it always did).
 
 Lossless by construction: the target verifies every token and decides what is emitted; the draft
-only proposes. Pure bookkeeping, no I/O: the engine sends the calls.
+only proposes. Pure bookkeeping, no I/O: the engine sends the calls (passes.py, beside the pass).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.gateway.engine.drafting import draft_step
+from specserve.gateway.engine.record import IterationRecord
+from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.engine.table import RequestTable
+from specserve.gateway.sched.plan import IterationPlan
 from specserve.gateway.sched.policy.base import CandidateTree
+from specserve.shared.service_client import SpeculateItem
 
 
 @dataclass(slots=True)
@@ -72,3 +78,47 @@ def reroot(tree: CandidateTree, root: int, depth: int | None = None) -> Candidat
     base = tree.path_prob[root] or 1.0
     return CandidateTree([tree.tokens[v] for v in keep], parents,
                          [1.0] + [tree.path_prob[v] / base for v in keep[1:]])
+
+
+def held_trees(plan: IterationPlan, decoding: list[GenRequest]) -> dict[str, CandidateTree]:
+    """The trees drafted ahead during the last pass, cut to this plan's depth; a request without one
+    (a miss), or that the policy now gives d = 0, verifies its root alone."""
+    trees: dict[str, CandidateTree] = {}
+    for r in decoding:
+        tree, r.next_tree = r.next_tree, None
+        depth = plan.shapes[r.rid].depth
+        if tree is not None and depth > 0:
+            trees[r.rid] = tree if max(tree.depths) <= depth else reroot(tree, 0, depth)
+    return trees
+
+
+def guesses(plan: IterationPlan, decoding: list[GenRequest], trees: dict[str, CandidateTree],
+            selected: dict[str, list[int]], max_depth: int) -> dict[str, tuple[Guess, SpeculateItem]]:
+    """Per request that speculates: the guess of its answer and the draft entry growing its next tree
+    from that guess (depth d + 1, at most the draft's `max_depth`: the first level is the guess of the
+    bonus token). None while no draft is up (`max_depth` 0)."""
+    out: dict[str, tuple[Guess, SpeculateItem]] = {}
+    if max_depth <= 0:
+        return out
+    for r in decoding:
+        shape = plan.shapes[r.rid]
+        if shape.depth <= 0:
+            continue
+        tree = trees.get(r.rid)
+        path = assumed_path(tree, selected.get(r.rid, [0])) if tree is not None else []
+        r.draft_seen = True
+        out[r.rid] = (Guess(path, path[-1] if path else r.output[-1], len(r.output)),
+                      SpeculateItem(r.rid, draft_step(plan.step, beside=True), [*r.draft_unsent, *path],
+                                    r.committed, min(shape.depth + 1, max_depth), shape.width, len(path)))
+    return out
+
+
+def keep_hits(table: RequestTable, ahead: dict[str, tuple[Guess, SpeculateItem]],
+              drafted: dict[str, CandidateTree], record: IterationRecord) -> None:
+    """After the commit: a request whose answer matched its guess keeps its next tree."""
+    for rid, (guess, _) in ahead.items():
+        tree, r = drafted.get(rid), table.requests.get(rid)
+        if tree is None or r is None or r.finish_reason is not None or r.replica is None:
+            continue
+        r.next_tree = next_tree(guess, tree, r.output[guess.output_len:])
+        record.draft.ahead_hits += r.next_tree is not None

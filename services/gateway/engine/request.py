@@ -61,7 +61,7 @@ class GenRequest:
     draft_epoch: int = 0  # how many times its draft state was rebuilt (a reply to an older entry is stale)
     features: FeatureLog | None = None  # the target's features by position, for a draft that reads them
     features_sent: int = 0  # leading positions of `features` the draft holds
-    ahead: CandidateTree | None = None  # its next tree, drafted ahead during the last target pass (--overlap)
+    next_tree: CandidateTree | None = None  # its next tree, drafted ahead during the last target pass (--overlap)
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None
     resuming: bool = False  # preempted: its KV is being rebuilt from `context` before it decodes again

@@ -1,4 +1,5 @@
-"""HTTP front ends in processes of their own (`--frontends N`).
+"""What an HTTP front end asks of the engine (`local.py`: `EngineApi`, and `LocalEngine`, the engine
+in the same process), and HTTP front ends in processes of their own (`--frontends N`).
 
 With `--frontends N` (N >= 1) the gateway process runs the engine (admission, policy, the
 per-replica step loops) and no HTTP server; N front-end processes serve the OpenAI API on the

@@ -19,10 +19,10 @@ import logging
 
 import msgspec
 
-from specserve.gateway.engine.core import ServiceUnavailable
-from specserve.gateway.engine.front import LocalEngine
+from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.frontend import wire
+from specserve.gateway.frontend.local import LocalEngine
 from specserve.gateway.http.api import kv_pool_error
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo import SloClass

@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from specserve.gateway.engine.core import ServiceUnavailable
+from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.frontend import wire
 from specserve.gateway.obs import spans

@@ -14,9 +14,9 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specserve.gateway.engine.core import ServiceUnavailable
-from specserve.gateway.engine.front import EngineApi
+from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.frontend.local import EngineApi
 from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
 from specserve.gateway.http.protocol import ApiError, Sampling, SloSpec
 from specserve.gateway.sched.slo import SloClass, resolve

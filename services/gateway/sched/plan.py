@@ -6,7 +6,7 @@ engine. Nothing here does I/O or reads a clock: every time is carried in the sna
 - `SchedulerView`: the snapshot. Waiting requests, running requests (still prefilling or decoding),
   the target replicas (up, KV ledger, cost model), the draft's state, the limits, and the
   scheduler's own FIFO `Proposal` for admission and prefill chunks. Each replica plans its own
-  iterations (engine/core.py): `replica` names it, and the plan's shapes, chunks and preemptions
+  iterations (engine/loop.py): `replica` names it, and the plan's shapes, chunks and preemptions
   that are carried out are that replica's; admissions go to any replica.
 - `Decision`: what a policy answers through its one decision hook, `Policy.decide(view)`.
 - `IterationPlan`: the decision after the scheduler enforced the hard limits; every deviation from

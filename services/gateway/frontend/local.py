@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from specserve.gateway.engine.core import Engine
+from specserve.gateway.engine.loop import Engine
 from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.sched.slo import SloClass
 
@@ -45,16 +45,16 @@ class LocalEngine:
         self.engine, self.classes, self.profile_path = engine, classes, profile_path
 
     def submit(self, req: GenRequest) -> None:
-        self.engine.submit(req)
+        self.engine.intake.submit(req)
 
     def abort(self, rid: str, reason: str = "abort") -> None:
-        self.engine.abort(rid, reason)
+        self.engine.intake.abort(rid, reason)
 
     def count_error(self, code: str) -> None:
         self.engine.metrics.on_error(code)
 
     def pool_tokens_short(self, prompt_tokens: int, max_tokens: int) -> int | None:
-        return self.engine.pool_tokens_short(prompt_tokens, max_tokens)
+        return self.engine.intake.pool_tokens_short(prompt_tokens, max_tokens)
 
     async def health(self) -> tuple[int, dict]:
         e = self.engine
@@ -67,7 +67,7 @@ class LocalEngine:
                 "draft": draft.ready if draft is not None else None,
                 **({f"draft_{k}": v for k, v in draft.readiness(now).items()} if draft is not None else {}),
                 "draft_offloaded": draft.offloaded if draft is not None else None,
-                "replicas": replicas, "running": len(e.running), "waiting": len(e.waiting)}
+                "replicas": replicas, "running": len(e.table.running), "waiting": len(e.table.waiting)}
         return 200 if target_ready else 503, body
 
     async def slo_classes(self) -> dict:

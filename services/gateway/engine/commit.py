@@ -1,0 +1,86 @@
+"""Commit: a target pass's outputs into the requests, and their tokens to the HTTP handlers.
+
+Per output: an error ends the request (an `out_of_blocks` one is retried up to `MAX_OUT_OF_BLOCKS`
+iterations first); a prompt chunk that was not the last only advances `prefilled`; the last chunk and a
+verified tree emit their tokens, cut at a stop id and at max_tokens. The features a pass returned are
+written into the request's FeatureLog by position.
+"""
+
+from __future__ import annotations
+
+from specserve.gateway.engine.record import RequestStep
+from specserve.gateway.engine.request import GenRequest, Tokens
+from specserve.gateway.engine.table import RequestTable
+from specserve.gateway.obs.metrics import GatewayMetrics
+from specserve.shared.feature_log import FeatureLog
+from specserve.shared.service_client import StepOutput
+
+MAX_OUT_OF_BLOCKS = 200  # iterations a request may be refused for KV room before it is ended
+
+
+class Commit:
+    def __init__(self, table: RequestTable, metrics: GatewayMetrics):
+        self.table, self.metrics = table, metrics
+
+    def outputs(self, outputs: list[StepOutput], prefill_len: dict[str, int], steps: dict[str, RequestStep],
+                now: float, step: int) -> None:
+        """One replica's outputs of iteration `step`; `steps`: the record's entry per request in the pass."""
+        for out in outputs:
+            r = self.table.requests.get(out.rid)
+            entry = steps.get(out.rid)
+            if r is None or r.finish_reason is not None or entry is None:
+                continue  # aborted while the call ran; released next iteration
+            if out.error is not None:
+                entry.error = out.error.code
+                if out.error.code == "out_of_blocks":
+                    r.out_of_blocks += 1  # retried next iteration, but not forever
+                    if r.out_of_blocks <= MAX_OUT_OF_BLOCKS:
+                        continue
+                self.metrics.on_error(out.error.code)
+                self.table.finish(r, "error", f"{out.error.code}: {out.error.message}")
+                continue
+            entry.emitted = len(out.tokens)
+            if out.features is not None:  # at the chunk's start, or at the verified tree's root
+                r.features = r.features or FeatureLog()
+                r.features.write(r.committed - 1 if entry.verified else r.prefilled, out.features)
+            if entry.verified:
+                entry.accepted = out.num_accepted
+                r.accepted.append(out.num_accepted)
+                r.verified.append((step, entry.verified))
+            elif not out.tokens:  # a prompt chunk that was not the last
+                r.prefilled += prefill_len[out.rid]
+                continue
+            elif r.resuming:  # its KV is rebuilt; the token it returned is the one it had
+                r.resuming, r.prefilled, entry.emitted = False, len(r.prompt), 0
+                continue
+            else:
+                r.prefilled = len(r.prompt)
+                self.metrics.on_first_token(now - r.arrival)
+            self.emit(r, out.tokens, now)
+
+    def emit(self, r: GenRequest, tokens: list[int], now: float) -> None:
+        """New tokens to the request and its handler, up to a stop id or max_tokens (which end it)."""
+        first = not r.output
+        keep, reason = [], None
+        for t in tokens:
+            if t in r.stop_ids:
+                reason = "stop"
+                break
+            keep.append(t)
+            if len(r.output) + len(keep) >= r.max_tokens:
+                reason = "length"
+                break
+        if not first and keep:
+            self.metrics.on_tokens(len(keep), now - r.token_times[-1])
+        if first:  # the draft has seen nothing yet: its first call carries the prompt too
+            r.draft_unsent = list(r.prompt)
+        r.output.extend(keep)
+        r.token_times.extend([now] * len(keep))
+        r.draft_unsent.extend(keep)
+        if keep:
+            r.events.put_nowait(Tokens(keep))
+        if reason is not None:
+            self.table.finish(r, reason)
+
+
+__all__ = ["MAX_OUT_OF_BLOCKS", "Commit"]

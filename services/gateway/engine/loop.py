@@ -1,0 +1,249 @@
+"""The Engine: one step loop per target replica, and a supervisor.
+
+Each target replica has its own asyncio task that runs its iterations back to back while it has
+work; a replica never waits for another replica's pass. One step of replica k reads:
+
+    plan = scheduler.plan(snapshot)            # admissions, chunks, tree shapes, draft residency
+    record = admitter.apply(plan)              # bind, reject, preempt
+    trees = draft trees of k's decoders        # drafting.py (overlap.py with --overlap)
+    pass = passes.build(plan, trees)           # the policy selects the nodes to verify
+    passes.run(pass)                           # target pass (+ a draft call beside it), commit
+    consume(record)                            # metrics, cost model, policy, admission learn
+
+before it the replica is sent the releases it is owed. A supervisor task reconnects services that
+are down, pings them while nothing runs, and starts a loop for every replica that discovery adds.
+
+Failures stay where they belong: an error on one entry ends that request; a service that answers a
+whole call with an error stays up and only that call's requests are ended (target) or fall back to
+plain decoding (draft); a service that cannot be reached is marked down, its requests end with an
+error (target) or speculation pauses (draft), and it is reconnected when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from specserve.gateway.backends.executor import Executor
+from specserve.gateway.backends.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
+from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine.admit import Admitter
+from specserve.gateway.engine.drafting import DraftCalls
+from specserve.gateway.engine.intake import Intake
+from specserve.gateway.engine.overlap import guesses, held_trees
+from specserve.gateway.engine.passes import Passes
+from specserve.gateway.engine.record import IterationRecord
+from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.engine.snapshot import Snapshots
+from specserve.gateway.engine.table import RequestTable
+from specserve.gateway.obs import spans
+from specserve.gateway.obs.metrics import GatewayMetrics
+from specserve.gateway.sched.plan import IterationPlan, Residency
+from specserve.gateway.sched.policy import CandidateTree, Policy
+from specserve.gateway.sched.scheduler import Scheduler
+from specserve.shared import tracing
+from specserve.shared.rpc import TRANSPORT_ERRORS
+
+log = logging.getLogger("specserve.gateway")
+REPLAN_INTERVAL_S = 0.05  # requests wait that no replica takes and nothing runs: plan again after this
+
+
+class Engine:
+    def __init__(self, policy: Policy, scheduler: Scheduler, pool: ServicePool, metrics: GatewayMetrics,
+                 config: GatewayConfig):
+        self.policy, self.scheduler, self.pool, self.metrics = policy, scheduler, pool, metrics
+        self.overlap = config.overlap  # draft the next trees beside the target pass (overlap.py)
+        self.draft_misses = config.overlap_miss == "draft"  # a wrong guess drafts before the pass (else: root alone)
+        self.executor = Executor(pool, config.call_timeout_s, config.draft_window_ms, self._replicas_with_requests)
+        self.table = RequestTable(pool, metrics, config)
+        self.intake = Intake(self.table, pool, metrics, config, scheduler.admission is not None, self._wake)
+        self.drafts = DraftCalls(self.table, pool, self.executor)
+        self.admitter = Admitter(self.table, pool, self.drafts, metrics, config, scheduler.admission, self._wake)
+        self.passes = Passes(self.table, pool, self.executor, policy, self.drafts, metrics)
+        self.snapshots = Snapshots(self.table, pool, config)
+        self.lookahead = config.kv_lookahead_tokens > 0  # reservations grow on the way
+        self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
+        self._loops: dict[int, asyncio.Task[None]] = {}  # per replica: its step loop
+        self._supervisor: asyncio.Task[None] | None = None
+        self.step = 0  # iterations started, all replicas (each iteration's step number)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.pool.connect_all()
+        self.metrics.set_budget(self.pool.targets[0].cost.budget_tokens)
+        self._start_loops()
+        self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
+
+    async def close(self) -> None:
+        tasks = [t for t in (*self._loops.values(), self._supervisor) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for r in list(self.table.requests.values()):
+            self.table.finish(r, "abort")
+        with contextlib.suppress(*TRANSPORT_ERRORS):
+            await self.executor.release_owed()
+        await self.pool.close()
+
+    def _start_loops(self) -> None:
+        """A step loop for every replica that has none (at start, and for each one discovery adds)."""
+        for replica in self.pool.targets:
+            if replica.index not in self._loops:
+                self._wakes[replica.index] = asyncio.Event()
+                self._loops[replica.index] = asyncio.create_task(self._replica_loop(replica),
+                                                                 name=f"replica-{replica.index}")
+
+    def _wake(self, replica: int | None = None) -> None:
+        """News for one replica's loop (None: for every loop, e.g. an arrival any of them may admit)."""
+        for i, event in self._wakes.items():
+            if replica is None or i == replica:
+                event.set()
+
+    async def _supervise(self) -> None:
+        """Every interval: reconnect services that are down, start loops for new replicas, ping the
+        services while nothing runs (one that died while idle is marked down now), send the draft the
+        releases it is owed while nothing speculates, and end waiting requests when no target is up."""
+        while True:
+            await asyncio.sleep(RECONNECT_INTERVAL_S)
+            try:
+                if self.pool.needs_reconnect:
+                    back = await self.pool.reconnect(TRANSPORT_ERRORS)
+                    if "draft" in back:
+                        self.drafts.lost()  # it may have restarted empty: every request rebuilds its draft state
+                    if back:
+                        self._wake()
+                self._start_loops()
+                if not self.table.running and not self.table.waiting:
+                    await self.executor.ping()
+                    await self.executor.release_owed()
+                elif not self.pool.any_target_up:
+                    for r in list(self.table.waiting):
+                        self.table.finish(r, "error", "no target replica is available")
+                self._set_load()
+            except Exception:  # a bug here must not stop reconnecting
+                log.exception("the engine's supervisor failed; it goes on")
+
+    # ---- the loops ------------------------------------------------------------------------------
+    async def _replica_loop(self, replica: TargetReplica) -> None:
+        """Replica k's iterations, back to back while it has work; asleep until news otherwise."""
+        wake = self._wakes[replica.index]
+        while True:
+            if not self._has_work(replica):
+                self.snapshots.last.pop(replica.index, None)
+                wake.clear()
+                await wake.wait()
+                continue
+            try:
+                busy = await self._iteration(replica)
+            except Exception:  # a bug in one iteration must not stop serving
+                log.exception("an iteration of target %d failed; its requests are ended", replica.index)
+                for r in self.table.bound(replica.index):
+                    self.table.finish(r, "error", "internal error in the gateway")
+                busy = True
+            if busy:
+                await asyncio.sleep(0)
+                continue
+            # requests wait that no replica takes yet and nothing ran: an iteration that awaits nothing
+            # would hold the event loop (no HTTP handler, no arrival); plan again on news or after a tick
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), REPLAN_INTERVAL_S)
+
+    def _replicas_with_requests(self) -> int:
+        """The replicas a draft call may wait for (the draft window): up, with requests bound."""
+        return sum(1 for t in self.pool.targets if t.up and t.requests)
+
+    def _has_work(self, replica: TargetReplica) -> bool:
+        if replica.requests or (replica.up and replica.owed_releases):
+            return True
+        return bool(self.table.waiting) and replica.up and not replica.retired
+
+    async def _iteration(self, replica: TargetReplica) -> bool:
+        """One iteration of a replica; False when it changed nothing (no pass ran, nobody was admitted or
+        refused)."""
+        t0 = time.perf_counter()
+        if self.lookahead:
+            self.admitter.grow_reservations(replica.index)  # before the releases, so a preempted request's go out now
+        await self.executor.release_owed(replica)
+        if not replica.up:
+            if replica.requests:
+                self.passes.end_replica_requests(replica, "the connection was lost")
+            return False
+        if not replica.requests and not self.table.waiting:
+            return True  # only releases were owed
+        self.step += 1
+        if tracing.ENABLED:
+            traces = {r.rid: r.trace for r in (*self.table.bound(replica.index), *self.table.waiting)
+                      if r.trace is not None}
+            with spans.iteration(self.step, t0) as span:
+                record = await self._step(replica, self.step, t0)
+                spans.record_iteration(span, record, traces)
+        else:
+            record = await self._step(replica, self.step, t0)
+        return bool(record.replicas or record.admitted or record.rejected)
+
+    async def _step(self, replica: TargetReplica, step: int, t0: float) -> IterationRecord:
+        plan = self.scheduler.plan(self.snapshots.take(replica.index, t0), step)
+        record = self.admitter.apply(plan)
+        mine = self.table.bound(replica.index)
+        decoding = [r for r in mine if r.decoding and r.rid in plan.shapes]
+        trees = await self._trees(plan, decoding, record)
+        with tracing.span("policy.select"):
+            target_pass, selected = self.passes.build(plan, replica.index, mine, decoding, trees, record)
+        if target_pass is not None:
+            ahead = guesses(plan, decoding, trees, selected, self.drafts.max_depth) if self.overlap else {}
+            await self.passes.run(plan, [target_pass], record, ahead)
+        self._consume(record, replica, t0)
+        return record
+
+    async def _trees(self, plan: IterationPlan, decoding: list[GenRequest],
+                     record: IterationRecord) -> dict[str, CandidateTree]:
+        """The draft's residency as planned, then the trees to verify: drafted now, or with --overlap
+        the ones drafted ahead during the last pass (a miss drafts now only with --overlap-miss draft)."""
+        if plan.residency is not Residency.KEEP:
+            await self.drafts.transition(plan, record)
+        if not self.overlap:
+            return await self.drafts.speculate(plan, decoding, record)
+        trees = held_trees(plan, decoding)
+        if self.draft_misses:
+            trees.update(await self.drafts.speculate(plan, [r for r in decoding if r.rid not in trees], record))
+        return trees
+
+    # ---- the record's consumers ---------------------------------------------------------------
+    def _consume(self, record: IterationRecord, replica: TargetReplica, t0: float) -> None:
+        record.total_ms = (time.perf_counter() - t0) * 1e3
+        record.waiting, record.running = len(self.table.waiting), len(self.table.running)
+        if not record.replicas:
+            self._set_load()
+            return
+        self.metrics.on_iteration(record)
+        replica.cost.observe_record(record, replica.index, replica.reserved_blocks)  # its own passes only
+        self.policy.observe(record)
+        if self.scheduler.admission is not None:
+            self.scheduler.admission.observe(record)
+        self._set_load(replica)
+
+    def _set_load(self, only: TargetReplica | None = None) -> None:
+        """The load gauges: running, waiting and the KV in use over all replicas, and each replica's own
+        series (`only`: just that replica's; the supervisor refreshes them all every second)."""
+        used = total = 0
+        for t in self.pool.targets:
+            t_used = t.total_blocks - t.free_blocks if t.up and t.total_blocks else 0
+            if t.up and t.total_blocks:
+                used, total = used + t_used, total + t.total_blocks
+            if only is not None and t is not only:
+                continue
+            if t.retired and not t.up:  # dropped (discovery.py): no series of its own any more
+                self.metrics.drop_replica(str(t.index))
+            elif t.up and t.total_blocks:
+                self.metrics.set_replica(str(t.index), True, len(t.requests), t_used / t.total_blocks)
+            else:
+                self.metrics.set_replica(str(t.index), False, len(t.requests), 0.0)
+        self.metrics.set_load(len(self.table.running), len(self.table.waiting), used / total if total else 0.0)
+
+
+__all__ = ["Engine"]

@@ -1,0 +1,140 @@
+"""Passes: one replica's target pass, built from the plan and the trees, run, and committed.
+
+`build` asks the policy which nodes of each batch's trees to verify and puts the replica's prompt
+chunks and selected subtrees into one `TargetPass`. `run` sends it, and beside it one draft call (the
+eager sync's d = 0 entries and, with --overlap, the entries drafting ahead); then it commits each
+replica's outputs and keeps the trees whose guess was right. A replica that fails ends the requests
+in its pass (refused) or all it holds (down).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from specserve.gateway.backends.executor import Executor, Failure, TargetPass
+from specserve.gateway.backends.pool import ServicePool, TargetReplica
+from specserve.gateway.engine.commit import Commit
+from specserve.gateway.engine.drafting import DraftCalls
+from specserve.gateway.engine.overlap import Guess, keep_hits
+from specserve.gateway.engine.record import IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.engine.table import RequestTable
+from specserve.gateway.obs.metrics import GatewayMetrics
+from specserve.gateway.sched.plan import IterationPlan
+from specserve.gateway.sched.policy import CandidateTree, Policy
+from specserve.shared.service_client import PrefillItem, SpeculateItem, VerifyItem
+
+log = logging.getLogger("specserve.gateway")
+
+
+class Passes:
+    def __init__(self, table: RequestTable, pool: ServicePool, executor: Executor, policy: Policy,
+                 drafts: DraftCalls, metrics: GatewayMetrics):
+        self.table, self.pool, self.executor, self.policy = table, pool, executor, policy
+        self.drafts, self.metrics = drafts, metrics
+        self.commit = Commit(table, metrics)
+
+    def build(self, plan: IterationPlan, replica: int, mine: list[GenRequest], decoding: list[GenRequest],
+              trees: dict[str, CandidateTree], record: IterationRecord) -> tuple[TargetPass | None,
+                                                                                 dict[str, list[int]]]:
+        """The replica's pass (None when it has nothing to do, or is down), and the tree nodes selected
+        per request (root included). `mine`: the requests bound to it (the plan's chunks for other
+        replicas' requests are theirs to run)."""
+        selected = self._select(plan, replica, decoding, trees)
+        target = self.pool.targets[replica]
+        p = TargetPass(target, [], [], features=self.drafts.reads_features)
+        for r in mine:
+            n = plan.chunks.get(r.rid, 0)
+            if n <= 0 or r.finish_reason is not None:
+                continue
+            context = r.context
+            last = r.prefilled + n == len(context)
+            p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: r.prefilled + n], last,
+                                         r.sampling if r.prefilled == 0 else None,
+                                         r.output[-1] if last and r.resuming else None))
+            record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
+        for r in decoding:
+            tree = trees.get(r.rid)
+            toks, parents = tree.subtree(selected.get(r.rid, [0])) if tree is not None else ([r.output[-1]], [-1])
+            p.verify.append(VerifyItem(r.rid, plan.step, r.committed, toks, parents))
+            shape = plan.shapes[r.rid]
+            record.requests.append(RequestStep(r.rid, replica, depth=shape.depth, width=shape.width,
+                                               verified=len(toks)))
+        # (a replica that went down was handled after the releases; only draft calls ran since)
+        return (p if (p.prefill or p.verify) and target.up else None), selected
+
+    def _select(self, plan: IterationPlan, replica: int, decoding: list[GenRequest],
+                trees: dict[str, CandidateTree]) -> dict[str, list[int]]:
+        """The policy's choice of nodes to verify in each of this replica's batches."""
+        selected: dict[str, list[int]] = {}
+        if not trees:  # a replica whose requests all have their root alone has nothing to select
+            return selected
+        decoding_of = {r.rid: r for r in decoding}
+        for batch in plan.batches:
+            if batch.replica != replica or not any(r.rid in trees for r in batch.requests):
+                continue
+            group = {r.rid: trees.get(r.rid) or CandidateTree.root_only(decoding_of[r.rid].output[-1])
+                     for r in batch.requests if r.rid in decoding_of}
+            selected.update(self.policy.select(batch, group, self.pool.targets[batch.replica].cost))
+        return selected
+
+    async def run(self, plan: IterationPlan, passes: list[TargetPass], record: IterationRecord,
+                  ahead: dict[str, tuple[Guess, SpeculateItem]]) -> None:
+        """The passes, and beside them one draft call: the eager sync's entries and those drafting ahead."""
+        sync_reqs, sync = self.drafts.sync_items(plan)
+        beside = sync + [item for _, item in ahead.values()]
+        epochs = {i.rid: self.table.requests[i.rid].draft_epoch for i in beside}
+        results, sync_result, phase_ms = await self.executor.target_pass(passes, beside)
+        record.target_phase_ms = phase_ms
+        drafted: dict[str, CandidateTree] = {}
+        if sync_result is not None:
+            record.draft.sync_requests, record.draft.ahead = len(sync), len(ahead)
+            record.draft.sync_call_ms = sync_result.ms
+            if sync_result.value is None:
+                self.drafts.failed(sync_result.failure, sync_reqs + [self.table.requests[rid] for rid in ahead
+                                                                     if rid in self.table.requests], record)
+            else:
+                record.draft.sync_service_ms = sync_result.value[1].total_ms
+                self.drafts.take(sync_result.value[0], beside, epochs, drafted,
+                                 {rid: guess.root for rid, (guess, _) in ahead.items()})
+        steps = {s.rid: s for s in record.requests}
+        now = time.perf_counter()
+        for p, result in zip(passes, results):
+            step = ReplicaStep(p.replica.index, sum(len(i.tokens) for i in p.prefill),
+                               sum(len(i.tokens) for i in p.verify), call_ms=result.ms)
+            record.replicas.append(step)
+            if result.value is None:
+                step.failure = str(result.failure)
+                self._failed(p, result.failure)
+                continue
+            outputs, reply = result.value
+            step.service_ms, step.forward_ms = min(reply.total_ms, result.ms), reply.forward_ms
+            p.replica.free_blocks = reply.free_blocks
+            self.commit.outputs(outputs, {i.rid: len(i.tokens) for i in p.prefill}, steps, now, record.step)
+        if drafted:
+            keep_hits(self.table, ahead, drafted, record)
+
+    def end_replica_requests(self, replica: TargetReplica, why: str) -> None:
+        """A replica that cannot be reached: every request it holds ends with an error."""
+        ended = [self.table.requests[rid] for rid in sorted(replica.requests) if rid in self.table.requests]
+        log.error("target %d (%s) failed (%s): ending its %d requests", replica.index, replica.address, why,
+                  len(ended))
+        for r in ended:
+            self.table.finish(r, "error", f"the target service failed: {why}")
+
+    def _failed(self, p: TargetPass, failure: Failure | None) -> None:
+        replica = p.replica
+        if failure is not None and failure.kind == "down":
+            self.end_replica_requests(replica, failure.message)
+            return
+        ids = [i.rid for i in p.prefill] + [i.rid for i in p.verify]
+        log.error("target %d refused a call (%s): ending the %d requests in it", replica.index, failure, len(ids))
+        for rid in ids:
+            r = self.table.requests.get(rid)
+            if r is not None:
+                self.metrics.on_error("remote_error")
+                self.table.finish(r, "error", f"the target service refused the step: {failure}")
+
+
+__all__ = ["Passes"]

@@ -1,0 +1,244 @@
+"""Parsing and validating OpenAI request bodies: `parse_completion` and `parse_chat`.
+
+They turn the JSON body of ``POST /v1/completions`` and ``POST /v1/chat/completions`` into the
+Structs of protocol.py and validate every field the gateway acts on; anything invalid raises
+`ApiError`, which the server turns into an HTTP response in OpenAI's error shape. Fields the gateway
+does not know are ignored (clients send many), but a known feature the gateway does not implement
+(n > 1, best_of, echo, logprobs, suffix, penalties, logit bias, response formats, tools and function
+calls, vLLM's min_p / min_tokens / stop_token_ids / guided decoding, ...) is refused with a 400 naming
+it unless it is absent, null or its neutral value (`UNSUPPORTED`), rather than silently dropped. Every
+malformed body (not UTF-8, not JSON, nested too deep, a wrong type anywhere) is a 400 too, never an
+exception out of this module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from specserve.gateway.http.protocol import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+__all__ = ["UNSUPPORTED", "parse_chat", "parse_completion"]
+
+MAX_TOKENS_LIMIT = 1_000_000  # absurd values are refused here; the server checks the context length
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_SLO_MS = 3_600_000.0
+SEED_MIN, SEED_END = -(2**63), 2**64  # seed in [SEED_MIN, SEED_END)
+CHAT_ROLES = frozenset({"system", "user", "assistant", "developer"})
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+_COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+_CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """The body as a request Struct; every way it can be malformed is an ApiError (400)."""
+    if not body or not body.strip():
+        raise ApiError("The request body is empty; expected a JSON object.")
+    try:
+        body.decode("utf-8")  # JSON is UTF-8 (RFC 8259); msgspec would raise on bad bytes only in some fields
+    except UnicodeDecodeError as exc:
+        raise ApiError(f"The request body is not valid UTF-8: {exc}") from None
+    try:
+        return decoder.decode(body)
+    except RecursionError:
+        raise ApiError("The request body nests JSON arrays or objects too deeply.") from None
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _AT_PATH.search(message)
+        path = match.group("path") if match else ""
+        missing = _MISSING.match(message)
+        if missing:
+            path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+        raise ApiError(f"Invalid request: {message}", param=path or None) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(f"The request body is not valid JSON: {exc}") from None
+    except (ValueError, OverflowError, MemoryError) as exc:  # anything else msgspec refuses to build
+        raise ApiError(f"The request body could not be decoded: {exc}") from None
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    """Decode and validate a ``/v1/completions`` body; raises `ApiError` (400) when it is invalid."""
+    req: CompletionRequest = _decode(_COMPLETION_DECODER, body)
+    _check_common(req)
+    _check_prompt(req.prompt)
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    if req.logprobs is not None:
+        raise ApiError("logprobs are not supported", param="logprobs")
+    if req.suffix:
+        raise ApiError("suffix is not supported (must be empty or absent)", param="suffix")
+    return req
+
+
+def parse_chat(body: bytes) -> ChatCompletionRequest:
+    """Decode and validate a ``/v1/chat/completions`` body; raises `ApiError` (400) when it is invalid."""
+    req: ChatCompletionRequest = _decode(_CHAT_DECODER, body)
+    _check_common(req)
+    _check_messages(req.messages)
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    if req.logprobs:
+        raise ApiError("logprobs are not supported", param="logprobs")
+    return req
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """The rules both endpoints share; also normalizes a null `n`/`stream` to its default."""
+    if req.n is None:
+        req.n = 1
+    if req.stream is None:
+        req.stream = False
+    if req.n != 1:
+        raise ApiError(f"n > 1 is not supported (n must be 1), got {req.n}", param="n")
+    if req.temperature is not None:
+        _check_finite(req.temperature, "temperature")
+        if not 0.0 <= req.temperature <= 2.0:
+            raise ApiError(f"temperature must be between 0 and 2, got {req.temperature:g}", param="temperature")
+    if req.top_p is not None:
+        _check_finite(req.top_p, "top_p")
+        if not 0.0 < req.top_p <= 1.0:
+            raise ApiError(f"top_p must be in (0, 1], got {req.top_p:g}", param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise ApiError(f"top_k must be -1 or 0 (off) or a positive integer, got {_short(req.top_k)}", param="top_k")
+    if req.seed is not None and not SEED_MIN <= req.seed < SEED_END:
+        raise ApiError(f"seed must be in [-2**63, 2**64), got {_short(req.seed)}", param="seed")
+    _check_stop(req.stop)
+    for name, (neutral, wanted) in UNSUPPORTED.items():
+        value = getattr(req, name)
+        if value is not None and not neutral(value):
+            raise ApiError(f"{name} is not supported ({wanted}), got {_short(value)}", param=name)
+    if req.slo is not None:
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(req.slo, name)
+            if value is not None:
+                _check_finite(value, f"slo.{name}")
+                if not 0.0 < value <= MAX_SLO_MS:
+                    raise ApiError(
+                        f"slo.{name} must be > 0 and <= {MAX_SLO_MS:.0f} milliseconds, got {value:g}",
+                        param=f"slo.{name}",
+                    )
+
+
+def _is(neutral: object) -> Callable[[Any], bool]:
+    """A test for `neutral` in JSON's sense: equal and of the same kind (1.0 is 1, but true is not 1)."""
+    numeric = isinstance(neutral, (int, float)) and not isinstance(neutral, bool)
+
+    def check(value: Any) -> bool:
+        if isinstance(value, bool) or numeric:
+            return isinstance(value, (int, float)) and isinstance(value, bool) == isinstance(neutral, bool) \
+                and value == neutral
+        return type(value) is type(neutral) and value == neutral
+
+    return check
+
+
+# Known features the gateway does not implement: field -> (is it neutral?, what is accepted). A value
+# that is neither absent, null nor neutral is refused with a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (_is(0), "must be 0 or absent"),
+    "frequency_penalty": (_is(0), "must be 0 or absent"),
+    "repetition_penalty": (_is(1), "must be 1 or absent"),
+    "logit_bias": (_is({}), "must be empty or absent"),
+    "best_of": (_is(1), "must be 1 or absent"),
+    "echo": (_is(False), "must be false or absent"),
+    "top_logprobs": (_is(0), "must be 0 or absent"),
+    "response_format": (_is({"type": "text"}), 'must be {"type": "text"} or absent'),
+    "tools": (_is([]), "must be empty or absent"),
+    "tool_choice": (_is("none"), 'must be "none" or absent'),
+    "functions": (_is([]), "must be empty or absent"),
+    "function_call": (_is("none"), 'must be "none" or absent'),
+    "min_p": (_is(0), "must be 0 or absent"),
+    "min_tokens": (_is(0), "must be 0 or absent"),
+    "stop_token_ids": (_is([]), "must be empty or absent; use stop strings"),
+    "include_stop_str_in_output": (_is(False), "must be false or absent"),
+    "use_beam_search": (_is(False), "must be false or absent"),
+    "guided_json": (lambda v: False, "must be absent"),
+    "guided_regex": (lambda v: False, "must be absent"),
+    "guided_choice": (lambda v: False, "must be absent"),
+    "guided_grammar": (lambda v: False, "must be absent"),
+}
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A value for an error message, cut short (a client may send megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _check_finite(value: float, param: str) -> None:
+    if not math.isfinite(value):
+        raise ApiError(f"{param} must be a finite number, got {value}", param=param)
+
+
+def _check_max_tokens(value: int | None, param: str) -> None:
+    if value is not None and not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise ApiError(f"{param} must be between 1 and {MAX_TOKENS_LIMIT}, got {value}", param=param)
+
+
+def _check_stop(stop: str | list[str] | None) -> None:
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if len(stops) > MAX_STOPS:
+        raise ApiError(f"stop may hold at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise ApiError(f"each stop string may be at most {MAX_STOP_CHARS} characters, got {len(s)}", param="stop")
+
+
+def _check_prompt(prompt: str | list) -> None:
+    """One prompt: a non-empty string, a non-empty list of token ids, or a one-element list of either."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("prompt must not be empty", param="prompt")
+        return
+    if not prompt:
+        raise ApiError("prompt must not be empty", param="prompt")
+    if all(isinstance(x, int) for x in prompt):
+        _check_token_ids(prompt)
+        return
+    if all(isinstance(x, str) for x in prompt) or all(isinstance(x, list) for x in prompt):
+        if len(prompt) > 1:
+            raise ApiError(f"batched prompts are not supported: send one prompt, got {len(prompt)}", param="prompt")
+        _check_prompt(prompt[0])
+        return
+    raise ApiError("prompt must be a string, a list of token ids, or a one-element list of either", param="prompt")
+
+
+def _check_token_ids(ids: list[int]) -> None:
+    for token in ids:
+        if token < 0:
+            raise ApiError(f"token ids must be non-negative integers, got {token}", param="prompt")
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    if not messages:
+        raise ApiError("messages must not be empty", param="messages")
+    for i, msg in enumerate(messages):
+        if msg.role not in CHAT_ROLES:
+            raise ApiError(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {msg.role!r}", param=f"messages[{i}].role"
+            )
+        param = f"messages[{i}].content"
+        if msg.content is None:
+            if msg.role != "assistant":
+                raise ApiError(f"{param} may be null only for an assistant message", param=param)
+        elif isinstance(msg.content, list):
+            for j, part in enumerate(msg.content):
+                if part.get("type") != "text":
+                    raise ApiError(
+                        f"{param}[{j}]: only text content parts are supported, got type {part.get('type')!r}",
+                        param=param,
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(f"{param}[{j}]: a text content part needs a string 'text'", param=param)
