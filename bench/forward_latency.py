@@ -24,8 +24,9 @@ Method (also written into the report):
 - Trees are random recursive trees (node i's parent uniform over nodes 0..i-1, seed 0). The
   runtime attends with a dense padded mask, so latency depends on node counts, not on shape.
 
-The knee (largest token count whose median is within 1.25x the 1-token median) comes from
-`specserve.shared.latency_profile.knee`, which `specserve profile` reuses to fit AdaServe's B.
+The knee is `specserve profile`'s rule (`gateway.perf.profile.knee`, the one that fits AdaServe's B):
+the largest token count, walking up from the smallest, whose median is within 1.25x the reference
+(here the 1-token median), stopping at the first that is not; never below 8.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.gateway.perf.profile import knee
 from specserve.shared.batch import Chunk, Entry, Tree
-from specserve.shared.latency_profile import knee
 from specserve.shared.loader import parse_device
 from specserve.shared.model_config import ModelConfig
 from specserve.shared.random_model import BENCH_CONFIG, write_random_model
@@ -294,9 +295,10 @@ def report(args, info: dict[str, str], results: dict[Scenario, Stats]) -> str:
         lines.append(f"| {n} | {d.cell()} | {ratio(d, base)} | {t.cell() if t else '—'} | {ratio(t, base)} |")
     lines += [
         "",
-        f"Knee (largest token count with median <= {KNEE_TOLERANCE}x the 1-token median, "
-        f"{base.median:.2f} ms): decode only = **{knee(decode_points, KNEE_TOLERANCE)}** tokens; "
-        f"trees ({TREE_REQUESTS} requests) = **{knee(tree_points, KNEE_TOLERANCE)}** tokens.",
+        f"Knee (`specserve profile`'s rule: the largest token count, walking up, with median <= {KNEE_TOLERANCE}x "
+        f"the 1-token median, {base.median:.2f} ms; never below 8): decode only = "
+        f"**{knee(list(decode_points.items()), base.median, KNEE_TOLERANCE)}** tokens; trees ({TREE_REQUESTS} "
+        f"requests) = **{knee(list(tree_points.items()), base.median, KNEE_TOLERANCE)}** tokens.",
         "",
         "## (b) Latency vs batch composition at a fixed total",
         "",
