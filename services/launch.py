@@ -1,7 +1,10 @@
-"""Start specserve services as child processes and wait until they listen.
+"""Start specserve processes as children and wait until they listen: the one launcher.
 
 A service prints one line, "ready <name> <address>", once its socket is open (port 0 picks a free
-port, and the line carries the real one). Tests, benchmarks and `specserve up` use this.
+port, and the line carries the real one). `ServiceProcess` starts one and blocks until that line
+(tests, benchmarks and `specserve up` use it); `start_async` does the same inside an event loop (the
+gateway's front ends, frontend/procs.py). Both run `python -m specserve.cli KIND ...` (`cli_command`)
+in `child_env()`, and give a child `READY_TIMEOUT_S` to be ready.
 
 Services on the same host as their gateway can listen on Unix sockets instead of TCP ports (cheaper
 per call, and no port to find): `SocketDir` is a private directory for them (mode 0700, removed
@@ -16,7 +19,9 @@ command line.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import os
 import shutil
 import socket
@@ -28,7 +33,42 @@ import threading
 from specserve.shared.auth import ensure_secret
 from specserve.shared.lifeline import child_environment
 
-READY_TIMEOUT_S = 180
+READY_TIMEOUT_S = 180.0
+
+
+def cli_command(kind: str, *args: str) -> list[str]:
+    """The command line of a specserve child: `python -m specserve.cli KIND ARGS...`."""
+    return [sys.executable, "-m", "specserve.cli", kind, *args]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """A child's environment: this one, the services' shared secret (made up if none is set, and put into
+    os.environ so that this process's own clients find it too), the lifeline, and `extra`."""
+    ensure_secret()
+    return child_environment(dict(os.environ, **extra))
+
+
+async def start_async(cmd: list[str], what: str) -> asyncio.subprocess.Process:
+    """Start `cmd` (stdout piped, stderr inherited) and wait up to READY_TIMEOUT_S for its ready line;
+    RuntimeError naming `what` when it exits or stays silent. Its later stdout is drained."""
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env=child_env())
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)).decode()
+    except TimeoutError:
+        line = ""
+    if not line.startswith("ready"):
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise RuntimeError(f"{what} did not start (exit {proc.returncode}; its log is above)")
+    asyncio.create_task(_drain(proc.stdout))
+    return proc
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,9 +109,9 @@ class ServiceProcess:
         self.socket_dir = SocketDir() if unix else None
         if self.socket_dir is not None:
             args = (*args, "--unix-socket", self.socket_dir.socket(kind))
-        cmd = [sys.executable, "-m", "specserve.cli", kind, "--port", "0", "--threads", str(threads), *args]
+        cmd = cli_command(kind, "--port", "0", "--threads", str(threads), *args)
+        env = child_env(SPECSERVE_LOG_LEVEL=log_level)
         self.secret = ensure_secret()  # the services' shared secret, inherited through os.environ
-        env = child_environment(dict(os.environ, SPECSERVE_LOG_LEVEL=log_level))
         self.kind, self.args, self.threads = kind, args, threads
         # stdout carries only the ready line; stderr (logs) goes to the terminal or into a bounded buffer.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if inherit_stderr else subprocess.PIPE,

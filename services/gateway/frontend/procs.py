@@ -14,13 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import sys
 
-from specserve.shared.lifeline import child_environment
+from specserve.launch import cli_command, start_async
 
 log = logging.getLogger("specserve.gateway")
-READY_TIMEOUT_S = 180.0
 RESTART_INTERVAL_S = 1.0
 STOP_GRACE_S = 10.0
 
@@ -29,8 +26,7 @@ def frontend_command(argv: list[str], port: int, link: str) -> list[str]:
     """The command of one front end: this gateway's arguments (those after `gateway`), its port and the
     engine's link (unix:/path) last (argparse takes the last of a repeated flag)."""
     rest = argv[argv.index("gateway") + 1:] if "gateway" in argv else argv[1:]
-    return [sys.executable, "-m", "specserve.cli", "gateway", *rest, "--port", str(port), "--frontends", "0",
-            "--frontend-of", link]
+    return cli_command("gateway", *rest, "--port", str(port), "--frontends", "0", "--frontend-of", link)
 
 
 class Frontends:
@@ -46,19 +42,7 @@ class Frontends:
         self._watchers = [asyncio.create_task(self._watch(i), name=f"frontend-{i}") for i in range(self.count)]
 
     async def _spawn(self, i: int) -> asyncio.subprocess.Process:
-        proc = await asyncio.create_subprocess_exec(*self.command, stdout=asyncio.subprocess.PIPE,
-                                                    env=child_environment(os.environ))
-        assert proc.stdout is not None
-        try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)).decode()
-        except TimeoutError:
-            line = ""
-        if not line.startswith("ready"):
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise RuntimeError(f"front end {i} did not start (exit {proc.returncode}; its log is above)")
-        asyncio.create_task(_drain(proc.stdout))
+        proc = await start_async(self.command, f"front end {i}")
         log.info("front end %d (pid %d) is ready", i, proc.pid)
         return proc
 
@@ -94,7 +78,3 @@ class Frontends:
                     p.kill()
                 await p.wait()
 
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.readline():
-        pass
