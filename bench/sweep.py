@@ -48,10 +48,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specserve.bench.runner import BenchConfig, run_bench
-from specserve.bench.scrape import PARTS
-from specserve.bench.workload import DEFAULT_MIX
 from specserve.launch import ServiceProcess
+from specserve.loadgen.runner import BenchConfig, run_bench
+from specserve.loadgen.scrape import PARTS
+from specserve.loadgen.workload import DEFAULT_MIX
 
 ROOT = Path(__file__).resolve().parent.parent
 

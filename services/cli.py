@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     profiling.add_flags(prof)
     prof.set_defaults(func=profiling.main)
 
-    from specserve.bench import runner as bench_runner
+    from specserve.loadgen import runner as bench_runner
 
     bench = sub.add_parser("bench", help="load-test a running gateway: SLO attainment, goodput, TTFT, TPOT")
     bench_runner.add_flags(bench)

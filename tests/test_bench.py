@@ -23,7 +23,9 @@ import numpy as np
 import openai
 import pytest
 
-from specserve.bench.arrivals import (
+from specserve.gateway.perf.profile import Profile
+from specserve.gateway.sched.policy import DEFAULT_POLICY
+from specserve.loadgen.arrivals import (
     gamma_arrivals,
     load_trace,
     parse_rate_schedule,
@@ -31,11 +33,11 @@ from specserve.bench.arrivals import (
     poisson_arrivals,
     trace_arrivals,
 )
-from specserve.bench.client import request_body
-from specserve.bench.records import RequestRecord, percentile, summarize, vllm_tpot_ms
-from specserve.bench.runner import BenchConfig, arrival_times, format_summary, summary_path
-from specserve.bench.scrape import parse_counters, server_delta
-from specserve.bench.workload import (
+from specserve.loadgen.client import request_body
+from specserve.loadgen.records import RequestRecord, percentile, summarize, vllm_tpot_ms
+from specserve.loadgen.runner import BenchConfig, arrival_times, format_summary, summary_path
+from specserve.loadgen.scrape import parse_counters, server_delta
+from specserve.loadgen.workload import (
     DEFAULT_MIX,
     BenchRequest,
     Category,
@@ -44,8 +46,7 @@ from specserve.bench.workload import (
     load_prompts,
     parse_mix,
 )
-from specserve.gateway.perf.profile import Profile
-from specserve.gateway.sched.policy import DEFAULT_POLICY
+from tests.support.fixtures import fresh_profile, start_up
 from tests.support.procs import Up, gateway
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -424,7 +425,7 @@ specserve:y 1e3
 
 def test_parse_counters_reads_the_gateways_own_exposition():
     from specserve.gateway.obs.metrics import GatewayMetrics
-    from tests.test_gateway_metrics import sample_records
+    from tests.support.records import sample_records
 
     m = GatewayMetrics('org/"m"\\v1')
     before = parse_counters(m.render())
@@ -480,17 +481,15 @@ def test_format_summary_lists_categories_and_split():
 
 # ================================================================================================ end to end
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    profile = tmp_path_factory.mktemp("bench-profile") / "profile.json"
+def up(request, tmp_path_factory):
+    profile = fresh_profile(tmp_path_factory, "bench-profile")
     Profile(budget_tokens=24, baseline_iteration_ms=40.0, knee_ratio=1.2, curve=[(8, 30.0), (24, 40.0), (48, 70.0)],
             model="target", device="cpu", dtype="float32", created="2025-01-01T00:00:00", batch=8, input_tokens=32,
             output_tokens=128, reference_ms=30.0).save(profile)
     # FIFO admission: the bench's accounting needs a request served that misses its SLO (critical = 1 ms),
     # which SLO admission (the default) would refuse instead
-    server = Up("--profile", str(profile), "--", "--slo-class", "critical=1", "--slo-class", "chat=1000000",
-                "--admission", "fifo")
-    yield server
-    server.interrupt()
+    return start_up(request, profile=profile,
+                    gateway_args=("--slo-class", "critical=1", "--slo-class", "chat=1000000", "--admission", "fifo"))
 
 
 def bench_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -37,7 +37,7 @@ from specserve.gateway.sched.admission.slo import SloAdmission
 from specserve.gateway.sched.policy import Policy, make_policy, option_classes
 from specserve.gateway.sched.routing import make_router
 from specserve.gateway.sched.scheduler import Scheduler
-from specserve.gateway.sched.slo import default_classes, parse_class
+from specserve.gateway.sched.slo_classes import default_classes, parse_class
 from specserve.shared import tracing
 from specserve.shared.auth import AuthError, load_secret
 from specserve.shared.lifeline import follow_parent

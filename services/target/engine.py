@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from specserve.shared.acceptance import Acceptance, accept_tree
 from specserve.shared.batch import Chunk, Tree
 from specserve.shared.loader import load_model, parse_device, parse_dtype
 from specserve.shared.messages import (
@@ -39,6 +38,7 @@ from specserve.shared.runner import ModelRunner
 from specserve.shared.sampling import SamplingParams
 from specserve.shared.service_base import ms_since, split_counts
 from specserve.shared.token_tree import InvalidTree, validate_tree
+from specserve.shared.tree_acceptance import Acceptance, accept_tree
 from specserve.target.config import TargetConfig
 
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator)
@@ -61,7 +61,7 @@ class _Request:
 class TargetEngine:
     def __init__(self, config: TargetConfig, runner: ModelRunner | None = None, accept: Accept | None = None):
         """runner, accept: the model pass and the acceptance rule (the model in config.model and
-        shared.acceptance.accept_tree, looked up per call, by default; `--simulate` gives its own,
+        shared.tree_acceptance.accept_tree, looked up per call, by default; `--simulate` gives its own,
         services/target/simulated.py)."""
         self.config = config
         self.device = parse_device(config.device)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.acceptance import Acceptance, walk
 from specserve.shared.sampling import SamplingParams
 from specserve.shared.token_tree import children_by_token
+from specserve.shared.tree_acceptance import Acceptance, walk
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,7 @@ class AcceptanceModel:
 
 def accept_choices(tokens: Sequence[int], parents: Sequence[int], choices: torch.Tensor,
                    params: SamplingParams, generator: torch.Generator | None = None) -> Acceptance:
-    """The simulated target's acceptance (the signature of shared.acceptance.accept_tree):
+    """The simulated target's acceptance (the signature of shared.tree_acceptance.accept_tree):
     choices [n_nodes] holds the true next token after every node; from the root, follow the
     child that matches it; at the first miss, emit it. Sampling parameters do not change the truth."""
     truth: list[int] = choices.tolist()

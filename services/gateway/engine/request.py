@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specserve.gateway.sched.slo import SloClass
+from specserve.gateway.sched.slo_classes import SloClass
 from specserve.shared.feature_log import FeatureLog
 from specserve.shared.messages import SamplingSpec
 

@@ -25,7 +25,7 @@ from specserve.gateway.frontend import wire
 from specserve.gateway.frontend.local import LocalEngine
 from specserve.gateway.http.api import kv_pool_error
 from specserve.gateway.obs import spans
-from specserve.gateway.sched.slo import SloClass
+from specserve.gateway.sched.slo_classes import SloClass
 from specserve.shared.auth import ServerHandshake
 from specserve.shared.messages import AuthChallenge
 

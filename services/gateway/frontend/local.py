@@ -11,7 +11,7 @@ from typing import Protocol
 
 from specserve.gateway.engine.loop import Engine
 from specserve.gateway.engine.request import GenRequest
-from specserve.gateway.sched.slo import SloClass
+from specserve.gateway.sched.slo_classes import SloClass
 
 
 class EngineApi(Protocol):

@@ -23,7 +23,7 @@ from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.frontend import wire
 from specserve.gateway.obs import spans
-from specserve.gateway.sched.slo import SloClass
+from specserve.gateway.sched.slo_classes import SloClass
 from specserve.shared import tracing
 from specserve.shared.auth import AuthError, ClientHandshake
 

@@ -19,7 +19,7 @@ from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tok
 from specserve.gateway.frontend.local import EngineApi
 from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
 from specserve.gateway.http.protocol import ApiError, Sampling, SloSpec
-from specserve.gateway.sched.slo import SloClass, resolve
+from specserve.gateway.sched.slo_classes import SloClass, resolve
 from specserve.shared.messages import SamplingSpec
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import time
 import aiohttp
 import msgspec
 
-from specserve.bench.records import RequestRecord, vllm_tpot_ms
-from specserve.bench.workload import BenchRequest
+from specserve.loadgen.records import RequestRecord, vllm_tpot_ms
+from specserve.loadgen.workload import BenchRequest
 
 _decode = msgspec.json.Decoder().decode
 

@@ -25,12 +25,18 @@ from typing import ClassVar
 import aiohttp
 import msgspec
 
-from specserve.bench.arrivals import gamma_arrivals, load_trace, parse_rate_schedule, piecewise_arrivals, trace_arrivals
-from specserve.bench.client import send
-from specserve.bench.records import RequestRecord, summarize
-from specserve.bench.scrape import PARTS, scrape, server_delta
-from specserve.bench.workload import DEFAULT_MIX, BenchRequest, build_requests, parse_mix
-from specserve.gateway.sched.slo import ALIASES
+from specserve.gateway.sched.slo_classes import ALIASES
+from specserve.loadgen.arrivals import (
+    gamma_arrivals,
+    load_trace,
+    parse_rate_schedule,
+    piecewise_arrivals,
+    trace_arrivals,
+)
+from specserve.loadgen.client import send
+from specserve.loadgen.records import RequestRecord, summarize
+from specserve.loadgen.scrape import PARTS, scrape, server_delta
+from specserve.loadgen.workload import DEFAULT_MIX, BenchRequest, build_requests, parse_mix
 from specserve.shared.ports import GATEWAY_URL
 from specserve.shared.settings import Settings, option
 
