@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from specserve.shared.model import CausalLM, checkpoint_views
 from specserve.shared.model_config import ModelConfig
 
-# About 20M parameters: the size class of the demo target (issue 3), used by bench/.
+# About 20M parameters: the size class of the demo target (models/target), used by bench/.
 BENCH_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

@@ -1,6 +1,6 @@
 """Nightjar: a batch-size-contextual bandit over a few (d, w) arms, and draft offload under KV pressure.
 
-The bandit (the Nightjar digest, §3 cleaned pseudocode with errata 1, 2, 6, 7):
+The bandit (the Nightjar digest's corrected §3 pseudocode; "errata N" below names the correction):
 
 - context: the replica's decode batch size, in power-of-two buckets; arms: (d, w) shapes given to
   every request of the pass, (0, 1) = no draft call;
