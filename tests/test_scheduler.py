@@ -72,7 +72,6 @@ def test_fifo_admits_in_order_and_stops_at_the_first_that_does_not_fit():
     assert [(a.rid, a.replica) for a in plan.admitted] == [("a", 0), ("b", 0)]
     assert list(plan.deferred) == ["c"] and "room" in plan.deferred["c"]  # d would fit, but waits behind c
     assert plan.chunks == {"a": 10, "b": 10}
-    assert plan.replica_of == {"a": 0, "b": 0}
 
 
 def test_round_robin_spreads_and_skips_replicas_that_are_down_or_full():

@@ -225,7 +225,6 @@ class IterationPlan:
     rejected: dict[str, Reject]
     chunks: dict[str, int]  # rid -> prompt tokens in this iteration's pass (> 0 only)
     shapes: dict[str, Shape]  # every decoding request; d = 0 means no draft tokens
-    replica_of: dict[str, int]  # every request in this iteration (prefilling and decoding)
     batches: list[BatchView]  # per replica, for node selection
     residency: Residency
     draft_sync: list[str] = field(default_factory=list)  # d = 0 requests whose new tokens go to the draft anyway

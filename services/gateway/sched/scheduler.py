@@ -171,13 +171,10 @@ class Scheduler:
         sync = [r.rid for r in view.decoding if self.sync_draft and draft_ok and r.draft_lag > 0
                 and r.rid in mine and shapes[r.rid].depth == 0]
 
-        replica_of = {p.rid: p.replica for p in view.prefilling}
-        replica_of.update({r.rid: r.replica for r in view.decoding})
-        replica_of.update({a.rid: a.replica for a in admitted if a.replica is not None})
         batches = view.batches(prefill)
         for rid in preempt:
             shapes.pop(rid)
-        return IterationPlan(step, admitted, deferred, rejected, chunks, shapes, replica_of, batches, residency,
+        return IterationPlan(step, admitted, deferred, rejected, chunks, shapes, batches, residency,
                              sync, preempt)
 
     def _clip_chunks(self, view: SchedulerView, admitted: list[Admit],
