@@ -83,8 +83,7 @@ class DraftEngine:
         self.static_step = StaticBeamStep(self.runner, use_graphs=True) if use_graphs else None
 
     def _token_model(self) -> CausalLM | LeanModel:
-        """The token model; the drafts without one override each method that calls this (_new_pool,
-        offload, reload)."""
+        """The token model (the drafts without one override _new_pool, offload and reload, its callers)."""
         assert self.model is not None, f"{type(self).__name__} has no token model"
         return self.model
 
@@ -347,9 +346,7 @@ class DraftEngine:
         pin = self.device.type == "cuda"
         host = {}
         for name, param in _weights(self._token_model()):
-            copy = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
-            copy.copy_(param.detach())
-            host[name] = copy
+            host[name] = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin).copy_(param.detach())
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)  # frees the device copy
         self._host_weights = host
         self.runner = self.static_step = None
@@ -394,7 +391,7 @@ def _weights(model: CausalLM | LeanModel) -> list[tuple[str, torch.Tensor]]:
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.nbytes for t in tensors.values())
 
 
 def _sync(device: torch.device) -> None:
