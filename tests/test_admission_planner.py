@@ -383,9 +383,48 @@ def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
 def test_speculating_policies_offer_a_prior_and_plain_batching_none():
     from specserve.gateway.sched.policy import make_policy
 
-    assert make_policy("none").spec_prior() == (1.0, 1.0)
-    nodes, tokens = make_policy("joint").spec_prior()
+    assert make_policy("none").spec_prior(0.6) == (1.0, 1.0)
+    nodes, tokens = make_policy("joint").spec_prior(0.6)
     assert nodes == 2.0 and 1.0 < tokens < 2.0  # one draft token at the prior acceptance rate
+    assert make_policy("chain:5").spec_prior(0.5) == (6.0, 1.96875)  # l(0.5, 5) = (1 - 0.5^6) / 0.5
+    nodes, tokens = make_policy("tree:1,1,3").spec_prior(0.5)
+    assert nodes == 1 + 1 + 1 + 3 and tokens == 1.875  # the expansion; a 3-deep chain's l(0.5, 3)
+
+
+@pytest.mark.parametrize("name", ["none", "chain:5", "chain:1", "tree", "adaserve", "equal-greedy", "global-greedy",
+                                  "tetris", "turbospec", "nightjar", "slo-goodput", "joint"])
+def test_every_policy_that_drafts_is_priced_by_what_it_drafts(name):
+    """A critical tier at 0.9x one plain pass (the simulated 7B preset): only speculation can serve it.
+    Through the scheduler, every policy that drafts has it admitted on an idle replica (its prior: its
+    own shape at the measured acceptance), and plain batching has it refused. Before, every policy
+    but `joint` and `turbospec` priced it at one token per pass and refused it."""
+    from specserve.gateway.sched.policy import make_policy
+    from specserve.gateway.sched.routing import RoundRobin
+    from specserve.gateway.sched.scheduler import Scheduler
+
+    policy = make_policy(name)
+    crit = WaitingView("c", 60, 128, 12, "critical", TIGHT_MS, 1000.0, 0.0)
+    cost = PassCost(128, SIM_7B_BASELINE_MS, list(SIM_7B_CURVE))
+    reps = [ReplicaView(0, True, 4096, 0, 0, cost)]
+    v = SchedulerView([crit], [], [], reps, DraftView(True, False), Limits(64, 256, 8, 8))
+    plan_ = Scheduler(policy, RoundRobin(), admission=SloAdmission()).plan(v, 1)
+    if policy.uses_draft:
+        assert [a.rid for a in plan_.admitted] == ["c"], plan_.rejected
+    else:
+        assert "c" in plan_.rejected
+
+
+def test_the_admission_measures_acceptance_from_the_drafted_steps():
+    """The rate every policy's prior is priced at: what the drafted steps accepted, whatever drafted them."""
+    from specserve.gateway.engine.record import IterationRecord, RequestStep
+
+    adm = SloAdmission()
+    for _ in range(200):  # 4-token chains that always accept 1: the truncated-geometric MLE gives 1/2
+        rec = IterationRecord(1)
+        rec.requests.append(RequestStep("a", 0, depth=4, verified=5, accepted=1, emitted=2))
+        rec.requests.append(RequestStep("b", 0, depth=0, verified=1, accepted=0, emitted=1))  # no draft: not counted
+        adm.observe(rec)
+    assert abs(adm.acceptance.rate - 0.5) < 0.02
 
 
 def test_the_live_cost_keeps_room_for_a_lone_critical_decoder():

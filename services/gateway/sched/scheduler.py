@@ -75,7 +75,8 @@ class Scheduler:
 
     def _slo_proposal(self, view: SchedulerView, admission: SloAdmission) -> Proposal:
         """The planner asks each request it is offered its router pick first (a trial run, as FIFO's),
-        knowing what the speculation policy can give a tier that needs it (`Policy.spec_prior`)."""
+        knowing what the speculation policy can give a tier that needs it (`Policy.spec_prior`, at the
+        acceptance rate the admission measured)."""
         ledgers = _ledgers(view)
         router = copy.copy(self.router)
         first: dict[str, int] = {}
@@ -85,7 +86,7 @@ class Scheduler:
                 ledgers[replica].take(w.kv_blocks)
                 router.picked(replica)
                 first[w.rid] = replica
-        admission.spec_prior = self.policy.spec_prior()
+        admission.spec_prior = self.policy.spec_prior(admission.acceptance.rate)
         return admission.propose(view, {w.rid for w in view.waiting if w.best_effort}, first)
 
     def _fifo_chunks(self, view: SchedulerView, admitted: list[Admit]) -> tuple[dict[str, int], list[int]]:

@@ -56,6 +56,7 @@ from specserve.gateway.sched.admission.budget import TierLoad
 from specserve.gateway.sched.admission.budget_model import ReplicaBudget
 from specserve.gateway.sched.admission.dp import Node, plan
 from specserve.gateway.sched.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
+from specserve.gateway.sched.policy.goodput import Acceptance
 
 BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
 MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
@@ -91,6 +92,7 @@ class SloAdmission:
         self.best_effort: set[str] = set()  # rids admitted in the best-effort tier
         self.spec_steps = 0.0  # moving average of the deepest beam per iteration
         self.spec_prior = (1.0, 1.0)  # (nodes, tokens) per pass the policy can give a tier that needs it
+        self.acceptance = Acceptance()  # per-token acceptance of the drafted steps, whatever the policy
         self.last = AdmissionCounts()
         self._next = 0  # rotating first replica (SLO-aware routing)
 
@@ -99,6 +101,8 @@ class SloAdmission:
         depth = 0
         for s in record.verify_steps:
             depth = max(depth, s.depth)
+            if s.depth > 0 and s.verified > 1:  # drafted: its deepest level's tokens were offered
+                self.acceptance.observe(s.rid, min(s.depth, s.verified - 1), s.accepted)
             tpot = self.tier_of.get(s.rid)
             if tpot is None:
                 continue
@@ -344,6 +348,7 @@ class SloAdmission:
         if len(self.tier_of) > 2 * len(keep) + 64:
             self.tier_of = {k: v for k, v in self.tier_of.items() if k in keep}
             self.best_effort = {rid for rid in self.best_effort if rid in keep}
+            self.acceptance.forget(keep)
 
     @staticmethod
     def _count(where: dict[str, int], tier: str) -> None:

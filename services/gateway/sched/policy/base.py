@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.plan import BatchView, Decision, RequestView, Residency, SchedulerView, Shape
+from specserve.gateway.sched.policy.goodput import expected_tokens
 
 
 @dataclass(slots=True)
@@ -92,10 +93,12 @@ class Policy:
     def observe(self, record: IterationRecord) -> None:
         """Called after every iteration that ran a target pass."""
 
-    def spec_prior(self) -> tuple[float, float]:
-        """(tree nodes, tokens) per pass this policy can give a request whose TPOT needs speculation: SLO
-        admission's prior for such a tier until it has measured more (1, 1: it never speculates)."""
-        return 1.0, 1.0
+    def spec_prior(self, acceptance: float) -> tuple[float, float]:
+        """(tree nodes, tokens) per pass this policy can give a request whose TPOT needs speculation, at
+        the per-token acceptance rate measured now: SLO admission's prior for such a tier until it has
+        measured more. A policy that drafts can give at least a one-token chain (root and one draft
+        node); one that never drafts, (1, 1)."""
+        return (2.0, expected_tokens(acceptance, 1)) if self.uses_draft else (1.0, 1.0)
 
     def describe(self) -> dict:
         return {"name": self.name}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.policy.base import BatchView, Policy, Selected, Shape, Trees
+from specserve.gateway.sched.policy.goodput import expected_tokens
 
 
 class Chain(Policy):
@@ -22,6 +23,10 @@ class Chain(Policy):
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         return {rid: list(range(len(tree.tokens))) for rid, tree in candidates.items()}
+
+    def spec_prior(self, acceptance: float) -> tuple[float, float]:
+        """Its chain: K + 1 nodes, l(a, K) tokens."""
+        return float(self.k + 1), expected_tokens(acceptance, self.k)
 
     def describe(self) -> dict:
         return {"name": self.name, "k": self.k}
@@ -48,6 +53,15 @@ class ExpansionTree(Policy):
     def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         depth, width = len(self.widths), max(self.widths)
         return {r.rid: Shape(min(depth, r.remaining - 1), width) for r in batch.requests}
+
+    def spec_prior(self, acceptance: float) -> tuple[float, float]:
+        """Its whole tree's nodes, and the tokens of a chain as deep (a lower bound: the other branches
+        only add)."""
+        nodes, layer = 1, 1
+        for k in self.widths:
+            layer *= k
+            nodes += layer
+        return float(nodes), expected_tokens(acceptance, len(self.widths))
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         out = {}

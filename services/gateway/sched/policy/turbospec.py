@@ -189,8 +189,9 @@ class TurboSpec(Policy):
     def observe(self, record: IterationRecord) -> None:
         self.control.observe(record)
 
-    def spec_prior(self) -> tuple[float, float]:
-        """The cheapest chain, one draft token, at the acceptance rate estimated now."""
+    def spec_prior(self, acceptance: float) -> tuple[float, float]:
+        """The cheapest chain, one draft token, at the acceptance rate this controller estimates (the
+        rate it prices its own choices with)."""
         return 2.0, expected_tokens(self.control.acceptance.rate, 1)
 
     def describe(self) -> dict:
