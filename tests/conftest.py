@@ -63,19 +63,36 @@ def suite_profile(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def up(suite_profile):
+def up(request, suite_profile):
     """`specserve up` for a test module, on the suite's profile; B is pinned to 24 so the tests do not
-    depend on this machine's timing. (test_gateway.py has its own.)"""
-    from tests.support.procs import Up
+    depend on this machine's timing. (test_gateway.py, test_simulate_stack.py and test_bench.py start
+    their own.)"""
+    from tests.support.fixtures import start_up
 
-    server = Up("--profile", str(suite_profile), "--", "--budget", "24")
-    yield server
-    server.interrupt()
+    return start_up(request, profile=suite_profile)
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[str]:
-    """transformers' greedy output of the target alone on test_gateway.PROMPTS."""
-    from tests.test_gateway import transformers_greedy
+    """transformers' greedy output of the target alone on tests/support/gateway.py's PROMPTS."""
+    from tests.support.gateway import transformers_greedy
 
     return transformers_greedy()
+
+
+@pytest.fixture(scope="module")
+def services(request):
+    """A target and a draft service on their own, (target, draft). (test_auth.py and test_services.py
+    start theirs with other settings.)"""
+    from tests.support.fixtures import start_services
+
+    return start_services(request)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference():
+    """The first three PROMPTS as token ids with the target's greedy continuations (tests/support/engine.py's
+    MAX_TOKENS tokens), and the target's stop ids."""
+    from tests.support.engine import reference_tokens
+
+    return reference_tokens()

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.launch import ServiceProcess
 from specserve.shared.service_client import DraftClient, TargetClient
 from tests.support import poll
+from tests.support.gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 from tests.support.procs import gateway
-from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 
 IMPOSSIBLE = {"tpot_ms": 0.01}  # 10 µs per token: no replica can promise it
 

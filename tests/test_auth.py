@@ -20,7 +20,6 @@ import time
 import pytest
 import torch
 
-from specserve.launch import ServiceProcess
 from specserve.shared.auth import AuthError, ClientHandshake, load_secret
 from specserve.shared.messages import (
     AuthChallenge,
@@ -45,6 +44,7 @@ from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateI
 from specserve.shared.settings import SettingsError
 from specserve.shared.transport import MAGIC, PREFIX, frame_bytes, read_frame
 from tests.support.drive import Req, drive
+from tests.support.fixtures import start_services
 
 FRAME_TIMEOUT_S = 1.0
 HANDSHAKE_TIMEOUT_S = 2.0
@@ -52,25 +52,18 @@ PROMPT = list(range(5, 37))
 
 
 @pytest.fixture(scope="module")
-def services():
+def services(request):
     """A target and a draft with short timeouts (set through the environment, which they inherit)."""
     saved = dict(os.environ)
     for kind in ("TARGET", "DRAFT"):
         os.environ[f"SPECSERVE_{kind}_FRAME_TIMEOUT_S"] = str(FRAME_TIMEOUT_S)
         os.environ[f"SPECSERVE_{kind}_HANDSHAKE_TIMEOUT_S"] = str(HANDSHAKE_TIMEOUT_S)
     try:
-        target = ServiceProcess("target", "--kv-blocks", "64")
-        try:
-            draft = ServiceProcess("draft", "--kv-blocks", "64")
-        except BaseException:
-            target.stop()
-            raise
+        pair = start_services(request, "--kv-blocks", "64")
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    yield {"target": target, "draft": draft}
-    draft.stop()
-    target.stop()
+    return pair._asdict()
 
 
 def _run(coro, timeout: float = 60.0):

@@ -31,7 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import poll
 from tests.support.compose import COMPOSE, ROOT, ComposeStack, known_variables
-from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
+from tests.support.gateway import PROMPTS, complete_all
+from tests.support.procs import health
 
 
 def compose_command() -> list[str] | None:
@@ -87,10 +88,6 @@ def stack(tmp_path_factory):
         s.stop()
 
 
-def health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=30).json()
-
-
 def replicas(url: str) -> dict[str, dict]:
     """The gateway's replicas by address (host part)."""
     return {r["address"].rsplit(":", 1)[0]: r for r in health(url)["replicas"]}
@@ -109,16 +106,6 @@ def service_metrics(host: str, port: int) -> dict[str, float]:
 def target_calls(stack, proc) -> float:
     port = int(stack.spec("target")["environment"]["SPECSERVE_TARGET_METRICS_PORT"])
     return service_metrics(proc.host, port)["specserve:service_calls_total"]
-
-
-async def complete_all(url: str, prompts: list[str]) -> list[str]:
-    c = aclient(url)
-    try:
-        results = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
-                                                              temperature=0) for p in prompts])
-    finally:
-        await c.close()
-    return [r.choices[0].text for r in results]
 
 
 def test_compose_processes_parity_and_scaling(stack, reference):

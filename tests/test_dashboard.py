@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.launch import free_port
 from specserve.up import SERVICE_HOST, UpConfig, add_flags
 from tests.support import poll
+from tests.support.fixtures import start_up
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy/grafana/dashboards/specserve.json"
@@ -203,13 +204,9 @@ def gateway_successes(url: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def drafting_up(suite_profile):
+def drafting_up(request, suite_profile):
     """`specserve up` as conftest's `up` starts it, with a policy that always drafts."""
-    from tests.support.procs import Up
-
-    server = Up("--policy", "chain:4", "--profile", str(suite_profile), "--", "--budget", "24")
-    yield server
-    server.interrupt()
+    return start_up(request, "--policy", "chain:4", profile=suite_profile)
 
 
 @pytest.mark.slow

@@ -29,8 +29,8 @@ from specserve.shared.runner import ModelRunner
 from specserve.shared.service_base import BadCall
 from specserve.target.config import TargetConfig
 from specserve.target.engine import TargetEngine
-from tests.support.procs import Up
-from tests.test_gateway import PROMPTS, every_policy_is_lossless, greedy_results
+from tests.support.fixtures import start_up
+from tests.support.gateway import PROMPTS, every_policy_is_lossless, greedy_results
 
 TARGET = MODELS / "target"
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 18, 64, 9, 11, 300]
@@ -149,11 +149,8 @@ def test_the_engine_speaks_the_draft_protocol(head_dir):
 
 
 @pytest.fixture(scope="module")
-def up_eagle(suite_profile, head_dir):
-    server = Up("--draft-model", str(head_dir), "--policy", "adaserve", "--profile", str(suite_profile), "--",
-                "--budget", "24")
-    yield server
-    server.interrupt()
+def up_eagle(request, suite_profile, head_dir):
+    return start_up(request, "--draft-model", str(head_dir), "--policy", "adaserve", profile=suite_profile)
 
 
 @pytest.mark.slow

@@ -31,9 +31,9 @@ from specserve.gateway.frontend import wire
 from specserve.launch import free_port
 from specserve.shared.messages import SamplingSpec
 from tests.support import poll
-from tests.support.procs import Up, health, wait_health
-from tests.test_gateway import MAX_TOKENS, PROMPTS
-from tests.test_replicas import run_all
+from tests.support.fixtures import start_up
+from tests.support.gateway import MAX_TOKENS, PROMPTS, run_all
+from tests.support.procs import health, wait_health
 
 pytestmark = pytest.mark.slow
 
@@ -53,11 +53,9 @@ def link_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def up_fe(suite_profile, link_port):
-    server = Up("--profile", str(suite_profile), "--", "--frontends", "2", "--frontend-link",
-                f"127.0.0.1:{link_port}", env=_env(SECRET))
-    yield server
-    server.interrupt()
+def up_fe(request, suite_profile, link_port):
+    return start_up(request, profile=suite_profile,
+                    gateway_args=("--frontends", "2", "--frontend-link", f"127.0.0.1:{link_port}"), env=_env(SECRET))
 
 
 def frontend_pids() -> set[int]:

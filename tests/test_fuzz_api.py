@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_gateway import PROMPTS, wait_all_free
+from tests.support.gateway import PROMPTS, wait_all_free
 
 MAX_EXAMPLES = 2000
 FUZZ_SECONDS = 100.0

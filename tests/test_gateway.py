@@ -18,95 +18,29 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.shared.service_client import DraftClient, TargetClient
-from tests.support import poll
+from tests.support.fixtures import fresh_profile, start_up
+from tests.support.gateway import (
+    MAX_TOKENS,
+    POLICIES,
+    PROMPTS,
+    aclient,
+    client,
+    complete_all,
+    every_policy_is_lossless,
+    up_profile,
+    wait_all_free,
+)
 from tests.support.procs import Up, gateway, service_pid, wait_health
 
-ROOT = Path(__file__).resolve().parent.parent
-TARGET = ROOT / "models" / "target"
-_SHORT = [json.loads(line)["prompt"] for line in (ROOT / "bench/workloads/short.jsonl").read_text().splitlines()]
-# Six prompts the demo target continues for 40+ tokens, then one it ends at once (EOS first).
-PROMPTS = [_SHORT[i] for i in (1, 2, 5, 6, 7, 8, 0)]
-MAX_TOKENS = 40
-POLICIES = ["none", "chain:4", "tree:1,1,3,1,1,1,1,1", "equal-greedy", "global-greedy", "tetris:3,1", "turbospec",
-            "nightjar", "slo-goodput", "joint"]
-
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--policy", "adaserve", "--profile", str(profile), "--", "--budget", "24")
+def up(request, tmp_path_factory):
+    profile = fresh_profile(tmp_path_factory)
+    server = start_up(request, "--policy", "adaserve", profile=profile)
     assert profile.is_file(), "the gateway did not profile on first start"
     assert json.loads(profile.read_text())["budget_tokens"] >= 8
-    yield server
-    server.interrupt()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def aclient(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-async def greedy_results(url: str, prompts: list[str], **kw) -> list:
-    """The greedy completions of `prompts`, all at once, whole (text, usage, the `specserve` report)."""
-    c = aclient(url)
-    results = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
-                                                          temperature=0, **kw) for p in prompts])
-    await c.close()
-    return results
-
-
-async def complete_all(url: str, prompts: list[str], **kw) -> list[str]:
-    return [r.choices[0].text for r in await greedy_results(url, prompts, **kw)]
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[str]:
-    return transformers_greedy()
-
-
-def transformers_greedy() -> list[str]:
-    """Greedy output of the target alone on PROMPTS, with transformers."""
-    tok = AutoTokenizer.from_pretrained(TARGET)
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype="float32").eval()
-    out = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt")["input_ids"]
-        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)  # EOS from generation_config
-        out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
-    return out
-
-
-async def service_stats(up: Up):
-    out = []
-    for cls, address in ((DraftClient, up.draft), (TargetClient, up.target)):
-        c = await cls.connect(address)
-        out.append(await c.stats())
-        await c.close()
-    return out
-
-
-def wait_all_free(up: Up, timeout_s: float = 30) -> None:
-    poll.until(lambda: asyncio.run(service_stats(up)), timeout_s, "every KV block freed, no request resident",
-               ok=lambda stats: all(s.free_blocks == s.total_blocks and s.resident_requests == 0 for s in stats),
-               interval_s=0.3)
-
-
-def every_policy_is_lossless(up: Up, reference: list[str]) -> None:
-    """A gateway per policy of POLICIES on `up`'s services gives `reference` (greedy) on PROMPTS; then
-    every KV block is free."""
-    for policy in POLICIES:
-        g = gateway(up, policy, "--budget", "24")
-        try:
-            assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
-        finally:
-            g.stop()
-    wait_all_free(up)
+    return server
 
 
 # ---- the fast tier's end-to-end request -------------------------------------------------------------
@@ -360,6 +294,3 @@ def test_up_stops_cleanly_on_ctrl_c(up):
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")
 
-
-def up_profile(up: Up) -> str:
-    return httpx.get(f"{up.url}/v1/slo_classes").json()["profile"]

@@ -38,8 +38,8 @@ import pytest
 from specserve.shared.messages import SamplingSpec
 from specserve.shared.service_client import DraftClient, PrefillItem, TargetClient
 from tests.support import poll
+from tests.support.gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 from tests.support.procs import await_health, gateway, health, kill, service_pid, wait_health
-from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 
 
 def test_a_huge_prompt_does_not_stall_other_streams(up, reference):

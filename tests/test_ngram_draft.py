@@ -20,8 +20,8 @@ import torch
 from specserve.draft.config import DraftConfig
 from specserve.draft.ngram import NgramDraftEngine, ngram_tree
 from specserve.shared.messages import Speculate, SpeculateEntry
-from tests.support.procs import Up
-from tests.test_gateway import PROMPTS, every_policy_is_lossless, greedy_results
+from tests.support.fixtures import start_up
+from tests.support.gateway import PROMPTS, every_policy_is_lossless, greedy_results
 
 
 def paths(tree) -> dict[tuple[int, ...], float]:
@@ -99,11 +99,8 @@ def test_the_engine_speaks_the_draft_protocol_without_a_model():
 
 
 @pytest.fixture(scope="module")
-def up_ngram(suite_profile):
-    server = Up("--draft-model", "ngram", "--policy", "adaserve", "--profile", str(suite_profile), "--", "--budget",
-                "24")
-    yield server
-    server.interrupt()
+def up_ngram(request, suite_profile):
+    return start_up(request, "--draft-model", "ngram", "--policy", "adaserve", profile=suite_profile)
 
 
 @pytest.mark.slow

@@ -16,8 +16,8 @@ import math
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.gateway import PROMPTS, TARGET, aclient, service_stats, wait_all_free
 from tests.support.procs import gateway
-from tests.test_gateway import PROMPTS, TARGET, aclient, service_stats, wait_all_free
 
 TREE_TOKENS = 64  # the gateway reserves prompt + max_tokens + 64 tree tokens per request
 LENGTHS = [40, 24, 36, 16, 40, 30, 40]  # max_tokens per prompt (the last prompt ends at EOS at once)

@@ -9,7 +9,7 @@ import asyncio
 
 from specserve.gateway.engine.overlap import Guess, assumed_path, next_tree, reroot
 from specserve.gateway.sched.policy.base import CandidateTree
-from tests.test_engine import MAX_TOKENS, Steered, idle, prompts_and_reference, serve, services  # noqa: F401
+from tests.support.engine import MAX_TOKENS, Steered, idle, serve
 
 #        0(root=10)
 #       /         \
@@ -48,7 +48,7 @@ def test_next_tree_only_on_the_guessed_answer():
     assert next_tree(Guess([], 8, 5), ahead, [20]).tokens == [20, 22]  # guessed from the root
 
 
-def test_overlap_is_lossless_and_uses_its_trees(services, prompts_and_reference):  # noqa: F811
+def test_overlap_is_lossless_and_uses_its_trees(services, prompts_and_reference):
     prompts, stops = prompts_and_reference
     for off_every, draft_misses in ((0, False), (0, True), (3, True)):
         # chain:3 every iteration, or d = 0 on two iterations of three; a miss verifies its root alone, or
@@ -72,7 +72,7 @@ def test_overlap_is_lossless_and_uses_its_trees(services, prompts_and_reference)
         asyncio.run(idle(services))
 
 
-def test_overlap_end_and_abort_while_drafting_ahead(services, prompts_and_reference):  # noqa: F811
+def test_overlap_end_and_abort_while_drafting_ahead(services, prompts_and_reference):
     """A request ends in a step whose draft call beside the pass grew its next tree (max_tokens 7), one is
     aborted while the next pass runs; neither service keeps any KV."""
     prompts, stops = prompts_and_reference
@@ -87,6 +87,6 @@ def test_overlap_end_and_abort_while_drafting_ahead(services, prompts_and_refere
     asyncio.run(idle(services))
 
 
-def test_max_tokens_fits(prompts_and_reference):  # noqa: F811
+def test_max_tokens_fits(prompts_and_reference):
     prompts, _ = prompts_and_reference
     assert all(len(ref) == MAX_TOKENS for _, ref in prompts)  # the references ran to max_tokens

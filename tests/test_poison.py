@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from tests.test_gateway import MAX_TOKENS, PROMPTS, wait_all_free
+from tests.support.gateway import MAX_TOKENS, PROMPTS, wait_all_free
 
 STREAM_PROMPTS = [*PROMPTS, PROMPTS[0]]  # 8 streams; PROMPTS[6] ends at once (EOS first)
 

@@ -33,47 +33,18 @@ from specserve.gateway.backends.pool import DraftService, ServicePool, TargetRep
 from specserve.gateway.perf.cost import PassCost
 from specserve.launch import ServiceProcess, free_port
 from specserve.shared.service_client import PrefillItem, SpeculateItem, TargetClient
-from tests.support import poll
-from tests.support.procs import Up, await_health, health, kill, service_pid, wait_health
-from tests.test_gateway import MAX_TOKENS, PROMPTS, aclient
+from tests.support.fixtures import start_up
+from tests.support.gateway import MAX_TOKENS, PROMPTS, aclient, run_all, wait_all_free
+from tests.support.procs import await_health, health, kill, service_pid, wait_health
 
 
 @pytest.fixture(scope="module")
-def up2(suite_profile):
-    server = Up("--targets", "2", "--profile", str(suite_profile), "--", "--budget", "24")
-    yield server
-    server.interrupt()
-
-
-async def run_all(url: str, prompts: list[str], **kw) -> list:
-    c = aclient(url)
-    try:
-        return await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
-                                                           temperature=0, **kw) for p in prompts],
-                                    return_exceptions=True)
-    finally:
-        await c.close()
+def up2(request, suite_profile):
+    return start_up(request, "--targets", "2", profile=suite_profile)
 
 
 def wait_replicas_up(url: str, n: int) -> None:
     wait_health(url, lambda h: sum(r["up"] for r in h["replicas"]) >= n, f"{n} replicas ready")
-
-
-def wait_idle(up: Up, timeout_s: float = 30) -> None:
-    """Both replicas and the draft hold no request and no block (their own Stats)."""
-    async def stats():
-        out = []
-        for address in (up.addresses["target-0"], up.addresses["target-1"], up.draft):
-            from specserve.shared.service_client import DraftClient
-            cls = DraftClient if address == up.draft else TargetClient
-            c = await cls.connect(address)
-            out.append(await c.stats())
-            await c.close()
-        return out
-
-    poll.until(lambda: asyncio.run(stats()), timeout_s, "both replicas and the draft idle",
-               ok=lambda s: all(x.resident_requests == 0 and x.free_blocks == x.total_blocks for x in s),
-               interval_s=0.3)
 
 
 def test_greedy_equals_transformers_and_spreads_over_both(up2, reference):
@@ -82,7 +53,7 @@ def test_greedy_equals_transformers_and_spreads_over_both(up2, reference):
     assert [r.choices[0].text for r in results] == reference
     replicas = [r.model_extra["specserve"]["replica"] for r in results]
     assert set(replicas) == {0, 1}, replicas
-    wait_idle(up2)
+    wait_all_free(up2)
 
 
 def test_a_frozen_replica_holds_only_its_own_requests(up2, reference):
@@ -109,7 +80,7 @@ def test_a_frozen_replica_holds_only_its_own_requests(up2, reference):
     out = asyncio.run(run())
     assert [r.choices[0].text for r in out] == reference[:4]
     assert sorted(r.model_extra["specserve"]["replica"] for r in out) == [0, 0, 1, 1]
-    wait_idle(up2)
+    wait_all_free(up2)
 
 
 def test_entry_error_ends_only_that_request(up2, reference):
@@ -148,7 +119,7 @@ def test_entry_error_ends_only_that_request(up2, reference):
     assert isinstance(out[0], openai.APIError) and "unknown_request" in str(out[0]), out[0]
     assert out[1:] == reference[1:4]
     assert all(r["up"] for r in health(up2.url)["replicas"])
-    wait_idle(up2)
+    wait_all_free(up2)
 
 
 def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
@@ -183,7 +154,7 @@ def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
     later = asyncio.run(run_all(up2.url, PROMPTS))
     assert [r.choices[0].text for r in later] == reference
     assert {r.model_extra["specserve"]["replica"] for r in later} == {0, 1}
-    wait_idle(up2)
+    wait_all_free(up2)
 
 
 def test_poison_on_one_replica_touches_nothing_else(up2, reference):
@@ -212,7 +183,7 @@ def test_poison_on_one_replica_touches_nothing_else(up2, reference):
     assert health(up2.url)["status"] == "ok"
     later = asyncio.run(run_all(up2.url, PROMPTS[:2]))
     assert [r.choices[0].text for r in later] == reference[:2]
-    wait_idle(up2)
+    wait_all_free(up2)
 
 
 @pytest.mark.slow

@@ -20,7 +20,6 @@ import torch
 from tokenizers import Tokenizer
 
 from specserve.cli import BUNDLED_TARGET
-from specserve.launch import ServiceProcess
 from specserve.shared.generate import generate
 from specserve.shared.messages import Error, Forward, Health, HealthReply, PrefillEntry, SamplingSpec
 from specserve.shared.model_config import ModelConfig
@@ -29,19 +28,15 @@ from specserve.shared.runner import ModelRunner
 from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
 from specserve.shared.transport import MAGIC, PREFIX, frame_bytes, read_frame
 from tests.support.drive import Req, drive
+from tests.support.fixtures import start_services
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def services():
-    target = ServiceProcess("target", "--kv-blocks", "512")
-    try:
-        draft = ServiceProcess("draft", "--kv-blocks", "512")
-    except Exception:
-        target.stop()
-        raise
+def services(request):
+    target, draft = start_services(request, "--kv-blocks", "512")
     yield draft, target
     assert draft.alive() and target.alive(), "a service died during the tests"
     assert draft.stop() == 0 and target.stop() == 0  # SIGTERM stops both cleanly

@@ -17,12 +17,10 @@ from transformers import AutoTokenizer
 
 from specserve.shared.simulate.preset import load_preset
 from specserve.shared.simulate.text import load_corpus
+from tests.support.fixtures import fresh_profile, start_up
+from tests.support.gateway import MAX_TOKENS, PROMPTS, TARGET, aclient, up_profile
 from tests.support.procs import Up
-from tests.test_gateway import (  # noqa: F401  (collected here, against the simulated `up`)
-    MAX_TOKENS,
-    PROMPTS,
-    TARGET,
-    aclient,
+from tests.test_gateway import (  # noqa: F401  (tests, not helpers: collected here, against the simulated `up`)
     test_32_concurrent_streams,
     test_bad_requests_get_400_while_others_continue,
     test_chat_non_streaming_and_completion_streaming_agree,
@@ -40,12 +38,11 @@ PRESET = "cpu-demo"
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    server = Up("--simulate", PRESET, "--policy", "adaserve", "--profile", str(profile), "--", "--budget", "24")
+def up(request, tmp_path_factory):
+    profile = fresh_profile(tmp_path_factory)
+    server = start_up(request, "--simulate", PRESET, "--policy", "adaserve", profile=profile)
     assert profile.is_file(), "the gateway did not profile the simulated target on first start"
-    yield server
-    server.interrupt()
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +61,6 @@ def simulated_greedy(prompts: list[str], max_tokens: int) -> list[str]:
 
 def test_n_simulated_replicas_start_and_serve(up, tmp_path):
     """Three simulated target replicas behind one gateway: every one serves, output is the truth."""
-    from tests.test_gateway import up_profile
-
     server = Up("--simulate", PRESET, "--targets", "3", "--profile", up_profile(up), "--", "--budget", "24")
     try:
         assert [r["up"] for r in httpx.get(f"{server.url}/health").json()["replicas"]] == [True] * 3

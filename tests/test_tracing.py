@@ -42,6 +42,7 @@ from specserve.shared.messages import Health, HealthReply, Message
 from specserve.shared.rpc import RpcClient, RpcServer
 from specserve.shared.transport import PREFIX, TensorMeta, encode_frame, read_frame
 from tests.support import poll
+from tests.support.fixtures import BUDGET_24, start_up
 from tests.support.procs import Up
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,22 +235,22 @@ class OtlpReceiver:
         return out
 
 
-def _traced(*gateway_args: str):
-    """`specserve up` (adaserve) exporting to an OtlpReceiver, and that receiver; stops both."""
+def _traced(request, *gateway_args: str) -> tuple[Up, OtlpReceiver]:
+    """`specserve up` (adaserve) exporting to an OtlpReceiver, and that receiver; both stopped when the
+    fixture ends."""
     receiver = OtlpReceiver()
+    request.addfinalizer(receiver.stop)
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
            "OTEL_BSP_SCHEDULE_DELAY": "200"}  # ms: export soon after a span ends
     for name in ("OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         env.pop(name, None)
-    server = Up("--policy", "adaserve", "--profile", str(PROFILE), "--", "--budget", "24", *gateway_args, env=env)
-    yield server, receiver
-    server.interrupt()
-    receiver.stop()
+    return start_up(request, "--policy", "adaserve", profile=PROFILE, gateway_args=(*BUDGET_24, *gateway_args),
+                    env=env), receiver
 
 
 @pytest.fixture(scope="module")
-def traced_up():
-    yield from _traced()
+def traced_up(request):
+    return _traced(request)
 
 
 def _wait_for(receiver: OtlpReceiver, done, timeout_s: float = 60) -> list[SpanData]:
@@ -352,8 +353,8 @@ def test_what_the_exporter_sends_is_otlp_http_protobuf(traced_up):
 
 
 @pytest.fixture(scope="module")
-def traced_frontend_up():
-    yield from _traced("--frontends", "1")
+def traced_frontend_up(request):
+    return _traced(request, "--frontends", "1")
 
 
 def test_iterations_link_to_a_front_end_processes_request_span(traced_frontend_up):
