@@ -10,7 +10,10 @@ import asyncio
 
 from specserve.gateway.backends.discovery import Resolver, TargetDiscovery, read_hosts, split_address
 from specserve.gateway.backends.pool import ServicePool, TargetReplica
+from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.sched.slo_classes import SloClass
+from specserve.shared.messages import SamplingSpec
 
 
 def latency() -> PassCost:
@@ -44,7 +47,7 @@ def test_a_failed_lookup_keeps_the_replicas(tmp_path):
 def test_pool_adds_retires_drops_and_reuses_replicas():
     a = TargetReplica(0, "127.0.0.1:1", latency())
     pool = ServicePool([a], None, latency)
-    a.requests.add("r1")  # bound to a replica that is down: the engine ends it, the pool just drops it
+    a.requests["r1"] = GenRequest("r1", [1], SamplingSpec(), 4, SloClass("chat", 100.0, 1000.0), frozenset())  # bound to a replica that is down: the engine ends it, the pool just drops it
     a.owed_releases.add("old")
     pool.set_addresses(["127.0.0.1:1"])
     assert not pool._pending  # the same set: nothing to do
