@@ -47,7 +47,8 @@ def test_a_failed_lookup_keeps_the_replicas(tmp_path):
 def test_pool_adds_retires_drops_and_reuses_replicas():
     a = TargetReplica(0, "127.0.0.1:1", latency())
     pool = ServicePool([a], None, latency)
-    a.requests["r1"] = GenRequest("r1", [1], SamplingSpec(), 4, SloClass("chat", 100.0, 1000.0), frozenset())  # bound to a replica that is down: the engine ends it, the pool just drops it
+    # bound to a replica that is down: the engine ends it, the pool just drops it
+    a.requests["r1"] = GenRequest("r1", [1], SamplingSpec(), 4, SloClass("chat", 100.0, 1000.0), frozenset())
     a.owed_releases.add("old")
     pool.set_addresses(["127.0.0.1:1"])
     assert not pool._pending  # the same set: nothing to do
