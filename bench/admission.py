@@ -84,6 +84,8 @@ def account(records: list[RequestRecord]) -> dict:
     return {"outcomes": counts,
             "refused_status_ms_max": max(refused_ms) if refused_ms else None,
             "refused_status_ms_median": statistics.median(refused_ms) if refused_ms else None,
+            "refused_status_ms_p99": (statistics.quantiles(refused_ms, n=100, method="inclusive")[98]
+                                      if len(refused_ms) > 1 else (refused_ms or [None])[0]),
             "retry_after_s": sorted({r.retry_after_s for r in records if r.retry_after_s is not None})}
 
 
@@ -395,7 +397,7 @@ def cmd_spike(args: argparse.Namespace) -> None:
     runs = []
     for run in range(args.runs):
         order = ("fifo", "slo") if run % 2 == 0 else ("slo", "fifo")
-        for admission in order:
+        for admission in (a for a in order if a in args.admissions):
             with stack_for(args, admission) as stack:
                 p = run_point(stack, f"{_tagged('spike', args)}-{admission}-run{run}", args.seed + 100 * run,
                               poll=True, num_requests=args.requests, mix=SPIKE_MIX)
@@ -479,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     common(p, 0.0)
     p.add_argument("--requests", type=int, default=150)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--admissions", type=lambda s: s.split(","), default=["fifo", "slo"],
+                   help="which admissions to run, comma-separated (default fifo,slo)")
     p.set_defaults(fn=cmd_spike)
     p = sub.add_parser("report", help="regenerate docs/benchmarks/admission.md's section from the results")
     p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks" / "admission.md"))

@@ -251,7 +251,7 @@ def test_overload_refuses_with_retry_after_and_best_effort_waits():
 
 
 def test_the_first_token_bound_shares_every_replicas_prefill_passes():
-    from specserve.gateway.sched.admission.slo import first_token_bound_ms
+    from specserve.gateway.sched.admission.arrival import first_token_bound_ms
 
     one = linear_cost(0.1, 5.0)  # a 256-token pass: 30.6 ms, so 256 / 30.6 prompt tokens per ms
     rate = 256 / 30.6
@@ -378,6 +378,21 @@ def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
 
     assert "c" in propose([d("running", tpot=TIGHT_MS)]).reject
     assert [a.rid for a in propose([]).admit] == ["c"]
+
+
+def test_a_queue_beyond_the_offer_is_refused_now_where_no_replica_takes_it_after_those_ahead():
+    """A burst of 60 critical requests (74.5 ms TPOT, 1 s TTFT) at an idle CPU-like replica: the planner
+    offers 8, and of the queue behind them it refuses now the ones no replica admits even after every one
+    ahead of them that it does (r08-r24 would be: they wait their turn), checking 32 of it per plan.
+    Before, each waited for its own turn to be offered, iterations later (the burst's 400 ms refusals).
+    A request that may run best effort is never refused so."""
+    burst = [WaitingView(f"r{i:02d}", 60, 128, 12, "critical", 74.5, 1000.0, 0.0) for i in range(60)]
+    p = SloAdmission().propose(cpu_view(burst), set(), None)
+    assert [a.rid for a in p.admit] == [f"r{i:02d}" for i in range(8)]
+    assert sorted(p.reject) == [f"r{i}" for i in range(25, 40)]  # the first 32 behind the offer
+    assert all(f"r{i:02d}" in p.defer for i in range(8, 25)) and all(f"r{i}" in p.defer for i in range(40, 60))
+    flexible = [WaitingView(w.rid, 60, 128, 12, "critical", 74.5, 1000.0, 0.0, True) for w in burst]
+    assert SloAdmission().propose(cpu_view(flexible), set(), None).reject == {}
 
 
 def test_speculating_policies_offer_a_prior_and_plain_batching_none():

@@ -15,7 +15,7 @@ from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs import spans
 from specserve.gateway.obs.metrics import GatewayMetrics
-from specserve.gateway.sched.admission.slo import first_token_bound_ms
+from specserve.gateway.sched.admission.arrival import first_token_bound_ms
 from specserve.shared import tracing
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
-from specserve.gateway.sched.admission.dp import Budget
+from specserve.gateway.sched.admission.dp import Budget, Node, plan
 
 
 class ReplicaBudget:
@@ -76,4 +76,16 @@ class ReplicaBudget:
         return Budget(self.window, self.sustainable)
 
 
-__all__ = ["ReplicaBudget"]
+def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[ReplicaBudget]) -> set[str]:
+    """The DP's admissions at the first operating point that admits the most (ties: the earlier)."""
+    best: set[str] = set()
+    for i, b in enumerate(points):
+        took = set(plan(nodes, base, blocks, b.as_budget()).admitted)
+        if i == 0 or len(took) > len(best):
+            best = took
+        if len(best) == sum(not n.forced for n in nodes):
+            break
+    return best
+
+
+__all__ = ["ReplicaBudget", "best_plan"]

@@ -14,7 +14,8 @@ admission (digest §8):
    replica with nothing to run (work conserving: whatever the model says, an idle replica is spare);
 3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
    request on any replica is expected to finish). One that cannot meet its TTFT even with every
-   replica's passes given to the prompts due before it (`first_token_bound_ms`) is refused on arrival.
+   replica's passes given to the prompts due before it (`arrival.first_token_bound_ms`) is refused on arrival;
+   one behind the offer that no replica admits even beside those ahead of it is refused now (`_doomed`).
 
 A best-effort request, once admitted, is planned as a decoder with no TPOT: it costs its tokens in
 every batch but never sets the batch length.
@@ -53,14 +54,15 @@ from dataclasses import dataclass, field
 from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.admission.budget import TierLoad
-from specserve.gateway.sched.admission.budget_model import ReplicaBudget
-from specserve.gateway.sched.admission.dp import Node, plan
+from specserve.gateway.sched.admission.budget_model import ReplicaBudget, best_plan
+from specserve.gateway.sched.admission.dp import Node
 from specserve.gateway.sched.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
 from specserve.gateway.sched.policy.goodput import Acceptance
 
 BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
 MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
 BEST_EFFORT_DEADLINE_MS = 3.6e6  # no TTFT bound: an hour stands for "whenever"
+LOOKAHEAD = 32  # requests beyond the offer checked each plan for a refusal now (each a one-node DP)
 
 
 @dataclass(slots=True)
@@ -232,11 +234,45 @@ class SloAdmission:
                 self._count(self.last.refused, w.tier)
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
 
+        for w in self._doomed(view.waiting[self.max_new:], best_effort_ok, order, held, free, slots, base,
+                              budgets, total, nodes, index):
+            del defer[w.rid]
+            self._count(self.last.refused, w.tier)
+            reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
         chunks, per_replica = self._chunks(view, budgets, base, held, offered)
         for rid in preempt:
             self.best_effort.discard(rid)
             self.tier_of.pop(rid, None)
         return Proposal(admit, defer, chunks, per_replica, reject, preempt)
+
+    def _doomed(self, later: list[WaitingView], best_effort_ok: set[str], order: list[int],
+                held: dict[int, list[Node]], free: dict[int, int], slots: dict[int, int], base: dict[int, list[int]],
+                budgets: dict[int, list[ReplicaBudget]], total: dict[int, int],
+                nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]],
+                index: dict[float, int]) -> list[WaitingView]:
+        """The queue beyond this plan's offer (its first LOOKAHEAD), in order: each SLO request that no
+        replica admits even beside every one ahead of it that one does (planned as admitted), refused now
+        instead of when its turn to be offered comes, iterations later (the DP's verdict then, unless
+        requests finish first). A request that may run best effort is never refused here."""
+        held = {k: list(v) for k, v in held.items()}
+        free, slots = dict(free), dict(slots)
+        doomed = []
+        for w in later[:LOOKAHEAD]:
+            if w.best_effort or w.rid in best_effort_ok:
+                continue
+            for replica in order:
+                unit = max(1, math.ceil(free[replica] / self.memory_buckets))
+                new = nodes([w], False, slots[replica], free[replica], unit)
+                points = [b.attending(total[replica] - free[replica] + w.kv_blocks) for b in budgets[replica]]
+                if new and w.rid in best_plan(held[replica] + new, base[replica], free[replica] // unit, points):
+                    held[replica].append(Node(w.rid, index[w.tpot_ms], w.prompt_tokens, w.ttft_ms - w.waited_ms, 0,
+                                              True))
+                    free[replica] -= w.kv_blocks
+                    slots[replica] -= 1
+                    break
+            else:
+                doomed.append(w)
+        return doomed
 
     def _preempt_for(self, replica: int, held: list[Node], cands: list[WaitingView],
                      nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]], took: set[str],
@@ -355,35 +391,10 @@ class SloAdmission:
         where[tier] = where.get(tier, 0) + 1
 
 
-def first_token_bound_ms(prompt_tokens: int, tokens_ahead: int, costs: list[PassCost], chunk: int) -> float:
-    """The earliest a new request's first token can come, ms: its prompt and `tokens_ahead` prompt tokens
-    due before it, prefilled in passes of `chunk` tokens (or of all of them, if fewer) by every replica
-    at once with nothing else in them (each replica's cost model, no margin, no decode work). No plan
-    that serves the prompts due before it first can do better, so a request whose TTFT SLO is below
-    this is refused on arrival (`Engine.submit`) instead of at the planner's next iterations: a burst's
-    requests arrive faster than iterations run on a CPU."""
-    total = prompt_tokens + tokens_ahead
-    n = max(1, min(chunk, total))  # a lone short prompt is priced at its own pass, not at a chunk's share
-    rate = sum(n / c.iteration_ms(n) for c in costs)  # prompt tokens per ms
-    return total / rate if rate > 0 else math.inf
-
-
-def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[ReplicaBudget]) -> set[str]:
-    """The DP's admissions at the first operating point that admits the most (ties: the earlier)."""
-    best: set[str] = set()
-    for i, b in enumerate(points):
-        took = set(plan(nodes, base, blocks, b.as_budget()).admitted)
-        if i == 0 or len(took) > len(best):
-            best = took
-        if len(best) == sum(not n.forced for n in nodes):
-            break
-    return best
-
-
 def retry_after(view: SchedulerView) -> float:
     """Seconds until the soonest running request is expected to finish (1 to 60)."""
     soonest = min((r.remaining * r.tpot_ms / 1e3 for r in view.decoding), default=1.0)
     return min(60.0, max(1.0, soonest))
 
 
-__all__ = ["AdmissionCounts", "SloAdmission", "first_token_bound_ms", "retry_after"]
+__all__ = ["AdmissionCounts", "SloAdmission", "retry_after"]
