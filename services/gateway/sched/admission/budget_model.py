@@ -9,6 +9,9 @@ and gain (budget.py). The batch length with nothing decoding is `idle_ms`, and n
 `longest_ms`, the planned time of the largest pass the engine runs (its prefill cap beside its
 decoders): a loose TPOT (say 100 s) does not make one pass of 100 s, the engine runs many short ones,
 so a prompt's TTFT is met within a fraction of that TPOT.
+
+`best_plan` runs the DP at each operating point; `prefill_chunks` hands each replica's prefill room to
+its prompts in deadline order.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from collections.abc import Sequence
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
+from specserve.gateway.sched.plan import SchedulerView, WaitingView
+
+MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
 
 
 class ReplicaBudget:
@@ -88,4 +94,35 @@ def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[Repl
     return best
 
 
-__all__ = ["ReplicaBudget", "best_plan"]
+def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
+                   held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
+    """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the operating
+    point whose batches hold its decoders with the most room), raised to what keeps every prompt not
+    yet late within its deadline and capped at the engine's chunk, handed to its prompts in
+    prefill-deadline order."""
+    chunks: dict[str, int] = {}
+    per_replica = [0] * len(view.replicas)
+    left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
+    left.update({w.rid: w.prompt_tokens for w in offered})
+    for replica, points in budgets.items():
+        shapes = [b.shape(tuple(base[replica])) for b in points]
+        shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])
+        room = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS)
+        by_deadline = sorted(held[replica], key=lambda x: x.deadline_ms)
+        due = 0
+        for n in by_deadline:
+            # every prompt not yet late, with those due before it, is in by its deadline at this room
+            due += left.get(n.rid, 0)
+            if n.deadline_ms > 0:
+                room = max(room, math.ceil(due / max(1, math.floor(n.deadline_ms / shape.length_ms))))
+        room = min(room, view.limits.max_prefill_tokens)
+        for n in by_deadline:
+            take = min(left.get(n.rid, 0), room)
+            if take > 0:
+                chunks[n.rid] = take
+                room -= take
+                per_replica[replica] += take
+    return chunks, per_replica
+
+
+__all__ = ["MIN_CHUNK_TOKENS", "ReplicaBudget", "best_plan", "prefill_chunks"]

@@ -54,13 +54,12 @@ from dataclasses import dataclass, field
 from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.admission.budget import TierLoad
-from specserve.gateway.sched.admission.budget_model import ReplicaBudget, best_plan
+from specserve.gateway.sched.admission.budget_model import ReplicaBudget, best_plan, prefill_chunks
 from specserve.gateway.sched.admission.dp import Node
 from specserve.gateway.sched.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
 from specserve.gateway.sched.policy.goodput import Acceptance
 
 BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
-MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
 BEST_EFFORT_DEADLINE_MS = 3.6e6  # no TTFT bound: an hour stands for "whenever"
 LOOKAHEAD = 32  # requests beyond the offer checked each plan for a refusal now (each a one-node DP)
 
@@ -239,7 +238,7 @@ class SloAdmission:
             del defer[w.rid]
             self._count(self.last.refused, w.tier)
             reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
-        chunks, per_replica = self._chunks(view, budgets, base, held, offered)
+        chunks, per_replica = prefill_chunks(view, budgets, base, held, offered)
         for rid in preempt:
             self.best_effort.discard(rid)
             self.tier_of.pop(rid, None)
@@ -303,36 +302,6 @@ class SloAdmission:
             if k == len(victims):
                 return took
             k *= 2
-
-    def _chunks(self, view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
-                held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
-        """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the operating
-        point whose batches hold its decoders with the most room), raised to what keeps every prompt not
-        yet late within its deadline and capped at the engine's chunk, handed to its prompts in
-        prefill-deadline order."""
-        chunks: dict[str, int] = {}
-        per_replica = [0] * len(view.replicas)
-        left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
-        left.update({w.rid: w.prompt_tokens for w in offered})
-        for replica, points in budgets.items():
-            shapes = [b.shape(tuple(base[replica])) for b in points]
-            shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])
-            room = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS)
-            by_deadline = sorted(held[replica], key=lambda x: x.deadline_ms)
-            due = 0
-            for n in by_deadline:
-                # every prompt not yet late, with those due before it, is in by its deadline at this room
-                due += left.get(n.rid, 0)
-                if n.deadline_ms > 0:
-                    room = max(room, math.ceil(due / max(1, math.floor(n.deadline_ms / shape.length_ms))))
-            room = min(room, view.limits.max_prefill_tokens)
-            for n in by_deadline:
-                take = min(left.get(n.rid, 0), room)
-                if take > 0:
-                    chunks[n.rid] = take
-                    room -= take
-                    per_replica[replica] += take
-        return chunks, per_replica
 
     @staticmethod
     def _paces(view: SchedulerView, tpot_of: dict[str, float], offered: set[float]) -> dict[float, float]:
