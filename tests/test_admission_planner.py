@@ -477,8 +477,25 @@ def test_the_cost_prices_the_context_held_a_lone_short_request_fits_beside_a_lon
     p = SloAdmission().propose(cpu_view([critical("alone")], cost=cost), set(), None)
     assert [a.rid for a in p.admit] == ["alone"]
     search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 100, [], 0, 0, 95)
-    p = SloAdmission().propose(cpu_view([critical("beside")], [search], cost=cost), set(), None)
-    assert p.admit == [] and "beside" in p.reject  # 2 decoders at 111 blocks: 22.9 ms > 18.6
+    adm = SloAdmission()
+    p = adm.propose(cpu_view([critical("beside")], [search], cost=cost), set(), None)
+    # 2 decoders at 111 blocks: 22.9 ms > 18.6, so no TPOT is promised; but alone a replica meets it and
+    # its first token comes in time: it runs in the best-effort tier (FIFO would serve it), not refused
+    assert [a.rid for a in p.admit] == ["beside"] and "beside" in adm.best_effort and p.reject == {}
+    assert adm.last.declined == {"critical": 1} and adm.last.best_effort == {"critical": 1}
+
+
+def test_an_slo_request_is_refused_at_light_load_only_when_no_replica_could_meet_it_alone():
+    """Issue 48, item 4: at light load a declined SLO request is refused only if the cost model says no
+    replica can meet it even with nothing else to run: a 5 ms TPOT is below the lone decode pass (and a
+    one-token chain's), a TTFT of 1 ms below its prompt's pass. Otherwise it runs without a TPOT promise."""
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    for wv in (WaitingView("fast", 60, 128, 12, "critical", 5.0, 1000.0, 0.0),
+               WaitingView("now", 60, 128, 12, "critical", CPU_BASELINE_MS, 1.0, 0.0)):
+        adm = SloAdmission()
+        adm.spec_prior = (2.0, 1.6)
+        p = adm.propose(cpu_view([wv], [d("x", tpot=CPU_BASELINE_MS)], cost=cost), set(), None)
+        assert wv.rid in p.reject and p.admit == [], p
 
 
 def test_the_context_term_stays_within_the_blocks_timed():

@@ -53,10 +53,11 @@ from dataclasses import dataclass, field
 
 from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.sched.admission.arrival import first_token_bound_ms
 from specserve.gateway.sched.admission.budget import TierLoad
 from specserve.gateway.sched.admission.budget_model import ReplicaBudget, best_plan, prefill_chunks
 from specserve.gateway.sched.admission.dp import Node
-from specserve.gateway.sched.plan import Admit, Proposal, Reject, RequestView, SchedulerView, WaitingView
+from specserve.gateway.sched.plan import Admit, Proposal, Reject, ReplicaView, RequestView, SchedulerView, WaitingView
 from specserve.gateway.sched.policy.goodput import Acceptance
 
 BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
@@ -155,10 +156,14 @@ class SloAdmission:
                  for w in view.waiting[self.max_new:]}
         reject: dict[str, Reject] = {}
 
+        def deadline(w: WaitingView, best_effort: bool) -> float:
+            """Its prefill deadline: none in the best-effort tier if it allows that, else its TTFT's."""
+            return BEST_EFFORT_DEADLINE_MS if best_effort and w.rid in best_effort_ok else w.ttft_ms - w.waited_ms
+
         def nodes(cands: list[WaitingView], best_effort: bool, slots_: int, free_: int, unit: int) -> list[Node]:
             """The DP's new nodes: the candidates that fit this replica's free slots and blocks."""
             return [Node(w.rid, index[be_tpot if best_effort else w.tpot_ms], w.prompt_tokens,
-                         BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms,
+                         deadline(w, best_effort),
                          math.ceil(w.kv_blocks / unit))
                     for w in cands[:slots_] if w.kv_blocks <= free_]
 
@@ -189,8 +194,7 @@ class SloAdmission:
                 if w.rid in took:
                     tpot = be_tpot if best_effort else w.tpot_ms
                     admit.append(Admit(w.rid, replica))
-                    deadline = BEST_EFFORT_DEADLINE_MS if best_effort else w.ttft_ms - w.waited_ms
-                    held[replica].append(Node(w.rid, index[tpot], w.prompt_tokens, deadline, 0, True))
+                    held[replica].append(Node(w.rid, index[tpot], w.prompt_tokens, deadline(w, best_effort), 0, True))
                     free[replica] -= w.kv_blocks
                     slots[replica] -= 1
                     self.tier_of[w.rid] = tpot
@@ -221,8 +225,11 @@ class SloAdmission:
         declined = route(list(offered), best_effort=False)
         for w in declined:
             self._count(self.last.declined, w.tier)
-        still = route([w for w in declined if w.rid in best_effort_ok], best_effort=True)
-        waits = {w.rid for w in still}
+        # one it declines with an SLO some replica could meet alone is served without a TPOT guarantee where
+        # a replica can still start it within its TTFT (planned in the best-effort tier with its own TTFT
+        # deadline: what FIFO would serve in time, at light load); else refused
+        spare = [w for w in declined if w.rid in best_effort_ok or self._alone(w, up, view.limits.max_prefill_tokens)]
+        waits = {w.rid for w in route(spare, best_effort=True) if w.rid in best_effort_ok}
         admitted = {a.rid for a in admit}
         for w in declined:
             if w.rid in admitted:
@@ -243,6 +250,14 @@ class SloAdmission:
             self.best_effort.discard(rid)
             self.tier_of.pop(rid, None)
         return Proposal(admit, defer, chunks, per_replica, reject, preempt)
+
+    def _alone(self, w: WaitingView, up: list[ReplicaView], chunk: int) -> bool:
+        """Whether a replica with nothing else to run could meet the request's SLO (its cost model: the
+        prompt in passes of `chunk`, then decode passes of one token or of the policy's prior)."""
+        nodes, tokens = self.spec_prior
+        return any(w.waited_ms + first_token_bound_ms(w.prompt_tokens, 0, [rep.cost], chunk) <= w.ttft_ms
+                   and min(rep.cost.planned_ms(1), rep.cost.planned_ms(math.ceil(nodes), 1) / tokens) <= w.tpot_ms
+                   for rep in up)
 
     def _doomed(self, later: list[WaitingView], best_effort_ok: set[str], order: list[int],
                 held: dict[int, list[Node]], free: dict[int, int], slots: dict[int, int], base: dict[int, list[int]],
