@@ -15,7 +15,7 @@ admission (digest §8):
 3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
    request on any replica is expected to finish). One that cannot meet its TTFT even with every
    replica's passes given to the prompts due before it (`arrival.first_token_bound_ms`) is refused on arrival;
-   one behind the offer that no replica admits even beside those ahead of it is refused now (`_doomed`).
+   one behind the offer that no replica admits even beside those ahead of it is refused now.
 
 A best-effort request, once admitted, is planned as a decoder with no TPOT: it costs its tokens in
 every batch but never sets the batch length.
@@ -167,17 +167,32 @@ class SloAdmission:
                          math.ceil(w.kv_blocks / unit))
                     for w in cands[:slots_] if w.kv_blocks <= free_]
 
+        def plan_on(replica: int, cands: list[WaitingView], best_effort: bool, held_: dict[int, list[Node]],
+                    free_: dict[int, int], slots_: dict[int, int]) -> tuple[set[str], list[ReplicaBudget]]:
+            """The DP's admissions among these candidates on this replica beside its forced nodes `held_`,
+            and the operating points it planned at."""
+            unit = max(1, math.ceil(free_[replica] / self.memory_buckets))
+            new = nodes(cands, best_effort, slots_[replica], free_[replica], unit)
+            # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
+            # case); when several are admitted at once, the next plans see all their blocks
+            attending = total[replica] - free_[replica] + max((w.kv_blocks for w in cands), default=0)
+            points = [b.attending(attending) for b in budgets[replica]]
+            return (best_plan(held_[replica] + new, base[replica], free_[replica] // unit, points) if new
+                    else set()), points
+
+        def hold(replica: int, w: WaitingView, best_effort: bool, held_: dict[int, list[Node]],
+                 free_: dict[int, int], slots_: dict[int, int]) -> None:
+            """A request planned as admitted on this replica: a forced node, its blocks and slot taken."""
+            tpot = be_tpot if best_effort else w.tpot_ms
+            held_[replica].append(Node(w.rid, index[tpot], w.prompt_tokens, deadline(w, best_effort), 0, True))
+            free_[replica] -= w.kv_blocks
+            slots_[replica] -= 1
+
         def offer(replica: int, cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
             """Plan this replica with these candidates; returns the ones it declined."""
             if not cands:
                 return cands
-            unit = max(1, math.ceil(free[replica] / self.memory_buckets))
-            new = nodes(cands, best_effort, slots[replica], free[replica], unit)
-            # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
-            # case); when several are admitted at once, the next plans see all their blocks
-            attending = total[replica] - free[replica] + max((w.kv_blocks for w in cands), default=0)
-            points = [b.attending(attending) for b in budgets[replica]]
-            took = best_plan(held[replica] + new, base[replica], free[replica] // unit, points) if new else set()
+            took, points = plan_on(replica, cands, best_effort, held, free, slots)
             if not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
                 # work conserving: an idle replica is spare capacity whatever its refitted model says. A
                 # bad refit kept one idle beside a waiting best-effort request for good, and another
@@ -192,12 +207,9 @@ class SloAdmission:
                                          slots, points, index, tpot_of, preempt)
             for w in cands:
                 if w.rid in took:
-                    tpot = be_tpot if best_effort else w.tpot_ms
                     admit.append(Admit(w.rid, replica))
-                    held[replica].append(Node(w.rid, index[tpot], w.prompt_tokens, deadline(w, best_effort), 0, True))
-                    free[replica] -= w.kv_blocks
-                    slots[replica] -= 1
-                    self.tier_of[w.rid] = tpot
+                    hold(replica, w, best_effort, held, free, slots)
+                    self.tier_of[w.rid] = be_tpot if best_effort else w.tpot_ms
                     if best_effort:
                         self.best_effort.add(w.rid)
             return [w for w in cands if w.rid not in took]
@@ -240,8 +252,22 @@ class SloAdmission:
                 self._count(self.last.refused, w.tier)
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
 
-        for w in self._doomed(view.waiting[self.max_new:], best_effort_ok, order, held, free, slots, base,
-                              budgets, total, nodes, index):
+        # the queue beyond the offer (its first LOOKAHEAD), in order: each SLO request that no replica admits
+        # even beside every one ahead of it that one does (planned as admitted, on copies) is refused now
+        # instead of when its turn to be offered comes, iterations later (the DP's verdict then, unless
+        # requests finish first); one that may run best effort is never refused here
+        held_ = {k: list(v) for k, v in held.items()}
+        free_, slots_ = dict(free), dict(slots)
+        doomed = []
+        for w in view.waiting[self.max_new:self.max_new + LOOKAHEAD]:
+            if w.best_effort or w.rid in best_effort_ok:
+                continue
+            replica = next((k for k in order if w.rid in plan_on(k, [w], False, held_, free_, slots_)[0]), None)
+            if replica is None:
+                doomed.append(w)
+            else:
+                hold(replica, w, False, held_, free_, slots_)
+        for w in doomed:
             del defer[w.rid]
             self._count(self.last.refused, w.tier)
             reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
@@ -258,35 +284,6 @@ class SloAdmission:
         return any(w.waited_ms + first_token_bound_ms(w.prompt_tokens, 0, [rep.cost], chunk) <= w.ttft_ms
                    and min(rep.cost.planned_ms(1), rep.cost.planned_ms(math.ceil(nodes), 1) / tokens) <= w.tpot_ms
                    for rep in up)
-
-    def _doomed(self, later: list[WaitingView], best_effort_ok: set[str], order: list[int],
-                held: dict[int, list[Node]], free: dict[int, int], slots: dict[int, int], base: dict[int, list[int]],
-                budgets: dict[int, list[ReplicaBudget]], total: dict[int, int],
-                nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]],
-                index: dict[float, int]) -> list[WaitingView]:
-        """The queue beyond this plan's offer (its first LOOKAHEAD), in order: each SLO request that no
-        replica admits even beside every one ahead of it that one does (planned as admitted), refused now
-        instead of when its turn to be offered comes, iterations later (the DP's verdict then, unless
-        requests finish first). A request that may run best effort is never refused here."""
-        held = {k: list(v) for k, v in held.items()}
-        free, slots = dict(free), dict(slots)
-        doomed = []
-        for w in later[:LOOKAHEAD]:
-            if w.best_effort or w.rid in best_effort_ok:
-                continue
-            for replica in order:
-                unit = max(1, math.ceil(free[replica] / self.memory_buckets))
-                new = nodes([w], False, slots[replica], free[replica], unit)
-                points = [b.attending(total[replica] - free[replica] + w.kv_blocks) for b in budgets[replica]]
-                if new and w.rid in best_plan(held[replica] + new, base[replica], free[replica] // unit, points):
-                    held[replica].append(Node(w.rid, index[w.tpot_ms], w.prompt_tokens, w.ttft_ms - w.waited_ms, 0,
-                                              True))
-                    free[replica] -= w.kv_blocks
-                    slots[replica] -= 1
-                    break
-            else:
-                doomed.append(w)
-        return doomed
 
     def _preempt_for(self, replica: int, held: list[Node], cands: list[WaitingView],
                      nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]], took: set[str],
