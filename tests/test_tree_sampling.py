@@ -19,7 +19,7 @@ import torch
 
 from specserve.shared.sampling import SamplingParams, probabilities, sample
 from specserve.shared.token_tree import children_by_token
-from specserve.shared.tree_acceptance import Acceptance, accept_tree
+from specserve.shared.tree_acceptance import Acceptance, accept_tree, walk
 
 V = 6  # vocabulary
 L = 3  # continuation length whose joint distribution is tested
@@ -222,15 +222,7 @@ def accept_parent_logits(tokens, parents, logits, params, generator) -> Acceptan
     """Wrong: off-by-one logits row; a non-root node draws from its parent's distribution."""
     children = children_by_token(tokens, parents)
     probs = probabilities(logits, params)
-    path, emitted, node = [0], [], 0
-    while True:
-        token = sample(probs[max(parents[node], 0)], generator)
-        emitted.append(token)
-        child = children[node].get(token)
-        if child is None:
-            return Acceptance(path, emitted)
-        path.append(child)
-        node = child
+    return walk(children, lambda node: sample(probs[max(parents[node], 0)], generator))
 
 
 # ---- the statistical tests -----------------------------------------------------------------
