@@ -63,7 +63,7 @@ class Engine:
         self.admitter = Admitter(self.table, pool, self.drafts, metrics, config, scheduler.admission, self._wake)
         self.passes = Passes(self.table, pool, self.executor, policy, self.drafts, metrics)
         self.snapshots = Snapshots(self.table, pool, config)
-        self.lookahead = config.kv_lookahead_tokens > 0  # reservations grow on the way
+        self.grow_kv = config.kv_lookahead_tokens > 0  # reservations grow on the way (--kv-lookahead-tokens)
         self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
         self._loops: dict[int, asyncio.Task[None]] = {}  # per replica: its step loop
         self._supervisor: asyncio.Task[None] | None = None
@@ -166,7 +166,7 @@ class Engine:
         """One iteration of a replica; False when it changed nothing (no pass ran, nobody was admitted or
         refused)."""
         t0 = time.perf_counter()
-        if self.lookahead:
+        if self.grow_kv:
             self.admitter.grow_reservations(replica.index)  # before the releases, so a preempted request's go out now
         await self.executor.release_owed(replica)
         if not replica.up:

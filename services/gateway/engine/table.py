@@ -41,7 +41,10 @@ class RequestTable:
     def queue(self, r: GenRequest, first: bool = False) -> None:
         """Into the waiting queue: at its end, or at its head (`first`, a preempted request)."""
         self.requests[r.rid] = r
-        self.waiting.insert(0, r) if first else self.waiting.append(r)
+        if first:
+            self.waiting.insert(0, r)
+        else:
+            self.waiting.append(r)
 
     def bound(self, replica: int) -> list[GenRequest]:
         """The requests bound to a replica, in admission order."""
