@@ -201,11 +201,13 @@ def solo_point(url: str, out: Path, label: str, requests: int) -> dict:
 def policy_args(policy: str, gateway_args: list[str]) -> list[str]:
     """A sweep's policy as gateway flags: `NAME@slo` (or `@fifo`) names the admission too; a plain name
     runs with FIFO admission (every figure taken before SLO admission became the default, 2026-11-25),
-    unless `gateway_args` names one. The default system is `joint@slo`."""
-    name, _, admission = policy.partition("@")
+    unless `gateway_args` names one. The default system is `joint@slo`. Flags after the name are that
+    policy's own (`'joint@slo --max-width 1'`)."""
+    head, *own = policy.split()
+    name, _, admission = head.partition("@")
     if "--admission" in gateway_args:
-        return ["--policy", name] if not admission else ["--policy", name, "--admission", admission]
-    return ["--policy", name, "--admission", admission or "fifo"]
+        return ["--policy", name, *own] if not admission else ["--policy", name, "--admission", admission, *own]
+    return ["--policy", name, "--admission", admission or "fifo", *own]
 
 
 def slug(policy: str) -> str:
@@ -655,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="K values tried for chain:K (one value: no calibration)")
     ap.add_argument("--calibration-rate", type=float, default=1.0, help="the chain:K calibration's request rate")
     ap.add_argument("--policies", default=None,
-                    help="';'-separated policies instead of the default six (e.g. 'none;adaserve')")
+                    help="';'-separated policies instead of the default six (e.g. 'none;adaserve'); flags after "
+                         "a name are its own ('joint@slo --max-width 1')")
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
     ap.add_argument("--simulate", default=None, metavar="PRESET",
                     help="simulated model services (docs/simulation.md); results are labelled simulated")

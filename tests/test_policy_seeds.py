@@ -369,7 +369,7 @@ def test_joint_drafts_for_the_at_risk_where_turbospec_would_not_draft_at_all():
     lat.t_spec_ms = 13.5
     fine = [req(f"f{i}", tpot=1000.0) for i in range(8)]
     urgent = [req(f"u{i}", tpot=12.0, decoded=20, elapsed=230.0) for i in range(3)]
-    p, turbo = Joint(), TurboSpec()
+    p, turbo = Joint(tree_width=1), TurboSpec()  # chains: the trees are test_branching.py's
     shapes = p.shapes(BatchView([*fine, *urgent]), lat)
     k = p.control.current[0]
     assert k > 0 and shapes == {**{r.rid: Shape(0, 1) for r in fine}, **{r.rid: Shape(k, 1) for r in urgent}}
@@ -381,7 +381,7 @@ def test_joint_drafts_for_the_at_risk_where_turbospec_would_not_draft_at_all():
 def test_joint_is_turbospec_when_every_request_keeps_its_pace_and_lost_ones_never_draft():
     lat = latency(curve=[(1, 10.0), (64, 11.0)])  # verification nearly free: drafting pays
     fine = [req("f", tpot=1000.0), req("g", tpot=1000.0)]
-    p, turbo = Joint(), TurboSpec()
+    p, turbo = Joint(tree_width=1), TurboSpec()  # chains: the trees are test_branching.py's
     assert p.shapes(BatchView(fine), lat) == turbo.shapes(BatchView(fine), lat)
     assert p.control.current[0] > 0
     lost = req("x", tpot=1.0, decoded=20, elapsed=10000.0)
@@ -398,6 +398,21 @@ def test_joint_off_switch_when_nothing_pays():
     shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
     assert all(s.depth == 0 for s in shapes.values())
     assert p.control.thr == 64  # TurboSpec's draft-prefill skip engages
+
+
+def test_joint_keeps_the_draft_prefill_of_a_request_that_starts_at_risk():
+    """Under load (more running than the skip threshold), TurboSpec skips every new request's draft
+    prefill; `joint` keeps it for one whose root alone falls behind its pace, so that it can draft later."""
+    from specserve.gateway.sched.plan import DraftView, Limits, ReplicaView, SchedulerView
+    lat = latency(curve=[(8, 10.0), (64, 38.0)])
+    lat.t_spec_ms = 80.0  # the replica's measured iteration under load
+    critical, relaxed = req("c", tpot=53.0, decoded=0, elapsed=0.0), req("r", tpot=424.0, decoded=0, elapsed=0.0)
+    view = SchedulerView([], [], [critical, relaxed], [ReplicaView(0, True, 1000, 0, 2, lat)], DraftView(True, False),
+                         Limits(8, 64, 8, 4))
+    for p, kept in ((TurboSpec(), {"c": False, "r": False}), (Joint(), {"c": True, "r": False})):
+        p.control.thr = 1  # k = 0 was chosen at batch 1
+        p.decide(view)
+        assert p.control.draft_ok == kept
 
 
 # ---------------------------------------------------------------- Nightjar

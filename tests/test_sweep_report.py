@@ -114,3 +114,11 @@ def test_default_docs_file_per_kind(sweep):
     assert sweep.default_docs(sim).parts[-2:] == ("benchmarks", "sweep_sim.md")
     for path in (sweep.default_docs(real), sweep.default_docs(sim)):  # the generated sections live there
         assert "<!-- sweep:" in path.read_text()
+
+
+def test_a_policy_carries_its_admission_and_its_own_flags(sweep):
+    assert sweep.policy_args("chain:4", []) == ["--policy", "chain:4", "--admission", "fifo"]
+    assert sweep.policy_args("joint@slo --max-width 1", []) == ["--policy", "joint", "--admission", "slo",
+                                                                 "--max-width", "1"]
+    assert sweep.policy_args("joint --max-width 1", ["--admission", "slo"]) == ["--policy", "joint", "--max-width", "1"]
+    assert sweep.slug("joint@slo --max-width 1") == "joint@slo--max-width1"

@@ -87,6 +87,13 @@ def _chains(cls: type[TurboSpec]) -> Callable[[str, Any], Policy]:
     return build
 
 
+def _joint(arg: str, opts: Any) -> Policy:
+    """TurboSpec's chains (at most 7 tokens, or --max-depth if lower), widened to trees of --max-width."""
+    if arg:
+        raise ValueError(f"takes no argument (got {arg!r})")
+    return Joint(max_k=min(7, opts.max_depth), tree_width=opts.max_width)
+
+
 def _slo_goodput(arg: str, opts: Any) -> Policy:
     if arg:
         raise ValueError(f"takes no argument (got {arg!r})")
@@ -120,8 +127,8 @@ register(PolicySpec("slo-goodput", "slo-goodput", "AdaServe's SLO-customized sel
                     "model's budget at the running batch, off when drafting does not pay, hopeless "
                     "requests left out of the SLO phase", _slo_goodput, TreeOptions))
 register(PolicySpec("joint", "joint", "chains of the goodput-optimal length (0 = no draft call); only the requests "
-                    "at risk of their TPOT SLO draft when that buys more SLO goodput; lost requests never draft "
-                    "(the default)", _chains(Joint), TreeOptions))
+                    "at risk of their TPOT SLO draft when that buys more SLO goodput; lost requests never draft; "
+                    "side branches where the draft offers them and they pay (the default)", _joint, TreeOptions))
 
 NAMES = [spec.usage for spec in REGISTRY.values()]
 

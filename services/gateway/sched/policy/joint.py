@@ -20,14 +20,24 @@ acceptance MLE and the three-service step-time model, refitted online):
    when drafting for everyone would make the pass too long for the requests at risk, the requests
    with slack keep their roots only and the tokens go to those at risk; when every request keeps
    its pace this is TurboSpec on the requests not lost.
-3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes; every
-   drafted chain is verified whole (the model prices chains, not trees).
+3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes; a
+   request that starts decoding at risk keeps its draft prefill whatever the load; every drafted
+   chain is verified whole.
+4. Trees where they pay (branching.py): the drafting requests ask for trees instead of chains when
+   the draft's extra time for the width is worth the side tokens measured, and beside each chain the
+   target verifies the side nodes whose estimated acceptance beats the pass's goodput per ms of
+   verification without making a request that keeps its pace late.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
-from specserve.gateway.sched.policy.base import BatchView, RequestView
+from specserve.gateway.sched.plan import SchedulerView
+from specserve.gateway.sched.policy.base import BatchView, RequestView, Selected, Shape, Trees
+from specserve.gateway.sched.policy.branching import Branches
 from specserve.gateway.sched.policy.goodput import best_depth, expected_tokens
 from specserve.gateway.sched.policy.turbospec import TurboSpec
 
@@ -36,6 +46,10 @@ LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
 
 class Joint(TurboSpec):
     name = "joint"
+
+    def __init__(self, max_k: int = 7, margin: float = 0.03, probe_every: int = 50, tree_width: int = 4):
+        super().__init__(max_k, margin, probe_every)
+        self.branches = Branches(width=tree_width, probe_every=probe_every)
 
     def state(self, r: RequestView, t_ms: float, pace: float | None = None) -> str:
         """LOST, AT_RISK or SLACK for a decoding request at a predicted iteration time of `t_ms` (pace: its
@@ -85,6 +99,41 @@ class Joint(TurboSpec):
         drafting = {r.rid for r in spec}
         c.settle(batch, k, [r for r in late if r.rid in drafting], may)
         return k, spec if k > 0 else may  # at k = 0 nobody drafts; TurboSpec's probe picks among `may`
+
+    def keeps_draft(self, view: SchedulerView) -> Callable[[RequestView], bool]:
+        """A request that starts decoding at risk (its root alone, at the replica's measured iteration,
+        falls behind its pace) keeps its draft prefill under load: skipped, the draft would not know it
+        and nothing could bring it back to its pace (the catch-up of a whole prompt never pays in one step)."""
+        return lambda r: self.state(r, view.replicas[r.replica].cost.t_spec_ms) == AT_RISK
+
+    def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
+        """The chains of `choose` (with TurboSpec's probe and pause), as trees where `Branches.widen` says."""
+        shapes = super().shapes(batch, model)
+        spec = [r for r in batch.requests if shapes[r.rid].depth > 0]
+        if not spec:
+            return shapes
+        depth = max(shapes[r.rid].depth for r in spec)
+        rates = self.control.acceptance.rates(spec)
+        _, step_ms = self.control.step_ms(batch, model, spec, depth)
+        tokens = len(batch.requests) - len(spec) + sum(expected_tokens(rates[r.rid], shapes[r.rid].depth) for r in spec)
+        if self.branches.widen(batch, model, spec, depth, tokens, step_ms):
+            for r in spec:
+                shapes[r.rid] = Shape(shapes[r.rid].depth, self.branches.width)
+        return shapes
+
+    def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
+        """Every chain whole, and the side nodes that pay (`Branches.grow`)."""
+        rates = self.control.acceptance.rates([r for r in batch.requests if r.rid in candidates])
+        selected = self.branches.grow(batch, candidates, model, rates, {r.rid: r.pace_ms() for r in batch.requests})
+        self.control.selected(candidates, selected)
+        return selected
+
+    def observe(self, record: IterationRecord) -> None:
+        self.control.observe(record)
+        self.branches.observe(record)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "tree_width": self.branches.width}
 
 
 __all__ = ["AT_RISK", "Joint", "LOST", "SLACK"]

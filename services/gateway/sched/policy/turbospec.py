@@ -22,6 +22,7 @@ Nothing here does I/O: time comes from the IterationRecords given to `observe`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.gateway.engine.record import IterationRecord
@@ -49,14 +50,15 @@ class GoodputControl:
     proposed: dict[str, int] = field(default_factory=dict)  # rid -> draft tokens verified (chain depth)
 
     # ---- per iteration -----------------------------------------------------------------------------
-    def admit(self, view: SchedulerView) -> None:
-        """New decoding requests: skip their draft prefill under load; forget finished ones."""
+    def admit(self, view: SchedulerView, keep: Callable[[RequestView], bool] | None = None) -> None:
+        """New decoding requests: skip their draft prefill under load, except those `keep` names; forget
+        finished ones."""
         live = view.live_rids
         mine = [r for r in view.decoding if view.stepping(r.replica)]
         running = len(mine)  # on the replica this plan steps (thr is a replica's batch size)
         for r in mine:
             if r.rid not in self.draft_ok:
-                ok = running <= self.thr
+                ok = running <= self.thr or (keep is not None and keep(r))
                 self.draft_ok[r.rid] = ok
                 if not ok:
                     self.skips += 1
@@ -162,8 +164,12 @@ class TurboSpec(Policy):
         self.control = GoodputControl(max_k=max_k, margin=margin, probe_every=probe_every)
 
     def decide(self, view: SchedulerView) -> Decision:
-        self.control.admit(view)
+        self.control.admit(view, self.keeps_draft(view))
         return super().decide(view)
+
+    def keeps_draft(self, view: SchedulerView) -> Callable[[RequestView], bool] | None:
+        """The new decoding requests whose draft prefill is never skipped (TurboSpec: none)."""
+        return None
 
     def choose(self, batch: BatchView, model: PassCost) -> tuple[int, list[RequestView]]:
         """(k for this replica's pass, the requests that draft k-token chains); `joint` overrides it."""
