@@ -402,11 +402,14 @@ def test_joint_off_switch_when_nothing_pays():
 
 def test_joint_keeps_the_draft_prefill_of_a_request_that_starts_at_risk():
     """Under load (more running than the skip threshold), TurboSpec skips every new request's draft
-    prefill; `joint` keeps it for one whose root alone falls behind its pace, so that it can draft later."""
+    prefill; `joint` keeps it for one whose root alone falls behind its pace, so that it can draft later.
+    The numbers are those of the collapsed run (bench/results/sweep-sim-7b-x4-collapse20/
+    joint@slo-rate12-run3.jsonl): from 12 s on, every critical request (TPOT 52.97 ms) decoded one
+    token a step at about 81 ms a step, and from 13.3 s the admission refused 105 arrivals in a row."""
     from specserve.gateway.sched.plan import DraftView, Limits, ReplicaView, SchedulerView
     lat = latency(curve=[(8, 10.0), (64, 38.0)])
-    lat.t_spec_ms = 80.0  # the replica's measured iteration under load
-    critical, relaxed = req("c", tpot=53.0, decoded=0, elapsed=0.0), req("r", tpot=424.0, decoded=0, elapsed=0.0)
+    lat.t_spec_ms = 81.0  # the replica's measured iteration under that load
+    critical, relaxed = req("c", tpot=52.97, decoded=0, elapsed=0.0), req("r", tpot=423.8, decoded=0, elapsed=0.0)
     view = SchedulerView([], [], [critical, relaxed], [ReplicaView(0, True, 1000, 0, 2, lat)], DraftView(True, False),
                          Limits(8, 64, 8, 4))
     for p, kept in ((TurboSpec(), {"c": False, "r": False}), (Joint(), {"c": True, "r": False})):
