@@ -134,3 +134,22 @@ def test_joint_drafts_trees_where_they_pay_and_verifies_chains_whole():
     assert p.control.proposed == {"a": 3, "b": 1}  # the acceptance estimate still sees chain depths
     p.observe(record({"a": 2, "b": 1}))
     assert p.branches.calibration == pytest.approx((3 + 4) / (0.6 + 0.3 + 0.4 + 0.15 + 0.3 + 0.1 + 0.9 + 4))
+
+
+def test_side_nodes_are_filler_that_slo_admission_leaves_out_of_a_tiers_cost():
+    from specserve.gateway.sched.admission.slo import SloAdmission
+    p = make_policy("joint")
+    lat = cost(FREE)
+    batch = BatchView([req("a")])
+    p.shapes(batch, lat)
+    selected = p.select(batch, {"a": forked()}, lat)
+    assert len(selected["a"]) == 7 and p.filler("a") == 3  # the chain's 4 nodes and 3 side nodes
+    admission = SloAdmission()
+    admission.tier_of["a"] = 50.0
+    step = RequestStep("a", 0, depth=3, width=4, verified=7, filler=p.filler("a"), accepted=2, emitted=3)
+    record = IterationRecord(0, requests=[step])
+    for _ in range(80):  # a moving average with weight 0.1 on the newest
+        admission.observe(record)
+    assert admission.stats[50.0].cost == pytest.approx(4.0, abs=0.01)  # what the chain costs, not 7
+    p.observe(record)
+    assert p.filler("a") == 0  # forgotten once its pass is recorded

@@ -59,8 +59,9 @@ class Passes:
             toks, parents = tree.subtree(selected.get(r.rid, [0])) if tree is not None else ([r.output[-1]], [-1])
             p.verify.append(VerifyItem(r.rid, plan.step, r.committed, toks, parents))
             shape = plan.shapes[r.rid]
+            filler = self.policy.filler(r.rid) if tree is not None else 0
             record.requests.append(RequestStep(r.rid, replica, depth=shape.depth, width=shape.width,
-                                               verified=len(toks)))
+                                               verified=len(toks), filler=filler))
         # (a replica that went down was handled after the releases; only draft calls ran since)
         return (p if (p.prefill or p.verify) and target.up else None), selected
 

@@ -25,6 +25,7 @@ class RequestStep:
     depth: int = 0  # planned beam depth d (0: no draft tokens)
     width: int = 1  # planned beam width w
     verified: int = 0  # tree nodes sent to the target, root included (0: a prefill chunk)
+    filler: int = 0  # of those, nodes the policy added from its pass's slack (`Policy.filler`)
     accepted: int = 0  # accepted draft tokens
     emitted: int = 0  # tokens the target returned (accepted + 1, or the first token)
     error: str | None = None  # the entry's error code, if it failed

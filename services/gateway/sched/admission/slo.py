@@ -30,7 +30,8 @@ left for the prompts after it.
 Batch lengths come from each replica's `PassCost` (cost.py: the gateway's one cost model, the same
 the speculation policy prices its choices with, fed by the engine); each tier's cost
 (nodes per pass) and gain (tokens per pass) are moving averages of what the speculation policy in use
-really did. No I/O, no clock.
+really did, less the nodes it added only from a pass's slack (`Policy.filler`: `joint`'s side
+branches, which more decoders crowd out). No I/O, no clock.
 
 Each replica is planned at two operating points, and a request is admitted if either admits it: the
 measured one (each tier's cost and gain as above, every pass priced with the draft call's moving
@@ -109,7 +110,7 @@ class SloAdmission:
             if tpot is None:
                 continue
             st = self.stats.setdefault(tpot, TierStats())
-            st.cost += a * (s.verified - st.cost)
+            st.cost += a * (s.verified - s.filler - st.cost)
             st.gain += a * (max(s.emitted, 1) - st.gain)
         self.spec_steps += a * (depth - self.spec_steps)
 

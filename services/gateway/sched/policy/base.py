@@ -90,6 +90,12 @@ class Policy:
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         return {rid: [0] for rid in candidates}
 
+    def filler(self, rid: str) -> int:
+        """Nodes of `rid`'s last selection that the policy added only from its pass's slack (never making a
+        request that keeps its pace late): SLO admission leaves them out of a tier's cost, since more
+        decoders leave less slack and so fewer of them (none here)."""
+        return 0
+
     def observe(self, record: IterationRecord) -> None:
         """Called after every iteration that ran a target pass."""
 

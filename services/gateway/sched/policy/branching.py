@@ -58,6 +58,7 @@ class Branches:
     believed: float = 0.0  # decayed sum of f̂ over the verified draft nodes of those passes
     chains_run: int = 0  # drafting passes on chains since trees were last asked
     pending: dict[str, float] = field(default_factory=dict)  # rid -> sum of f̂ it verified this pass
+    side: dict[str, int] = field(default_factory=dict)  # rid -> side nodes it verifies this pass
 
     @property
     def calibration(self) -> float:
@@ -94,6 +95,7 @@ class Branches:
             self.gain = self.gain_decay * self.gain + (1.0 - self.gain_decay) * self.calibration * side / max(spec, 1)
             self.chains_run = 0
         result = {rid: sorted(nodes) for rid, nodes in selected.items()}
+        self.side.update({rid: len(nodes) - len(chains[rid]) for rid, nodes in selected.items()})
         self.pending.update({rid: sum(candidates[rid].path_prob[v] for v in nodes if v)
                              for rid, nodes in result.items()})
         return result
@@ -131,6 +133,7 @@ class Branches:
         """Calibrate f̂ by what the target accepted of the nodes `grow` chose."""
         accepted = believed = 0.0
         for s in record.requests:
+            self.side.pop(s.rid, None)
             mine = self.pending.pop(s.rid, 0.0)
             if mine > 0 and s.error is None and s.verified > 0:
                 accepted, believed = accepted + s.accepted, believed + mine

@@ -128,6 +128,10 @@ class Joint(TurboSpec):
         self.control.selected(candidates, selected)
         return selected
 
+    def filler(self, rid: str) -> int:
+        """The side nodes `rid` verifies this pass: `Branches.grow` adds them only within every kept pace."""
+        return self.branches.side.get(rid, 0)
+
     def observe(self, record: IterationRecord) -> None:
         self.control.observe(record)
         self.branches.observe(record)
