@@ -74,9 +74,12 @@ def test_side_nodes_come_in_order_of_their_estimate_until_one_does_not_pay():
 
 def test_a_side_node_never_makes_a_request_that_keeps_its_pace_late():
     step = cost(FREE).iteration_ms(4, 3, 1, 4)  # the pass with the chain, as `grow` predicts it
-    tight = {"r0": step + 0.01}  # a request whose pace is just above it keeps it (a node costs 0.016 ms)
+    e = 1.875  # l(0.5, 3): the chain's expected tokens
+    tight = {"r0": (step + 0.01) / e}  # its chain keeps its pace with 0.01 ms to spare (a node costs 0.016)
     kept, _ = grow(FREE, paces=tight)
     assert kept["r0"] == [0, 1, 3, 5]
+    roomy = {"r0": (step + 0.04) / e}  # room for two side nodes
+    assert grow(FREE, paces=roomy)[0]["r0"] == [0, 1, 2, 3, 4, 5]  # the 0.3 and 0.15 siblings
     behind = {"r0": 5.0}  # already behind its pace: side nodes are priced by goodput alone
     assert grow(FREE, paces=behind)[0]["r0"] == [0, 1, 2, 3, 4, 5, 6]
 
@@ -153,3 +156,16 @@ def test_side_nodes_are_filler_that_slo_admission_leaves_out_of_a_tiers_cost():
     assert admission.stats[50.0].cost == pytest.approx(4.0, abs=0.01)  # what the chain costs, not 7
     p.observe(record)
     assert p.filler("a") == 0  # forgotten once its pass is recorded
+
+
+def test_joint_drafts_chains_under_slo_pressure():
+    """A queue waiting for admission, or a request of the batch at risk: chains only, as priced."""
+    lat = cost(FREE)
+    calm = [req("a"), req("b")]
+    assert {s.width for s in make_policy("joint").shapes(BatchView(calm), lat).values()} == {4}
+    queued = BatchView(calm, waiting=3)
+    assert {s.width for s in make_policy("joint").shapes(queued, lat).values()} == {1}
+    lat.t_spec_ms = 20.0
+    at_risk = req("u", tpot=12.0, decoded=20, elapsed=230.0)  # pace 11.7 ms against a 20 ms iteration
+    shapes = make_policy("joint").shapes(BatchView([*calm, at_risk]), lat)
+    assert any(s.depth > 0 for s in shapes.values()) and {s.width for s in shapes.values()} == {1}

@@ -15,8 +15,9 @@ verifies them in the same pass. `Branches` prices that, per replica pass:
   probable child at every level) is verified whole, as `joint` priced it. Side nodes are then added
   across the pass in order of their estimated acceptance c * f̂(v) (f̂: the draft's path probability;
   c: the calibration below), each while its expected tokens per ms of target time beat the pass's
-  predicted goodput, the pass stays within its tree budget, and its predicted time stays within the
-  pace of every request that keeps its pace now (a side node never makes a slack request late).
+  predicted goodput, the pass stays within its tree budget, and its predicted time T stays within
+  what every request that keeps its pace now allows (pace times its expected chain tokens: a side
+  node never makes a request late that its chain, or its root, keeps on time).
 - `observe`: the calibration c, accepted draft tokens over the summed f̂ of the verified draft nodes
   (decayed; f̂ is a draft's belief, c what the target made of it). `grow` keeps the side gain, the
   expected side tokens a drafting request got per tree pass (decayed).
@@ -106,12 +107,15 @@ class Branches:
         c = self.calibration
         depth = {rid: len(nodes) - 1 for rid, nodes in chains.items()}
         spec = [rid for rid, d in depth.items() if d > 0]
-        tokens = sum(expected_tokens(rates.get(r.rid, 0.0), depth.get(r.rid, 0)) for r in batch.requests)
+        mine = {r.rid: expected_tokens(rates.get(r.rid, 0.0), depth.get(r.rid, 0)) for r in batch.requests}
+        tokens = sum(mine.values())
         n_tokens = batch.prefill_tokens + len(batch.requests) + sum(depth.values())
         kv = sum(r.kv_blocks for r in batch.requests)
         lag = sum(r.draft_lag for r in batch.requests if r.rid in spec)
         step_ms = cost.iteration_ms(n_tokens, max(depth.values(), default=0), len(spec), self.width, lag, kv)
-        limit = min((p for p in paces.values() if p >= step_ms), default=float("inf"))  # keep every kept pace
+        # a request keeps its pace when its expected chain tokens cover the step (pace * tokens >= T)
+        limit = min((paces[rid] * e for rid, e in mine.items() if rid in paces and paces[rid] * e >= step_ms),
+                    default=float("inf"))
         budget = batch.tree_budget(cost) + batch.prefill_tokens
         order = {rid: i for i, rid in enumerate(candidates)}
         taken = {rid: set(nodes) for rid, nodes in chains.items()}

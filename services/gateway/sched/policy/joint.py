@@ -23,10 +23,12 @@ acceptance MLE and the three-service step-time model, refitted online):
 3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes; a
    request that starts decoding at risk keeps its draft prefill whatever the load; every drafted
    chain is verified whole.
-4. Trees where they pay (branching.py): the drafting requests ask for trees instead of chains when
-   the draft's extra time for the width is worth the side tokens measured, and beside each chain the
-   target verifies the side nodes whose estimated acceptance beats the pass's goodput per ms of
-   verification without making a request that keeps its pace late.
+4. Trees where they pay (branching.py): when no request waits for admission and none of the batch
+   is at risk, the drafting requests ask for trees instead of chains if the draft's extra time for
+   the width is worth the side tokens measured, and beside each chain the target verifies the side
+   nodes whose estimated acceptance beats the pass's goodput per ms of verification without making a
+   request that keeps its pace late. Under SLO pressure the budget goes to chains (measured:
+   docs/benchmarks/sweep_default.md, "Side branches").
 """
 
 from __future__ import annotations
@@ -116,10 +118,16 @@ class Joint(TurboSpec):
         rates = self.control.acceptance.rates(spec)
         _, step_ms = self.control.step_ms(batch, model, spec, depth)
         tokens = len(batch.requests) - len(spec) + sum(expected_tokens(rates[r.rid], shapes[r.rid].depth) for r in spec)
-        if self.branches.widen(batch, model, spec, depth, tokens, step_ms):
+        if not self.pressed(batch, model) and self.branches.widen(batch, model, spec, depth, tokens, step_ms):
             for r in spec:
                 shapes[r.rid] = Shape(shapes[r.rid].depth, self.branches.width)
         return shapes
+
+    def pressed(self, batch: BatchView, model: PassCost) -> bool:
+        """Requests wait for admission, or one of the batch cannot keep its pace on its root alone: the
+        pass's budget and time belong to the SLOs' chains, not to side branches."""
+        t = model.t_spec_ms
+        return batch.waiting > 0 or any(self.state(r, t) == AT_RISK for r in batch.requests)
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         """Every chain whole, and the side nodes that pay (`Branches.grow`)."""
