@@ -159,13 +159,17 @@ def test_side_nodes_are_filler_that_slo_admission_leaves_out_of_a_tiers_cost():
 
 
 def test_joint_drafts_chains_under_slo_pressure():
-    """A queue waiting for admission, or a request of the batch at risk: chains only, as priced."""
+    """A queue waiting for admission, or a request of the batch whose chain cannot keep its pace: chains
+    only, as priced. A request at risk whose chain keeps its pace leaves room for trees."""
     lat = cost(FREE)
     calm = [req("a"), req("b")]
     assert {s.width for s in make_policy("joint").shapes(BatchView(calm), lat).values()} == {4}
     queued = BatchView(calm, waiting=3)
     assert {s.width for s in make_policy("joint").shapes(queued, lat).values()} == {1}
-    lat.t_spec_ms = 20.0
-    at_risk = req("u", tpot=12.0, decoded=20, elapsed=230.0)  # pace 11.7 ms against a 20 ms iteration
-    shapes = make_policy("joint").shapes(BatchView([*calm, at_risk]), lat)
-    assert any(s.depth > 0 for s in shapes.values()) and {s.width for s in shapes.values()} == {1}
+    lat.t_spec_ms = 20.0  # the measured iteration: neither request below keeps its pace on its root alone
+    kept = req("v", tpot=12.0, decoded=0, elapsed=0.0)  # 12 ms a token: its chain's tokens cover a step
+    behind = req("u", tpot=5.0, decoded=0, elapsed=0.0)  # 5 ms a token: not even a chain of 7 at a = 0.6
+    shapes = make_policy("joint").shapes(BatchView([*calm, kept]), lat)
+    assert shapes["v"].depth > 0 and {s.width for s in shapes.values() if s.depth} == {4}
+    shapes = make_policy("joint").shapes(BatchView([*calm, kept, behind]), lat)
+    assert shapes["u"].depth > 0 and {s.width for s in shapes.values()} == {1}

@@ -23,12 +23,12 @@ acceptance MLE and the three-service step-time model, refitted online):
 3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes; a
    request that starts decoding at risk keeps its draft prefill whatever the load; every drafted
    chain is verified whole.
-4. Trees where they pay (branching.py): when no request waits for admission and none of the batch
-   is at risk, the drafting requests ask for trees instead of chains if the draft's extra time for
-   the width is worth the side tokens measured, and beside each chain the target verifies the side
-   nodes whose estimated acceptance beats the pass's goodput per ms of verification without making a
-   request that keeps its pace late. Under SLO pressure the budget goes to chains (measured:
-   docs/benchmarks/sweep_default.md, "Side branches").
+4. Trees where they pay (branching.py): when no request waits for admission and every request of
+   the batch that is not lost keeps its pace with its chain, the drafting requests ask for trees
+   instead of chains if the draft's extra time for the width is worth the side tokens measured, and
+   beside each chain the target verifies the side nodes whose estimated acceptance beats the pass's
+   goodput per ms of verification without making a request that keeps its pace late. Under SLO
+   pressure the budget goes to chains (measured: docs/benchmarks/sweep_default.md, "Side branches").
 """
 
 from __future__ import annotations
@@ -109,25 +109,29 @@ class Joint(TurboSpec):
         return lambda r: self.state(r, view.replicas[r.replica].cost.t_spec_ms) == AT_RISK
 
     def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
-        """The chains of `choose` (with TurboSpec's probe and pause), as trees where `Branches.widen` says."""
+        """The chains of `choose` (with TurboSpec's probe and pause), as trees where `Branches.widen` says
+        and the batch is not `pressed`."""
         shapes = super().shapes(batch, model)
         spec = [r for r in batch.requests if shapes[r.rid].depth > 0]
         if not spec:
             return shapes
         depth = max(shapes[r.rid].depth for r in spec)
-        rates = self.control.acceptance.rates(spec)
+        rates = self.control.acceptance.rates(batch.requests)
         _, step_ms = self.control.step_ms(batch, model, spec, depth)
-        tokens = len(batch.requests) - len(spec) + sum(expected_tokens(rates[r.rid], shapes[r.rid].depth) for r in spec)
-        if not self.pressed(batch, model) and self.branches.widen(batch, model, spec, depth, tokens, step_ms):
+        mine = {r.rid: expected_tokens(rates[r.rid], shapes[r.rid].depth) for r in batch.requests}
+        if not self.pressed(batch, model, mine, step_ms) and \
+                self.branches.widen(batch, model, spec, depth, sum(mine.values()), step_ms):
             for r in spec:
                 shapes[r.rid] = Shape(shapes[r.rid].depth, self.branches.width)
         return shapes
 
-    def pressed(self, batch: BatchView, model: PassCost) -> bool:
-        """Requests wait for admission, or one of the batch cannot keep its pace on its root alone: the
-        pass's budget and time belong to the SLOs' chains, not to side branches."""
+    def pressed(self, batch: BatchView, model: PassCost, tokens: dict[str, float], step_ms: float) -> bool:
+        """Requests wait for admission, or a request of the batch that is not lost falls behind its pace
+        even with its chain (`tokens`: each one's expected tokens this step of `step_ms`): the pass's
+        budget and time then belong to the SLOs' chains, not to side branches."""
         t = model.t_spec_ms
-        return batch.waiting > 0 or any(self.state(r, t) == AT_RISK for r in batch.requests)
+        return batch.waiting > 0 or any(r.pace_ms() * tokens[r.rid] < step_ms and self.state(r, t) != LOST
+                                        for r in batch.requests)
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         """Every chain whole, and the side nodes that pay (`Branches.grow`)."""
