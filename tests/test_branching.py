@@ -159,8 +159,8 @@ def test_side_nodes_are_filler_that_slo_admission_leaves_out_of_a_tiers_cost():
 
 
 def test_joint_drafts_chains_under_slo_pressure():
-    """A queue waiting for admission, or a request of the batch whose chain cannot keep its pace: chains
-    only, as priced. A request at risk whose chain keeps its pace leaves room for trees."""
+    """A queue waiting for admission, a request at risk beside others, or one whose chain cannot keep
+    its pace: chains only, as priced. A request alone whose chain keeps its pace has trees."""
     lat = cost(FREE)
     calm = [req("a"), req("b")]
     assert {s.width for s in make_policy("joint").shapes(BatchView(calm), lat).values()} == {4}
@@ -169,7 +169,9 @@ def test_joint_drafts_chains_under_slo_pressure():
     lat.t_spec_ms = 20.0  # the measured iteration: neither request below keeps its pace on its root alone
     kept = req("v", tpot=12.0, decoded=0, elapsed=0.0)  # 12 ms a token: its chain's tokens cover a step
     behind = req("u", tpot=5.0, decoded=0, elapsed=0.0)  # 5 ms a token: not even a chain of 7 at a = 0.6
-    shapes = make_policy("joint").shapes(BatchView([*calm, kept]), lat)
-    assert shapes["v"].depth > 0 and {s.width for s in shapes.values() if s.depth} == {4}
-    shapes = make_policy("joint").shapes(BatchView([*calm, kept, behind]), lat)
-    assert shapes["u"].depth > 0 and {s.width for s in shapes.values()} == {1}
+    shapes = make_policy("joint").shapes(BatchView([kept]), lat)  # alone: trees while its chain keeps pace
+    assert shapes["v"].depth > 0 and shapes["v"].width == 4
+    shapes = make_policy("joint").shapes(BatchView([behind]), lat)
+    assert shapes["u"].depth > 0 and shapes["u"].width == 1
+    shapes = make_policy("joint").shapes(BatchView([*calm, kept]), lat)  # beside others, at risk: chains
+    assert shapes["v"].depth > 0 and {s.width for s in shapes.values()} == {1}

@@ -23,8 +23,9 @@ acceptance MLE and the three-service step-time model, refitted online):
 3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes; a
    request that starts decoding at risk keeps its draft prefill whatever the load; every drafted
    chain is verified whole.
-4. Trees where they pay (branching.py): when no request waits for admission and every request of
-   the batch that is not lost keeps its pace with its chain, the drafting requests ask for trees
+4. Trees where they pay (branching.py): when no request waits for admission, none of a batch of
+   several is at risk and every request of the batch that is not lost keeps its pace with its chain,
+   the drafting requests ask for trees
    instead of chains if the draft's extra time for the width is worth the side tokens measured, and
    beside each chain the target verifies the side nodes whose estimated acceptance beats the pass's
    goodput per ms of verification without making a request that keeps its pace late. Under SLO
@@ -126,12 +127,16 @@ class Joint(TurboSpec):
         return shapes
 
     def pressed(self, batch: BatchView, model: PassCost, tokens: dict[str, float], step_ms: float) -> bool:
-        """Requests wait for admission, or a request of the batch that is not lost falls behind its pace
-        even with its chain (`tokens`: each one's expected tokens this step of `step_ms`): the pass's
-        budget and time then belong to the SLOs' chains, not to side branches."""
+        """Requests wait for admission; or a request of the batch that is not lost falls behind its pace
+        even with its chain (`tokens`: each one's expected tokens this step of `step_ms`); or, beside
+        others, one is at risk (its root alone falls behind): the pass's budget and time then belong to
+        the SLOs' chains, not to side branches. A request alone keeps its trees while its chain keeps
+        its pace (a critical request at concurrency 1 is at risk on its root alone)."""
         t = model.t_spec_ms
-        return batch.waiting > 0 or any(r.pace_ms() * tokens[r.rid] < step_ms and self.state(r, t) != LOST
-                                        for r in batch.requests)
+        states = {r.rid: self.state(r, t) for r in batch.requests}
+        if batch.waiting > 0 or (len(batch.requests) > 1 and AT_RISK in states.values()):
+            return True
+        return any(r.pace_ms() * tokens[r.rid] < step_ms and states[r.rid] != LOST for r in batch.requests)
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         """Every chain whole, and the side nodes that pay (`Branches.grow`)."""
