@@ -175,3 +175,14 @@ def test_joint_drafts_chains_under_slo_pressure():
     assert shapes["u"].depth > 0 and shapes["u"].width == 1
     shapes = make_policy("joint").shapes(BatchView([*calm, kept]), lat)  # beside others, at risk: chains
     assert shapes["v"].depth > 0 and {s.width for s in shapes.values()} == {1}
+
+
+def test_a_probe_stays_a_chain():
+    """Drafting off (k = 0, verification dear): TurboSpec's probe drafts one token for one request, as a
+    chain even where the draft's width is free."""
+    p = make_policy("joint")
+    lat = cost(DEAR)
+    batch = BatchView([req("a")])
+    p.control.off_steps[0] = p.control.probe_every  # the next pass at k = 0 probes
+    shapes = p.shapes(batch, lat)
+    assert p.control.current[0] == 0 and shapes == {"a": Shape(1, 1)}

@@ -111,10 +111,11 @@ class Joint(TurboSpec):
 
     def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         """The chains of `choose` (with TurboSpec's probe and pause), as trees where `Branches.widen` says
-        and the batch is not `pressed`."""
+        and the batch is not `pressed`. A probe (drafting is off: k = 0) stays a chain: it measures the
+        chains' acceptance, and side nodes would only add to its cost."""
         shapes = super().shapes(batch, model)
         spec = [r for r in batch.requests if shapes[r.rid].depth > 0]
-        if not spec:
+        if not spec or self.control.current.get(batch.replica, 0) == 0:
             return shapes
         depth = max(shapes[r.rid].depth for r in spec)
         rates = self.control.acceptance.rates(batch.requests)
