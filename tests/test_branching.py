@@ -111,16 +111,16 @@ def test_calibration_learns_that_the_drafts_probabilities_overstate_and_stops_pa
 
 def test_trees_are_asked_for_where_the_width_is_free_and_chains_where_it_is_dear_except_a_probe():
     b = Branches(probe_every=5)
-    batch = BatchView([req("a")])
+    spec = [req("a")]
     free = cost(FREE)  # a draft whose width costs nothing (the n-gram draft)
-    assert b.widen(batch, free, batch.requests, 3, 2.0, 20.0)
+    assert b.widen(free, spec, 3, 2.0, 20.0)
     dear = cost(FREE)
     dear.draft.theta = [0.5, 1.0, 2.0, 0.0]  # 2 ms a draft node: width 4 costs 18 ms more at depth 3
     b.gain = 0.0  # trees measured to add nothing
-    asked = [b.widen(batch, dear, batch.requests, 3, 2.0, 20.0) for _ in range(10)]
+    asked = [b.widen(dear, spec, 3, 2.0, 20.0) for _ in range(10)]
     assert asked == [False, False, False, False, True] * 2  # a probe every 5 passes keeps the gain measured
     b.gain = 3.0  # three side tokens a pass: worth 30 ms at 0.1 tokens per ms
-    assert b.widen(batch, dear, batch.requests, 3, 2.0, 20.0)
+    assert b.widen(dear, spec, 3, 2.0, 20.0)
 
 
 def test_joint_drafts_trees_where_they_pay_and_verifies_chains_whole():

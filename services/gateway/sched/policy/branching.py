@@ -65,8 +65,7 @@ class Branches:
     def calibration(self) -> float:
         return (self.accepted + self.prior_weight) / (self.believed + self.prior_weight)
 
-    def widen(self, batch: BatchView, cost: PassCost, spec: list[RequestView], depth: int,
-              tokens: float, step_ms: float) -> bool:
+    def widen(self, cost: PassCost, spec: list[RequestView], depth: int, tokens: float, step_ms: float) -> bool:
         """Whether `spec`, drafting `depth`-deep chains in a pass predicted at `tokens` expected tokens and
         `step_ms`, should draft trees of `width` instead."""
         if self.width <= 1 or depth <= 0 or not spec:
@@ -106,7 +105,7 @@ class Branches:
         """Add side nodes to `selected` in order of c * f̂ while each pays (module docstring)."""
         c = self.calibration
         depth = {rid: len(nodes) - 1 for rid, nodes in chains.items()}
-        spec = [rid for rid, d in depth.items() if d > 0]
+        spec = {rid for rid, d in depth.items() if d > 0}
         mine = {r.rid: expected_tokens(rates.get(r.rid, 0.0), depth.get(r.rid, 0)) for r in batch.requests}
         tokens = sum(mine.values())
         n_tokens = batch.prefill_tokens + len(batch.requests) + sum(depth.values())

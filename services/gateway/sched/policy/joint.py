@@ -25,11 +25,11 @@ acceptance MLE and the three-service step-time model, refitted online):
    chain is verified whole.
 4. Trees where they pay (branching.py): when no request waits for admission, none of a batch of
    several is at risk and every request of the batch that is not lost keeps its pace with its chain,
-   the drafting requests ask for trees
-   instead of chains if the draft's extra time for the width is worth the side tokens measured, and
-   beside each chain the target verifies the side nodes whose estimated acceptance beats the pass's
-   goodput per ms of verification without making a request that keeps its pace late. Under SLO
-   pressure the budget goes to chains (measured: docs/benchmarks/sweep_default.md, "Side branches").
+   the drafting requests ask for trees instead of chains if the draft's extra time for the width is
+   worth the side tokens measured, and beside each chain the target verifies the side nodes whose
+   estimated acceptance beats the pass's goodput per ms of verification without making a request that
+   keeps its pace late. Under SLO pressure the budget goes to chains (measured:
+   docs/benchmarks/sweep_default.md, "Side branches").
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Joint(TurboSpec):
         _, step_ms = self.control.step_ms(batch, model, spec, depth)
         mine = {r.rid: expected_tokens(rates[r.rid], shapes[r.rid].depth) for r in batch.requests}
         if not self.pressed(batch, model, mine, step_ms) and \
-                self.branches.widen(batch, model, spec, depth, sum(mine.values()), step_ms):
+                self.branches.widen(model, spec, depth, sum(mine.values()), step_ms):
             for r in spec:
                 shapes[r.rid] = Shape(shapes[r.rid].depth, self.branches.width)
         return shapes
