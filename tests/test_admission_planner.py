@@ -25,7 +25,7 @@ from specserve.gateway.perf.cost import PassCost, PassSample
 from specserve.gateway.sched.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
 from specserve.gateway.sched.admission.budget_model import ReplicaBudget
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
-from specserve.gateway.sched.admission.slo import SloAdmission
+from specserve.gateway.sched.admission.slo import LOOKAHEAD, SloAdmission
 from specserve.gateway.sched.plan import (
     DraftView,
     Limits,
@@ -380,19 +380,23 @@ def test_the_prior_stands_in_only_while_none_of_the_tier_runs():
     assert [a.rid for a in propose([]).admit] == ["c"]
 
 
-def test_a_queue_beyond_the_offer_is_refused_now_where_no_replica_takes_it_after_those_ahead():
-    """A burst of 60 critical requests (74.5 ms TPOT, 1 s TTFT) at an idle CPU-like replica: the planner
-    offers 8, and of the queue behind them it refuses now the ones no replica admits even after every one
-    ahead of them that it does (r08-r24 would be: they wait their turn), checking 32 of it per plan.
-    Before, each waited for its own turn to be offered, iterations later (the burst's 400 ms refusals).
-    A request that may run best effort is never refused so."""
-    burst = [WaitingView(f"r{i:02d}", 60, 128, 12, "critical", 74.5, 1000.0, 0.0) for i in range(60)]
+def test_the_queue_beyond_the_offer_is_decided_in_the_same_plan():
+    """A burst of 300 critical requests (74.5 ms TPOT, 1 s TTFT) at an idle CPU-like replica: the planner
+    offers 8 to its DP, and of the queue behind them decides `LOOKAHEAD` in the same plan, in order: it
+    admits those a replica takes beside every one ahead of them (r008-r024) and refuses the rest; the
+    queue beyond those waits. Before, a request behind the offer waited for its own turn, iterations
+    later, and some were refused there (the burst's 150-250 ms refusals). A request that may run best
+    effort is never refused so."""
+    burst = [WaitingView(f"r{i:03d}", 60, 128, 12, "critical", 74.5, 1000.0, 0.0) for i in range(300)]
     p = SloAdmission().propose(cpu_view(burst), set(), None)
-    assert [a.rid for a in p.admit] == [f"r{i:02d}" for i in range(8)]
-    assert sorted(p.reject) == [f"r{i}" for i in range(25, 40)]  # the first 32 behind the offer
-    assert all(f"r{i:02d}" in p.defer for i in range(8, 25)) and all(f"r{i}" in p.defer for i in range(40, 60))
+    decided = 8 + LOOKAHEAD
+    assert [a.rid for a in p.admit] == [f"r{i:03d}" for i in range(25)]
+    assert sorted(p.reject) == [f"r{i:03d}" for i in range(25, decided)]
+    assert sorted(p.defer) == [f"r{i:03d}" for i in range(decided, 300)]
+    assert set(p.chunks) <= {f"r{i:03d}" for i in range(25)}  # prompts in deadline order, as room allows
     flexible = [WaitingView(w.rid, 60, 128, 12, "critical", 74.5, 1000.0, 0.0, True) for w in burst]
-    assert SloAdmission().propose(cpu_view(flexible), set(), None).reject == {}
+    q = SloAdmission().propose(cpu_view(flexible), set(), None)
+    assert q.reject == {} and len(q.admit) <= 8
 
 
 def test_speculating_policies_offer_a_prior_and_plain_batching_none():

@@ -15,7 +15,9 @@ admission (digest §8):
 3. otherwise it is refused at once: 503 with a Retry-After from the plan (when the soonest running
    request on any replica is expected to finish). One that cannot meet its TTFT even with every
    replica's passes given to the prompts due before it (`arrival.first_token_bound_ms`) is refused on arrival;
-   one behind the offer that no replica admits even beside those ahead of it is refused now.
+   of the queue behind the offer, the first `LOOKAHEAD` are decided in the same plan, greedily in
+   arrival order: each admitted where a replica takes it alone beside every request ahead of it, else
+   refused, so that a request learns its fate at the first plan that sees it.
 
 A best-effort request, once admitted, is planned as a decoder with no TPOT: it costs its tokens in
 every batch but never sets the batch length.
@@ -63,7 +65,7 @@ from specserve.gateway.sched.policy.goodput import Acceptance
 
 BEST_EFFORT_TPOT_MS = 1e6  # best effort has no TPOT: it never sets the batch length, yet costs its tokens
 BEST_EFFORT_DEADLINE_MS = 3.6e6  # no TTFT bound: an hour stands for "whenever"
-LOOKAHEAD = 32  # requests beyond the offer checked each plan for a refusal now (each a one-node DP)
+LOOKAHEAD = 32  # requests beyond the offer decided each plan, greedily (a one-node DP each, 0.1-0.5 ms)
 
 
 @dataclass(slots=True)
@@ -253,26 +255,26 @@ class SloAdmission:
                 self._count(self.last.refused, w.tier)
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
 
-        # the queue beyond the offer (its first LOOKAHEAD), in order: each SLO request that no replica admits
-        # even beside every one ahead of it that one does (planned as admitted, on copies) is refused now
-        # instead of when its turn to be offered comes, iterations later (the DP's verdict then, unless
-        # requests finish first); one that may run best effort is never refused here
-        held_ = {k: list(v) for k, v in held.items()}
-        free_, slots_ = dict(free), dict(slots)
-        doomed = []
+        # the queue beyond the offer (its first LOOKAHEAD), in order: each SLO request is decided now, as
+        # SLOs-Serve decides every new request at its first plan: admitted on the first replica (in this
+        # plan's order) that takes it alone beside every request ahead of it that one holds, refused if
+        # none does. Beyond the DP's budget the choice is greedy in arrival order; one that may run best
+        # effort waits its turn as before
+        ahead: list[WaitingView] = []
         for w in view.waiting[self.max_new:self.max_new + LOOKAHEAD]:
             if w.best_effort or w.rid in best_effort_ok:
                 continue
-            replica = next((k for k in order if w.rid in plan_on(k, [w], False, held_, free_, slots_)[0]), None)
-            if replica is None:
-                doomed.append(w)
-            else:
-                hold(replica, w, False, held_, free_, slots_)
-        for w in doomed:
             del defer[w.rid]
-            self._count(self.last.refused, w.tier)
-            reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
-        chunks, per_replica = prefill_chunks(view, budgets, base, held, offered)
+            replica = next((k for k in order if w.rid in plan_on(k, [w], False, held, free, slots)[0]), None)
+            if replica is None:
+                self._count(self.last.refused, w.tier)
+                reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
+            else:
+                admit.append(Admit(w.rid, replica))
+                hold(replica, w, False, held, free, slots)
+                self.tier_of[w.rid] = w.tpot_ms
+                ahead.append(w)
+        chunks, per_replica = prefill_chunks(view, budgets, base, held, offered + ahead)
         for rid in preempt:
             self.best_effort.discard(rid)
             self.tier_of.pop(rid, None)
