@@ -571,3 +571,50 @@ def test_stop_matcher_overlapping_stops_cut_at_first_completed():
     assert StopMatcher(("b", "aba")).feed("abab") == ("a", True)
     assert StopMatcher(("ab", "b")).feed("xab") == ("x", True)
     assert StopMatcher(("bcd", "abcde")).feed("xabcdef") == ("xa", True)
+
+
+# ---------------------------------------------------------------------------------------------- tokenizing
+
+
+def test_short_texts_are_tokenized_on_the_event_loop_and_long_ones_on_the_worker(tokenizer):
+    """A short prompt is tokenized where the handler runs (a thread hop costs more than the work: the
+    burst's refusals wait on every request ahead of them); one over `INLINE_CHARS` on the worker
+    thread, so a huge prompt never stalls the streams the loop serves. Both give the tokenizer's ids."""
+    import asyncio
+    import threading
+
+    from specserve.gateway.http.tokenize import INLINE_CHARS, Tokenizing
+
+    seen: list[str] = []
+
+    class Watched:  # the real tokenizer, recording the thread each call runs on
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text):
+            seen.append(threading.current_thread().name)
+            return tokenizer(text)
+
+        def apply_chat_template(self, *args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return tokenizer.apply_chat_template(*args, **kwargs)
+
+    tok = Tokenizing(Watched(), 2048)
+    short, long = "Hello there, how are you?", "word " * (INLINE_CHARS // 5 + 1)
+    messages = [{"role": "user", "content": short}]
+
+    async def run():
+        return (await tok.encode(short), await tok.encode(long), await tok.chat(messages),
+                await tok.chat([{"role": "user", "content": long}]))
+
+    try:
+        ids = asyncio.run(run())
+    finally:
+        tok.close()
+    loop = threading.main_thread().name
+    assert seen[0] == loop and seen[2] == loop
+    assert seen[1].startswith("tokenize") and seen[3].startswith("tokenize")
+    assert ids[0] == tokenizer(short)["input_ids"] and ids[1] == tokenizer(long)["input_ids"]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
+    assert ids[2] == [int(t) for t in chat_ids]

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
+INLINE_CHARS = 2048  # texts this short are tokenized on the event loop (under a millisecond; a thread hop costs more)
 
 
 def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -42,16 +43,20 @@ class Tokenizing:
                            f"{chars} characters, more than any text of that many tokens can have "
                            f"({self.max_chars}).", param=param, code="context_length_exceeded")
 
-    async def _run(self, fn: Callable[[], T]) -> T:
+    async def _run(self, fn: Callable[[], T], chars: int) -> T:
+        """`fn` on the worker thread, or here when the text is short enough that the hop costs more."""
+        if chars <= INLINE_CHARS:
+            return fn()
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     async def encode(self, text: str) -> list[int]:
         self.check_chars(len(text), "prompt")
-        ids: list[int] = await self._run(lambda: self.tokenizer(text)["input_ids"])
+        ids: list[int] = await self._run(lambda: self.tokenizer(text)["input_ids"], len(text))
         return ids
 
     async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        self.check_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+        chars = sum(len(m.get("content") or "") for m in messages)
+        self.check_chars(chars, "messages")
 
         def render() -> list[int]:
             try:
@@ -62,7 +67,7 @@ class Tokenizing:
             ids = out if isinstance(out, list) else out["input_ids"]  # a list, or a BatchEncoding in newer versions
             return [int(t) for t in ids]
 
-        return await self._run(render)
+        return await self._run(render, chars)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
