@@ -283,12 +283,16 @@ def test_a_declined_request_goes_to_the_next_replica():
 @pytest.mark.parametrize("router", ["round-robin", "least-loaded", "slo"])
 def test_one_iterations_arrivals_spread_over_the_replicas_as_the_router_picks(router):
     """Four arrivals in one plan on two idle replicas: each asks its router pick first, so they split
-    2 / 2 (they all fit on either; asking one replica for all four would pack them there)."""
+    2 / 2 (they all fit on either; asking one replica for all four would pack them there). So does the
+    queue behind the offer, decided in the same plan: 12 arrivals split 6 / 6."""
     sched = Scheduler(Policy(), make_router(router), admission=SloAdmission(route_all=router == "slo"))
     view = rview([w(f"n{i}") for i in range(4)], (), [], n_replicas=2)
     admitted = sched.plan(view, 1).admitted
     assert len(admitted) == 4
     assert sorted(a.replica for a in admitted) == [0, 0, 1, 1], admitted
+    sched = Scheduler(Policy(), make_router(router), admission=SloAdmission(route_all=router == "slo"))
+    admitted = sched.plan(rview([w(f"n{i}") for i in range(12)], (), [], n_replicas=2), 1).admitted
+    assert sorted(a.replica for a in admitted) == [0] * 6 + [1] * 6, admitted
 
 
 def test_scheduler_turns_the_planners_refusal_into_a_rejection():

@@ -256,16 +256,17 @@ class SloAdmission:
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
 
         # the queue beyond the offer (its first LOOKAHEAD), in order: each SLO request is decided now, as
-        # SLOs-Serve decides every new request at its first plan: admitted on the first replica (in this
-        # plan's order) that takes it alone beside every request ahead of it that one holds, refused if
-        # none does. Beyond the DP's budget the choice is greedy in arrival order; one that may run best
-        # effort waits its turn as before
+        # SLOs-Serve decides every new request at its first plan: admitted on the first replica that takes
+        # it alone beside every request ahead of it that one holds (each asks the replicas from the next
+        # one in turn, so that the queue spreads as round robin would), refused if none does. Beyond the
+        # DP's budget the choice is greedy in arrival order; one that may run best effort waits its turn
         ahead: list[WaitingView] = []
-        for w in view.waiting[self.max_new:self.max_new + LOOKAHEAD]:
+        for j, w in enumerate(view.waiting[self.max_new:self.max_new + LOOKAHEAD]):
             if w.best_effort or w.rid in best_effort_ok:
                 continue
             del defer[w.rid]
-            replica = next((k for k in order if w.rid in plan_on(k, [w], False, held, free, slots)[0]), None)
+            turn = order[j % len(order):] + order[:j % len(order)] if order else order
+            replica = next((k for k in turn if w.rid in plan_on(k, [w], False, held, free, slots)[0]), None)
             if replica is None:
                 self._count(self.last.refused, w.tier)
                 reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
