@@ -191,6 +191,20 @@ class SloAdmission:
             free_[replica] -= w.kv_blocks
             slots_[replica] -= 1
 
+        def take(replica: int, w: WaitingView, best_effort: bool) -> None:
+            """Admit the request on this replica in this plan (in the best-effort tier, or its own)."""
+            admit.append(Admit(w.rid, replica))
+            hold(replica, w, best_effort, held, free, slots)
+            self.tier_of[w.rid] = be_tpot if best_effort else w.tpot_ms
+            if best_effort:
+                self.best_effort.add(w.rid)
+
+        retry_s = retry_after(view)
+
+        def refuse(w: WaitingView) -> None:
+            self._count(self.last.refused, w.tier)
+            reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_s)
+
         def offer(replica: int, cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
             """Plan this replica with these candidates; returns the ones it declined."""
             if not cands:
@@ -210,17 +224,11 @@ class SloAdmission:
                                          slots, points, index, tpot_of, preempt)
             for w in cands:
                 if w.rid in took:
-                    admit.append(Admit(w.rid, replica))
-                    hold(replica, w, best_effort, held, free, slots)
-                    self.tier_of[w.rid] = be_tpot if best_effort else w.tpot_ms
-                    if best_effort:
-                        self.best_effort.add(w.rid)
+                    take(replica, w, best_effort)
             return [w for w in cands if w.rid not in took]
 
-        order = [rep.index for rep in up]
+        order = _rotated([rep.index for rep in up], self._next)
         if order:
-            k = self._next % len(order)
-            order = order[k:] + order[:k]
             self._next += 1
         home = {w.rid: first[w.rid] if first and first.get(w.rid) in order else order[0]
                 for w in offered} if order else {}
@@ -252,8 +260,7 @@ class SloAdmission:
             elif w.rid in waits:
                 defer[w.rid] = "best effort: waits for spare capacity"
             else:
-                self._count(self.last.refused, w.tier)
-                reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
+                refuse(w)
 
         # the queue beyond the offer (its first LOOKAHEAD), in order: each SLO request is decided now, as
         # SLOs-Serve decides every new request at its first plan: admitted on the first replica that takes
@@ -265,15 +272,12 @@ class SloAdmission:
             if w.best_effort or w.rid in best_effort_ok:
                 continue
             del defer[w.rid]
-            turn = order[j % len(order):] + order[:j % len(order)] if order else order
+            turn = _rotated(order, j)
             replica = next((k for k in turn if w.rid in plan_on(k, [w], False, held, free, slots)[0]), None)
             if replica is None:
-                self._count(self.last.refused, w.tier)
-                reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_after(view))
+                refuse(w)
             else:
-                admit.append(Admit(w.rid, replica))
-                hold(replica, w, False, held, free, slots)
-                self.tier_of[w.rid] = w.tpot_ms
+                take(replica, w, False)
                 ahead.append(w)
         chunks, per_replica = prefill_chunks(view, budgets, base, held, offered + ahead)
         for rid in preempt:
@@ -374,6 +378,14 @@ class SloAdmission:
     @staticmethod
     def _count(where: dict[str, int], tier: str) -> None:
         where[tier] = where.get(tier, 0) + 1
+
+
+def _rotated(seq: list[int], k: int) -> list[int]:
+    """`seq` begun at its k-th element (modulo its length), wrapping around."""
+    if not seq:
+        return seq
+    k %= len(seq)
+    return seq[k:] + seq[:k]
 
 
 def retry_after(view: SchedulerView) -> float:
