@@ -80,6 +80,18 @@ def test_the_planner_margin_is_the_median_residual_for_decode_passes_and_the_p90
     assert cost.planned_ms(256) >= 10.0 + 0.5 * 256 + 2.0  # a prefill pass keeps the p90's margin
 
 
+def test_a_prompt_chunk_margin_is_a_share_of_its_pass():
+    """256-token chunks, one in three 30 % slow (45 ms), beside 32-token passes timed as priced: the
+    32-token pass keeps a margin of a share of its own time, not the chunks' 45 ms (planned so, it cost
+    2.5x its time and a light load's prompts had no room beside a decoder)."""
+    cost = PassCost(8, 20.0, [(8, 20.0), (256, 150.0)])
+    for i in range(100):
+        cost.observe(sample(256, 150.0 * (1.3 if i % 3 == 0 else 1.0)))
+        cost.observe(sample(32, 30.0))
+    assert cost.planned_ms(256) >= 1.15 * cost.iteration_ms(256)  # the chunks keep their p90
+    assert cost.planned_ms(32) < 1.35 * cost.iteration_ms(32)
+
+
 def test_time2bs_is_the_inverse_of_the_planned_iteration():
     cost = PassCost(8, 20.0, [(8, 20.0), (256, 138.0)])
     rng = random.Random(4)
@@ -619,9 +631,17 @@ def test_decoders_ahead_of_their_tpot_let_longer_batches_admit_a_long_prompt():
     ahead = [dec(f"r{i}", 250.0) for i in range(45)]
     p = SloAdmission().propose(rview([long], (), ahead), set(), None)
     assert [a.rid for a in p.admit] == ["long"]
-    # one request of the tight tier offered beside it starts at its SLO: the tier is paced at 10 ms again
-    p = SloAdmission().propose(rview([long, w("new", 20, tpot=10.0)], (), ahead), set(), None)
-    assert "long" in p.reject
+    # a long prompt of the decoders' own tier: they keep their pace until its first token is due (it
+    # decodes at its SLO from then on), so it is admitted ahead of them, not at their own pace
+    same = w("same", 700, tpot=10.0)
+    assert "same" in SloAdmission().propose(rview([same], (), on_pace), set(), None).reject
+    p = SloAdmission().propose(rview([same], (), ahead), set(), None)
+    assert [a.rid for a in p.admit] == ["same"]
+    # a request of the tight tier whose first token is due in 100 ms: the batches are 10 ms long from
+    # then, so the plan holds one of the two with its SLO, not both (the other runs best effort)
+    adm = SloAdmission()
+    p = adm.propose(rview([long, w("new", 20, tpot=10.0, ttft=100.0)], (), ahead), set(), None)
+    assert len({a.rid for a in p.admit} - adm.best_effort) == 1
 
 
 def test_a_critical_arrival_beside_speculating_decoders_is_planned_at_plain_decoding_too():

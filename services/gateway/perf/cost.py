@@ -34,8 +34,10 @@ Every iteration is priced before it is fitted: `errors` keeps the relative error
 those out-of-sample predictions (`error_summary`, served in the gateway's /v1/slo_classes), and
 `residuals` the signed error by pass size, from which the planner's margin comes (`planned_ms`):
 the median residual for passes of at most B tokens (decode steps: a TPOT is a mean over a request's
-tokens, so one slow step in ten averages out) and the p90 above (prompt chunks: a TTFT is a few such
-passes). `time2bs` is the inverse the planner fills its batches with.
+tokens, so one slow step in ten averages out) and above, the p90 of the residual as a share of the
+pass priced (prompt chunks: a TTFT is a few such passes; a share, because a chunk's error grows with
+its size, and the ms of a slow 256-token chunk added to a 32-token pass priced it at 3.5x its time).
+`time2bs` is the inverse the planner fills its batches with.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from specserve.gateway.engine.record import IterationRecord
 ANCHOR_TOKENS = 8  # the profile's baseline is a decode iteration at batch 8 (profile.BATCH)
 DRAFT_STEP_SHARE = 0.15  # the draft's prior: one beam step costs this share of the baseline iteration
 MAX_PASS_TOKENS = 1 << 20  # time2bs never answers more
-LOW_QUANTILE, HIGH_QUANTILE = 0.5, 0.9  # the planner's margin for passes of <= B tokens and above
+LOW_QUANTILE, HIGH_QUANTILE = 0.5, 0.9  # the planner's margin for passes of <= B tokens (ms) and above (a share)
 ERROR_WINDOW = 20_000  # iterations whose prediction error `error_summary` reports
 LINE_PRIOR_PASSES = 20.0  # the profile's line weighs as this many passes (the data's weight tops out near 50)
 OUTLIER_FACTOR = 3.0  # a pass enters the table at most this many times the time it was priced at
@@ -154,7 +156,7 @@ class PassCost:
         self.gateway = -1.0  # the gateway's own part of an iteration
         self.spec = -1.0  # moving average of the draft call's requests (the planner's draft term)
         self.lag = -1.0  # and of its catch-up tokens
-        self.residuals: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, T - T̂), ms
+        self.residuals: deque[tuple[int, float, float]] = deque(maxlen=window)  # (tokens, T - T̂, T̂), ms
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |T - T̂| / T
         self._margins: tuple[float, float] | None = None
 
@@ -197,22 +199,24 @@ class PassCost:
         return max(t, 1e-3)
 
     # ---- the planner's view --------------------------------------------------------------------------
-    def margin_ms(self, tokens: int) -> float:
-        """What the planner adds to a pass of `tokens`: the median recent residual of passes of at most
-        B tokens, the p90 above (>= 0)."""
+    def margin_ms(self, tokens: int, priced_ms: float) -> float:
+        """What the planner adds to a pass of `tokens` priced at `priced_ms`: the median recent residual
+        of passes of at most B tokens, ms; above, the p90 of their residuals as a share of their price,
+        times this one's (>= 0)."""
         if self._margins is None:
             b = self.budget_tokens
-            low = [r for n, r in self.residuals if n <= b]
-            high = [r for n, r in self.residuals if n > b]
+            low = [r for n, r, _ in self.residuals if n <= b]
+            high = [r / max(p, 1e-3) for n, r, p in self.residuals if n > b]
             self._margins = (max(0.0, float(np.quantile(low, LOW_QUANTILE))) if low else 0.0,
                              max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0)
-        return self._margins[0] if tokens <= self.budget_tokens else self._margins[1]
+        return self._margins[0] if tokens <= self.budget_tokens else self._margins[1] * priced_ms
 
     def planned_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0) -> float:
         """An iteration as the planner prices it: `spec_steps` deep drafting for the usual draft call,
         plus the margin."""
         spec = round(max(self.spec, 1.0)) if spec_steps > 0 else 0
-        return self.iteration_ms(tokens, spec_steps, spec, 1, round(max(self.lag, 0.0)), kv) + self.margin_ms(tokens)
+        priced = self.iteration_ms(tokens, spec_steps, spec, 1, round(max(self.lag, 0.0)), kv)
+        return priced + self.margin_ms(tokens, priced)
 
     def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0) -> int:
         """The most tokens one pass may hold for its iteration to be planned within `time_ms` (0: not one)."""
@@ -242,7 +246,7 @@ class PassCost:
         a = self.smoothing
         if s.tokens > 0 and s.total_ms > 0:
             predicted = self.iteration_ms(s.tokens, s.depth, s.spec, s.width, s.lag, s.kv)
-            self.residuals.append((s.tokens, s.total_ms - predicted))
+            self.residuals.append((s.tokens, s.total_ms - predicted, predicted))
             self.errors.append(abs(s.total_ms - predicted) / s.total_ms)
             self._margins = None
         if s.decoded and s.total_ms > 0:

@@ -1,9 +1,10 @@
 """SLO-aware admission (SLOs-Serve): the scheduler's proposal stage when `--admission slo`.
 
 Each iteration, for each target replica, a planner (dp.py over budget_model.py) takes the replica's
-decoding requests (a constant per tier), its requests still prefilling (forced nodes) and the new
-requests offered to it, and admits the largest set whose TTFT and TPOT SLOs can all be met. Soft
-admission (digest §8):
+decoding requests (a constant per tier, at the pace they may all keep: a TPOT is a mean over a
+request's tokens, so decoders ahead of it allow longer batches until a new request's first token),
+its requests still prefilling (forced nodes) and the new requests offered to it, and admits the
+largest set whose TTFT and TPOT SLOs can all be met. Soft admission (digest §8):
 
 1. each new request is offered first to the replica the router picks for it (so one iteration's
    arrivals spread as under FIFO); one that replica declines is offered to the others with
@@ -125,25 +126,28 @@ class SloAdmission:
         tpot_of.update({p.rid: self.tier_of.get(p.rid, p.tpot_ms) for p in view.prefilling})
         tpots = set(tpot_of.values()) | {w.tpot_ms for w in view.waiting}
         be_tpot = BEST_EFFORT_TPOT_MS
-        tiers = sorted(tpots | {be_tpot})
-        index = {t: i for i, t in enumerate(tiers)}
+        # the DP's tiers, keyed (pace, TPOT SLO): a tier's decoders at the pace they may all keep
+        # (`_paces`), every request that starts now (offered, prefilling) at its SLO
+        paces = self._paces(view, tpot_of)
+        key_of = {r.rid: (paces.get(tpot_of[r.rid], tpot_of[r.rid]), tpot_of[r.rid]) for r in view.decoding}
+        tiers = sorted({(t, t) for t in tpots | {be_tpot}} | set(key_of.values()))
+        index = {k: i for i, k in enumerate(tiers)}
         up = [rep for rep in view.replicas if rep.up]
         steps = round(self.spec_steps)
-        needs = {t for t in tiers if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
+        needs = {t for t in tpots | {be_tpot} if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
         measuring = set(tpot_of.values())  # tiers with requests running now: what they get is measured
         offered = view.waiting[:self.max_new]
-        paces = self._paces(view, tpot_of, {w.tpot_ms for w in offered})
-        loads = [self._load(t, t in needs and t not in measuring, paces.get(t, t)) for t in tiers]
+        loads = [self._load(t, t in needs and t not in measuring, pace) for pace, t in tiers]
 
         base = {rep.index: [0] * len(tiers) for rep in up}
         for r in view.decoding:
             if r.replica in base:
-                base[r.replica][index[tpot_of[r.rid]]] += 1
+                base[r.replica][index[key_of[r.rid]]] += 1
         plain = [TierLoad(t.tpot_ms, paced=t.paced) for t in loads]
         budgets = {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), rep.reserved_blocks,
                                             view.limits.max_prefill_tokens, first)
                                for ls, st, first in ((loads, steps, False), (plain, 0, True))] for rep in up}
-        held = {rep.index: [Node(p.rid, index[tpot_of[p.rid]], p.prompt_tokens - p.prefilled,
+        held = {rep.index: [Node(p.rid, index[(tpot_of[p.rid],) * 2], p.prompt_tokens - p.prefilled,
                                  p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
                 for rep in up}  # forced nodes: admitted before, and those admitted in this plan
         free = {rep.index: rep.free_blocks for rep in up}
@@ -165,7 +169,7 @@ class SloAdmission:
 
         def nodes(cands: list[WaitingView], best_effort: bool, slots_: int, free_: int, unit: int) -> list[Node]:
             """The DP's new nodes: the candidates that fit this replica's free slots and blocks."""
-            return [Node(w.rid, index[be_tpot if best_effort else w.tpot_ms], w.prompt_tokens,
+            return [Node(w.rid, index[(be_tpot if best_effort else w.tpot_ms,) * 2], w.prompt_tokens,
                          deadline(w, best_effort),
                          math.ceil(w.kv_blocks / unit))
                     for w in cands[:slots_] if w.kv_blocks <= free_]
@@ -187,7 +191,7 @@ class SloAdmission:
                  free_: dict[int, int], slots_: dict[int, int]) -> None:
             """A request planned as admitted on this replica: a forced node, its blocks and slot taken."""
             tpot = be_tpot if best_effort else w.tpot_ms
-            held_[replica].append(Node(w.rid, index[tpot], w.prompt_tokens, deadline(w, best_effort), 0, True))
+            held_[replica].append(Node(w.rid, index[(tpot, tpot)], w.prompt_tokens, deadline(w, best_effort), 0, True))
             free_[replica] -= w.kv_blocks
             slots_[replica] -= 1
 
@@ -221,7 +225,7 @@ class SloAdmission:
                 took = {first.rid} if first is not None else took
             if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
                 took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
-                                         slots, points, index, tpot_of, preempt)
+                                         slots, points, index, key_of, preempt)
             for w in cands:
                 if w.rid in took:
                     take(replica, w, best_effort)
@@ -296,8 +300,8 @@ class SloAdmission:
     def _preempt_for(self, replica: int, held: list[Node], cands: list[WaitingView],
                      nodes: Callable[[list[WaitingView], bool, int, int, int], list[Node]], took: set[str],
                      best_effort_on: dict[int, list[RequestView]], base: dict[int, list[int]], free: dict[int, int],
-                     slots: dict[int, int], points: list[ReplicaBudget], index: dict[float, int],
-                     tpot_of: dict[str, float], preempt: list[str]) -> set[str]:
+                     slots: dict[int, int], points: list[ReplicaBudget], index: dict[tuple[float, float], int],
+                     key_of: dict[str, tuple[float, float]], preempt: list[str]) -> set[str]:
         """SLO arrivals come before best effort (digest §8): plan again as if the replica's k best-effort
         requests with the least output (the cheapest to recompute) gave their KV back, k = 1, 2, 4, ...;
         the first k that admits more is preempted."""
@@ -308,7 +312,7 @@ class SloAdmission:
             going = victims[:k]
             base2 = list(base[replica])
             for r in going:
-                base2[index[tpot_of[r.rid]]] -= 1
+                base2[index[key_of[r.rid]]] -= 1
             free2 = free[replica] + sum(r.kv_blocks for r in going)
             unit2 = max(1, math.ceil(free2 / self.memory_buckets))
             new2 = nodes(cands, False, slots[replica] + k, free2, unit2)
@@ -324,16 +328,15 @@ class SloAdmission:
             k *= 2
 
     @staticmethod
-    def _paces(view: SchedulerView, tpot_of: dict[str, float], offered: set[float]) -> dict[float, float]:
-        """Per tier whose requests all decode already (none offered now, none prefilling), the ms per
-        token its decoders may take from now on and still meet their TPOT (a TPOT is a mean over a
-        request's tokens: the slowest pace among them, never below the SLO). A request offered or
-        prefilling starts at its SLO, so its tier is planned at the SLO."""
-        fresh = offered | {tpot_of[p.rid] for p in view.prefilling}
+    def _paces(view: SchedulerView, tpot_of: dict[str, float]) -> dict[float, float]:
+        """Per tier with decoders, the ms per token its decoders may all take from now on and still meet
+        their TPOT (a TPOT is a mean over a request's tokens: the slowest pace among them, never below
+        the SLO). A request of the tier that starts now (offered, prefilling) is planned at the SLO
+        beside them, from its prefill deadline on: until then the decoders' pace sets the batches."""
         paces: dict[float, float] = {}
         for r in view.decoding:
             t = tpot_of[r.rid]
-            if t < BEST_EFFORT_TPOT_MS and t not in fresh:
+            if t < BEST_EFFORT_TPOT_MS:
                 paces[t] = min(paces.get(t, math.inf), max(t, r.pace_ms()))
         return paces
 
