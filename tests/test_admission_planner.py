@@ -632,7 +632,8 @@ def test_decoders_ahead_of_their_tpot_let_longer_batches_admit_a_long_prompt():
     p = SloAdmission().propose(rview([long], (), ahead), set(), None)
     assert [a.rid for a in p.admit] == ["long"]
     # a long prompt of the decoders' own tier: they keep their pace until its first token is due (it
-    # decodes at its SLO from then on), so it is admitted ahead of them, not at their own pace
+    # decodes at its SLO from then on), so it is admitted beside decoders ahead of their TPOT and
+    # refused beside decoders on it
     same = w("same", 700, tpot=10.0)
     assert "same" in SloAdmission().propose(rview([same], (), on_pace), set(), None).reject
     p = SloAdmission().propose(rview([same], (), ahead), set(), None)

@@ -35,9 +35,9 @@ those out-of-sample predictions (`error_summary`, served in the gateway's /v1/sl
 `residuals` the signed error by pass size, from which the planner's margin comes (`planned_ms`):
 the median residual for passes of at most B tokens (decode steps: a TPOT is a mean over a request's
 tokens, so one slow step in ten averages out) and above, the p90 of the residual as a share of the
-pass priced (prompt chunks: a TTFT is a few such passes; a share, because a chunk's error grows with
-its size, and the ms of a slow 256-token chunk added to a 32-token pass priced it at 3.5x its time).
-`time2bs` is the inverse the planner fills its batches with.
+pass priced (prompt chunks: a TTFT is a few such passes; a share, because a pass's error grows with
+its size, so a large chunk's slowness is not added whole to a small pass). `time2bs` is the inverse
+the planner fills its batches with.
 """
 
 from __future__ import annotations

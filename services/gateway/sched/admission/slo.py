@@ -129,12 +129,18 @@ class SloAdmission:
         # the DP's tiers, keyed (pace, TPOT SLO): a tier's decoders at the pace they may all keep
         # (`_paces`), every request that starts now (offered, prefilling) at its SLO
         paces = self._paces(view, tpot_of)
+        slos = tpots | {be_tpot}
         key_of = {r.rid: (paces.get(tpot_of[r.rid], tpot_of[r.rid]), tpot_of[r.rid]) for r in view.decoding}
-        tiers = sorted({(t, t) for t in tpots | {be_tpot}} | set(key_of.values()))
+        tiers = sorted({(t, t) for t in slos} | set(key_of.values()))
         index = {k: i for i, k in enumerate(tiers)}
+
+        def at_slo(tpot: float) -> int:
+            """The DP's tier of a request that starts now with this TPOT SLO."""
+            return index[(tpot, tpot)]
+
         up = [rep for rep in view.replicas if rep.up]
         steps = round(self.spec_steps)
-        needs = {t for t in tpots | {be_tpot} if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
+        needs = {t for t in slos if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
         measuring = set(tpot_of.values())  # tiers with requests running now: what they get is measured
         offered = view.waiting[:self.max_new]
         loads = [self._load(t, t in needs and t not in measuring, pace) for pace, t in tiers]
@@ -147,7 +153,7 @@ class SloAdmission:
         budgets = {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), rep.reserved_blocks,
                                             view.limits.max_prefill_tokens, first)
                                for ls, st, first in ((loads, steps, False), (plain, 0, True))] for rep in up}
-        held = {rep.index: [Node(p.rid, index[(tpot_of[p.rid],) * 2], p.prompt_tokens - p.prefilled,
+        held = {rep.index: [Node(p.rid, at_slo(tpot_of[p.rid]), p.prompt_tokens - p.prefilled,
                                  p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
                 for rep in up}  # forced nodes: admitted before, and those admitted in this plan
         free = {rep.index: rep.free_blocks for rep in up}
@@ -169,7 +175,7 @@ class SloAdmission:
 
         def nodes(cands: list[WaitingView], best_effort: bool, slots_: int, free_: int, unit: int) -> list[Node]:
             """The DP's new nodes: the candidates that fit this replica's free slots and blocks."""
-            return [Node(w.rid, index[(be_tpot if best_effort else w.tpot_ms,) * 2], w.prompt_tokens,
+            return [Node(w.rid, at_slo(be_tpot if best_effort else w.tpot_ms), w.prompt_tokens,
                          deadline(w, best_effort),
                          math.ceil(w.kv_blocks / unit))
                     for w in cands[:slots_] if w.kv_blocks <= free_]
@@ -191,7 +197,7 @@ class SloAdmission:
                  free_: dict[int, int], slots_: dict[int, int]) -> None:
             """A request planned as admitted on this replica: a forced node, its blocks and slot taken."""
             tpot = be_tpot if best_effort else w.tpot_ms
-            held_[replica].append(Node(w.rid, index[(tpot, tpot)], w.prompt_tokens, deadline(w, best_effort), 0, True))
+            held_[replica].append(Node(w.rid, at_slo(tpot), w.prompt_tokens, deadline(w, best_effort), 0, True))
             free_[replica] -= w.kv_blocks
             slots_[replica] -= 1
 
