@@ -141,8 +141,9 @@ def test_compose_processes_parity_and_scaling(stack, reference):
         second.signal(signal.SIGCONT)
     assert task.result(timeout=300) == reference  # drained, not lost
     wait_for(lambda: replicas(url)[second.host]["state"] == "dropped", "the second replica to be dropped")
-    assert "draining its" in stack.gateway.log() and "drained and dropped" in stack.gateway.log(), \
-        stack.gateway.log()[-3000:]
+    # the gateway's output reaches the test through a pipe read by a thread: wait for the line, do not race it
+    wait_for(lambda: "drained and dropped" in stack.gateway.log(), "the gateway to log the drop")
+    assert "draining its" in stack.gateway.log(), stack.gateway.log()[-3000:]
     port = int(stack.spec("target")["environment"]["SPECSERVE_TARGET_METRICS_PORT"])
     m = service_metrics(second.host, port)
     assert m["specserve:service_requests"] == 0 and m["specserve:service_kv_blocks_used"] == 0, m

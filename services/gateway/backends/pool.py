@@ -203,8 +203,8 @@ class ServicePool:
             if not t.up:
                 t.owed_releases.clear()  # gone: nobody to tell
             elif not t.requests and not t.owed_releases:
-                await t.mark_down()
                 log.info("target replica %d at %s drained and dropped", t.index, t.address)
+                await t.mark_down()
 
     @property
     def any_target_up(self) -> bool:
