@@ -46,9 +46,11 @@ def two_planes(tokens: float) -> float:
     return max(0.01 * tokens + 10.0, 0.1 * tokens)
 
 
-def sample(tokens: int, ms: float, kv: int = 0) -> PassSample:
-    """An iteration of `ms` whose target service took ms - 1 (0.5 ms round trip, 0.5 ms in the gateway)."""
-    return PassSample(tokens, service_ms=ms - 1.0, call_ms=ms - 0.5, total_ms=ms, schedule_ms=0.5, kv=kv)
+def sample(tokens: int, ms: float, kv: int = 0, prompt: int = 0) -> PassSample:
+    """An iteration of `ms` whose target service took ms - 1 (0.5 ms round trip, 0.5 ms in the gateway);
+    `prompt` of its tokens are a prompt chunk."""
+    return PassSample(tokens, service_ms=ms - 1.0, call_ms=ms - 0.5, total_ms=ms, schedule_ms=0.5, kv=kv,
+                      prompt=prompt)
 
 
 def linear_cost(k1: float, b: float, budget: int = 16) -> PassCost:
@@ -75,7 +77,7 @@ def test_the_planner_margin_is_the_median_residual_for_decode_passes_and_the_p90
         t = rng.choice([1, 2])
         cost.observe(sample(t, 16.0 + 0.5 * t + (3.0 if i % 5 == 0 else 0.0)))
     for t in range(17, 257):
-        cost.observe(sample(t, 10.0 + 0.5 * t + (3.0 if t % 5 == 0 else 0.0)))
+        cost.observe(sample(t, 10.0 + 0.5 * t + (3.0 if t % 5 == 0 else 0.0), prompt=t - 1))
     assert cost.planned_ms(1) < 17.5 + 1.0  # a TPOT is a mean over steps: the slow fifth is not the plan's step
     assert cost.planned_ms(256) >= 10.0 + 0.5 * 256 + 2.0  # a prefill pass keeps the p90's margin
 
@@ -86,10 +88,22 @@ def test_a_prompt_chunk_margin_is_a_share_of_its_pass():
     2.5x its time and a light load's prompts had no room beside a decoder)."""
     cost = PassCost(8, 20.0, [(8, 20.0), (256, 150.0)])
     for i in range(100):
-        cost.observe(sample(256, 150.0 * (1.3 if i % 3 == 0 else 1.0)))
-        cost.observe(sample(32, 30.0))
+        cost.observe(sample(256, 150.0 * (1.3 if i % 3 == 0 else 1.0), prompt=256))
+        cost.observe(sample(32, 30.0, prompt=32))
     assert cost.planned_ms(256) >= 1.15 * cost.iteration_ms(256)  # the chunks keep their p90
     assert cost.planned_ms(32) < 1.35 * cost.iteration_ms(32)
+
+
+def test_speculative_decode_passes_do_not_set_a_prompt_chunk_margin():
+    """Speculative decode passes just above B (12 tokens with a draft call) timed up to 3x their price,
+    beside prompt chunks timed as priced: a chunk's margin comes from the chunks only (the decode passes'
+    spread set it to 2.15x a chunk's price on the real CPU, and a 256-token chunk was planned at 497 ms)."""
+    rng = random.Random(3)
+    cost = PassCost(8, 20.0, [(8, 20.0), (256, 150.0)])
+    for _ in range(100):
+        cost.observe(sample(256, 150.0, prompt=256))
+        cost.observe(sample(12, 22.0 * rng.uniform(1.0, 3.0)))
+    assert cost.planned_ms(256) < 1.1 * cost.iteration_ms(256)
 
 
 def test_time2bs_is_the_inverse_of_the_planned_iteration():
@@ -331,7 +345,8 @@ CPU_CURVE = [(8, 26.993), (16, 34.29), (24, 40.992), (32, 41.679), (48, 50.657),
 
 def cpu_view(waiting, decoding=(), cost=None):
     cost = cost or PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
-    reps = [ReplicaView(0, True, 4096, sum(r.kv_blocks for r in decoding), len(decoding), cost)]
+    held = sum(r.kv_blocks for r in decoding)  # the decoders hold what they reserved
+    reps = [ReplicaView(0, True, 4096, held, len(decoding), cost, held)]
     return SchedulerView(list(waiting), [], list(decoding), reps, DraftView(False, False), Limits(64, 256, 8, 8))
 
 
@@ -468,7 +483,7 @@ def test_the_live_cost_keeps_room_for_a_lone_critical_decoder():
     for i in range(16 + 64 * 3):  # iterations as the real replica timed them
         if i % 4 == 3:
             t = rng.choice([17, 24, 40, 64, 128, 256])
-            cost.observe(sample(t, prompt_pass_ms(rng, t)))
+            cost.observe(sample(t, prompt_pass_ms(rng, t), prompt=t - 1))
         else:  # one or two decoders: 16-17 ms, one step in ten slowed by the machine's other work
             t = rng.choice([1, 2])
             cost.observe(sample(t, rng.uniform(16.0, 17.0) + (rng.uniform(2.5, 4.0) if rng.random() < 0.1 else 0.0)))
@@ -489,7 +504,7 @@ def test_the_cost_prices_the_context_held_a_lone_short_request_fits_beside_a_lon
     for i in range(16 + 64 * 3):
         if i % 4 == 3:
             t = rng.choice([17, 24, 40, 64, 128, 256])
-            cost.observe(sample(t, prompt_pass_ms(rng, t), 95))
+            cost.observe(sample(t, prompt_pass_ms(rng, t), 95, prompt=t - 1))
         else:
             n, kv = rng.choice([(1, 16), (2, 32), (3, 48), (1, 95), (2, 111)])
             cost.observe(sample(n, 11.0 + 1.5 * n + 0.08 * kv + rng.uniform(-0.5, 0.5), kv))
@@ -503,6 +518,25 @@ def test_the_cost_prices_the_context_held_a_lone_short_request_fits_beside_a_lon
     # its first token comes in time: it runs in the best-effort tier (FIFO would serve it), not refused
     assert [a.rid for a in p.admit] == ["beside"] and "beside" in adm.best_effort and p.reject == {}
     assert adm.last.declined == {"critical": 1} and adm.last.best_effort == {"critical": 1}
+
+
+def test_the_plan_prices_the_kv_held_not_the_kv_reserved():
+    """A search request decodes beside its 1,024 output tokens' reservation (94 blocks reserved, 30 held):
+    its passes attend to the 30. A critical arrival fits beside it at the KV held (17.4 ms against
+    18.6), not at the reservation (23.6 ms); planned at the reservation, it was declined at 1 req/s on
+    the real CPU though `none` served such requests within both SLOs."""
+    rng = random.Random(11)
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    for _ in range(200):
+        n, kv = rng.choice([1, 2, 3]), rng.randint(10, 120)
+        cost.observe(sample(n, 11.0 + 1.5 * n + 0.1 * kv + rng.uniform(-0.3, 0.3), kv))
+    assert cost.kv_ms_per_block == pytest.approx(0.1, abs=0.02)
+    search = RequestView("s", "search", 44.681, 2000.0, 5, 250.0, 1000, [], 0, 0, 94)
+    reps = [ReplicaView(0, True, 4096, 94, 1, cost, held_blocks=30)]
+    view = SchedulerView([critical("c")], [], [search], reps, DraftView(False, False), Limits(64, 256, 8, 8))
+    adm = SloAdmission()
+    p = adm.propose(view, set(), None)
+    assert [a.rid for a in p.admit] == ["c"] and "c" not in adm.best_effort, (p, adm.last)
 
 
 def test_an_slo_request_is_refused_at_light_load_only_when_no_replica_could_meet_it_alone():

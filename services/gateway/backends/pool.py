@@ -127,7 +127,12 @@ class TargetReplica(_Service):
 
     def view(self) -> ReplicaView:
         return ReplicaView(self.index, self.up and not self.retired, self.total_blocks, self.reserved_blocks,
-                           len(self.requests), self.cost)
+                           len(self.requests), self.cost, self.held_blocks, self.block_size)
+
+    @property
+    def held_blocks(self) -> int:
+        """KV blocks its requests hold after its last call (the target allocates them as tokens are written)."""
+        return max(0, self.total_blocks - self.free_blocks) if self.up else 0
 
 
 class DraftService(_Service):

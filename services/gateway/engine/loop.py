@@ -221,7 +221,7 @@ class Engine:
             self._set_load()
             return
         self.metrics.on_iteration(record)
-        replica.cost.observe_record(record, replica.index, replica.reserved_blocks)  # its own passes only
+        replica.cost.observe_record(record, replica.index, replica.held_blocks)  # its own passes only
         self.policy.observe(record)
         if self.scheduler.admission is not None:
             self.scheduler.admission.observe(record)
@@ -232,7 +232,7 @@ class Engine:
         series (`only`: just that replica's; the supervisor refreshes them all every second)."""
         used = total = 0
         for t in self.pool.targets:
-            t_used = t.total_blocks - t.free_blocks if t.up and t.total_blocks else 0
+            t_used = t.held_blocks
             if t.up and t.total_blocks:
                 used, total = used + t_used, total + t.total_blocks
             if only is not None and t is not only:

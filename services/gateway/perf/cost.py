@@ -32,11 +32,13 @@ baseline and 16-17 ms live lone decode steps), so they set the line's slope only
 
 Every iteration is priced before it is fitted: `errors` keeps the relative error |T - T̂| / T of
 those out-of-sample predictions (`error_summary`, served in the gateway's /v1/slo_classes), and
-`residuals` the signed error by pass size, from which the planner's margin comes (`planned_ms`):
-the median residual for passes of at most B tokens (decode steps: a TPOT is a mean over a request's
-tokens, so one slow step in ten averages out) and above, the p90 of the residual as a share of the
-pass priced (prompt chunks: a TTFT is a few such passes; a share, because a pass's error grows with
-its size, so a large chunk's slowness is not added whole to a small pass). `time2bs` is the inverse
+`residuals` the signed error by kind of pass, from which the planner's margin comes (`planned_ms`):
+for a pass of at most B tokens, the median residual of the passes that carried no prompt (decode
+steps, speculative ones with their draft call included: a TPOT is a mean over a request's tokens, so
+one slow step in ten averages out); above B, the p90 of the residual as a share of the pass priced,
+over the passes that carried a prompt chunk (a TTFT is a few such passes; a share, because a pass's
+error grows with its size, so a large chunk's slowness is not added whole to a small pass; and not
+the speculative decode passes, whose draft call's spread says nothing of a chunk's). `time2bs` is the inverse
 the planner fills its batches with.
 """
 
@@ -100,6 +102,7 @@ class PassSample:
     total_ms: float  # the whole iteration
     schedule_ms: float  # the gateway's own part of it
     kv: int = 0  # KV blocks the replica's requests held
+    prompt: int = 0  # prompt tokens among `tokens`
     decoded: bool = True  # some request on this replica decoded (else the iteration says nothing of t_spec)
     depth: int = 0  # the draft call: deepest beam
     spec: int = 0  # entries with d > 0
@@ -119,7 +122,7 @@ def sample_of(record: IterationRecord, replica: int, kv: int = 0) -> PassSample 
     beams = [s for s in record.requests if s.depth > 0]
     return PassSample(
         tokens=mine.prefill_tokens + mine.tree_nodes, service_ms=mine.service_ms, call_ms=mine.call_ms,
-        total_ms=record.total_ms, schedule_ms=record.schedule_ms, kv=kv,
+        total_ms=record.total_ms, schedule_ms=record.schedule_ms, kv=kv, prompt=mine.prefill_tokens,
         decoded=any(s.replica == replica and s.verified for s in record.requests),
         depth=max((s.depth for s in beams), default=0) if drafted else 0, spec=d.requests if drafted else 0,
         width=max((s.width for s in beams), default=1), lag=d.lag,
@@ -156,7 +159,7 @@ class PassCost:
         self.gateway = -1.0  # the gateway's own part of an iteration
         self.spec = -1.0  # moving average of the draft call's requests (the planner's draft term)
         self.lag = -1.0  # and of its catch-up tokens
-        self.residuals: deque[tuple[int, float, float]] = deque(maxlen=window)  # (tokens, T - T̂, T̂), ms
+        self.residuals: deque[tuple[bool, float, float]] = deque(maxlen=window)  # (a prompt in it, T - T̂, T̂), ms
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |T - T̂| / T
         self._margins: tuple[float, float] | None = None
 
@@ -200,13 +203,12 @@ class PassCost:
 
     # ---- the planner's view --------------------------------------------------------------------------
     def margin_ms(self, tokens: int, priced_ms: float) -> float:
-        """What the planner adds to a pass of `tokens` priced at `priced_ms`: the median recent residual
-        of passes of at most B tokens, ms; above, the p90 of their residuals as a share of their price,
-        times this one's (>= 0)."""
+        """What the planner adds to a pass of `tokens` priced at `priced_ms`: up to B tokens, the median
+        recent residual of the passes without a prompt, ms; above, the p90 of the residuals of the passes
+        with one as a share of their price, times this one's (>= 0)."""
         if self._margins is None:
-            b = self.budget_tokens
-            low = [r for n, r, _ in self.residuals if n <= b]
-            high = [r / max(p, 1e-3) for n, r, p in self.residuals if n > b]
+            low = [r for prompt, r, _ in self.residuals if not prompt]
+            high = [r / max(p, 1e-3) for prompt, r, p in self.residuals if prompt]
             self._margins = (max(0.0, float(np.quantile(low, LOW_QUANTILE))) if low else 0.0,
                              max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0)
         return self._margins[0] if tokens <= self.budget_tokens else self._margins[1] * priced_ms
@@ -246,7 +248,7 @@ class PassCost:
         a = self.smoothing
         if s.tokens > 0 and s.total_ms > 0:
             predicted = self.iteration_ms(s.tokens, s.depth, s.spec, s.width, s.lag, s.kv)
-            self.residuals.append((s.tokens, s.total_ms - predicted, predicted))
+            self.residuals.append((s.prompt > 0, s.total_ms - predicted, predicted))
             self.errors.append(abs(s.total_ms - predicted) / s.total_ms)
             self._margins = None
         if s.decoded and s.total_ms > 0:

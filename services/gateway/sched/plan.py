@@ -18,6 +18,7 @@ engine. Nothing here does I/O or reads a clock: every time is carried in the sna
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -104,6 +105,8 @@ class ReplicaView:
     reserved_blocks: int  # blocks reserved by the requests bound to it
     running: int  # requests bound to it
     cost: PassCost  # its budget B, profiled curve and live estimates
+    held_blocks: int = 0  # KV blocks its requests hold now (the target's last word): the context its passes attend to
+    block_size: int = 16  # tokens per KV block
 
     @property
     def free_blocks(self) -> int:
@@ -186,8 +189,10 @@ class SchedulerView:
             for r in self.decoding:
                 if self.stepping(r.replica):
                     self._groups[r.replica].append(r)
-        return [BatchView(g, prefill_tokens[i] if i < len(prefill_tokens) else 0, len(self.waiting),
-                          self.draft.usable, i) for i, g in enumerate(self._groups)]
+        chunk = [prefill_tokens[i] if i < len(prefill_tokens) else 0 for i in range(len(self.replicas))]
+        return [BatchView(g, chunk[i], len(self.waiting), self.draft.usable, i,
+                          rep.held_blocks + math.ceil(chunk[i] / rep.block_size))
+                for i, (g, rep) in enumerate(zip(self._groups, self.replicas, strict=True))]
 
 
 @dataclass(slots=True)
@@ -197,6 +202,7 @@ class BatchView:
     waiting: int = 0  # requests not yet admitted (all replicas)
     draft_available: bool = True  # False while the draft is down or offloaded (shapes are then ignored)
     replica: int = 0
+    kv_blocks: int = 0  # KV blocks the pass attends to: what the replica's requests hold, and its prompt chunks
 
     def tree_budget(self, model: PassCost) -> int:
         """The budget left for trees, roots included: B minus the co-scheduled prefill tokens,

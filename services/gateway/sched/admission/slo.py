@@ -139,8 +139,17 @@ class SloAdmission:
             return index[(tpot, tpot)]
 
         up = [rep for rep in view.replicas if rep.up]
+        size = {rep.index: rep.block_size for rep in up}
+
+        def prompt_blocks(replica: int, tokens: int) -> int:
+            return math.ceil(max(tokens, 0) / size[replica])
+
+        # the KV its passes attend to while the prompts admitted now prefill: what its requests hold, and
+        # the prompts still to come in (output tokens grow it slowly; their reservation is not attended to)
+        attend = {rep.index: rep.held_blocks + sum(prompt_blocks(rep.index, p.prompt_tokens - p.prefilled)
+                                                   for p in view.prefilling if p.replica == rep.index) for rep in up}
         steps = round(self.spec_steps)
-        needs = {t for t in slos if any(rep.cost.time2bs(t, steps, rep.reserved_blocks) < 2 for rep in up)}
+        needs = {t for t in slos if any(rep.cost.time2bs(t, steps, attend[rep.index]) < 2 for rep in up)}
         measuring = set(tpot_of.values())  # tiers with requests running now: what they get is measured
         offered = view.waiting[:self.max_new]
         loads = [self._load(t, t in needs and t not in measuring, pace) for pace, t in tiers]
@@ -150,14 +159,13 @@ class SloAdmission:
             if r.replica in base:
                 base[r.replica][index[key_of[r.rid]]] += 1
         plain = [TierLoad(t.tpot_ms, paced=t.paced) for t in loads]
-        budgets = {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), rep.reserved_blocks,
+        budgets = {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), attend[rep.index],
                                             view.limits.max_prefill_tokens, first)
                                for ls, st, first in ((loads, steps, False), (plain, 0, True))] for rep in up}
         held = {rep.index: [Node(p.rid, at_slo(tpot_of[p.rid]), p.prompt_tokens - p.prefilled,
                                  p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
                 for rep in up}  # forced nodes: admitted before, and those admitted in this plan
         free = {rep.index: rep.free_blocks for rep in up}
-        total = {rep.index: rep.free_blocks + rep.reserved_blocks for rep in up}
         slots = {rep.index: max(0, view.limits.max_running - rep.running) for rep in up}
         baseline = {rep.index: rep.cost.baseline_iteration_ms for rep in up}  # the profile's, never refitted
 
@@ -186,9 +194,9 @@ class SloAdmission:
             and the operating points it planned at."""
             unit = max(1, math.ceil(free_[replica] / self.memory_buckets))
             new = nodes(cands, best_effort, slots_[replica], free_[replica], unit)
-            # the passes attend to the KV held now plus an arrival's: exact for one arrival (the usual
-            # case); when several are admitted at once, the next plans see all their blocks
-            attending = total[replica] - free_[replica] + max((w.kv_blocks for w in cands), default=0)
+            # the passes attend to the KV held now plus an arrival's prompt: exact for one arrival (the
+            # usual case); when several are admitted at once, the next plans see all their prompts
+            attending = attend[replica] + max((prompt_blocks(replica, w.prompt_tokens) for w in cands), default=0)
             points = [b.attending(attending) for b in budgets[replica]]
             return (best_plan(held_[replica] + new, base[replica], free_[replica] // unit, points) if new
                     else set()), points
@@ -200,6 +208,7 @@ class SloAdmission:
             held_[replica].append(Node(w.rid, at_slo(tpot), w.prompt_tokens, deadline(w, best_effort), 0, True))
             free_[replica] -= w.kv_blocks
             slots_[replica] -= 1
+            attend[replica] += prompt_blocks(replica, w.prompt_tokens)
 
         def take(replica: int, w: WaitingView, best_effort: bool) -> None:
             """Admit the request on this replica in this plan (in the best-effort tier, or its own)."""
@@ -347,19 +356,19 @@ class SloAdmission:
         return paces
 
     @staticmethod
-    def _budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: int, reserved: int,
+    def _budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: int, attending: int,
                 max_prefill: int, prefill_first: bool) -> ReplicaBudget:
         """A replica's budget at one operating point: the tiers' loads and the draft call's depth; with
         `prefill_first`, batches with nothing decoding are the engine's largest passes."""
-        longest = cost.planned_ms(max_prefill + decoders, steps, reserved)
+        longest = cost.planned_ms(max_prefill + decoders, steps, attending)
         # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
         # a pass gives it, the speculation prior included) that holds a token without a draft call:
         # the prompts admitted now decode at that pace once prefilled (planning them only in the
         # largest chunks admitted a burst's requests that then missed their TTFT); prefill-first, the
         # largest pass (the chunks' deadline floor keeps the prompts the plan admits within their TTFT)
         idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
-                    if cost.time2bs(n, 0, reserved) >= 1), default=longest) if not prefill_first else longest
-        return ReplicaBudget(cost, loads, idle, steps, reserved, longest)
+                    if cost.time2bs(n, 0, attending) >= 1), default=longest) if not prefill_first else longest
+        return ReplicaBudget(cost, loads, idle, steps, attending, longest)
 
     def _load(self, tpot: float, prior: bool, pace: float) -> TierLoad:
         """A tier's measured cost and gain, its batches paced at `pace` ms per token (its TPOT, or

@@ -109,7 +109,7 @@ class Branches:
         mine = {r.rid: expected_tokens(rates.get(r.rid, 0.0), depth.get(r.rid, 0)) for r in batch.requests}
         tokens = sum(mine.values())
         n_tokens = batch.prefill_tokens + len(batch.requests) + sum(depth.values())
-        kv = sum(r.kv_blocks for r in batch.requests)
+        kv = batch.kv_blocks
         lag = sum(r.draft_lag for r in batch.requests if r.rid in spec)
         step_ms = cost.iteration_ms(n_tokens, max(depth.values(), default=0), len(spec), self.width, lag, kv)
         # a request keeps its pace when its expected chain tokens cover the step (pace * tokens >= T)

@@ -75,7 +75,7 @@ class GoodputControl:
         ks = [min(k, r.remaining - 1) for r in spec]
         lag = sum(r.draft_lag for r, kr in zip(spec, ks, strict=True) if kr > 0)
         t = cost.iteration_ms(len(batch.requests) + sum(ks) + batch.prefill_tokens, max(ks, default=0),
-                              sum(1 for kr in ks if kr > 0), 1, lag, sum(r.kv_blocks for r in batch.requests))
+                              sum(1 for kr in ks if kr > 0), 1, lag, batch.kv_blocks)
         return ks, t
 
     def goodput(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int,
