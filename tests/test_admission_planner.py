@@ -288,6 +288,20 @@ def test_the_first_token_bound_shares_every_replicas_prefill_passes():
     assert first_token_bound_ms(100, 0, [], 256) == math.inf  # no replica: nothing can be met
 
 
+def test_the_first_token_bound_runs_at_the_fast_prompt_passes_pace():
+    """The arrival check refuses only what no plan is likely to serve: prompt passes one in five 30 %
+    faster than the rest bound the first token at their pace (the p10 of time against price), not at
+    the moving average (which refused a critical request the real CPU then served in 918 ms)."""
+    from specserve.gateway.sched.admission.arrival import first_token_bound_ms
+
+    cost = PassCost(8, 20.0, [(8, 20.0), (256, 150.0)])
+    for i in range(100):
+        cost.observe(sample(256, 150.0 * (0.7 if i % 5 == 0 else 1.0), prompt=256))
+    mean = 1024 / (256 / cost.iteration_ms(256))
+    assert -0.35 < cost.fast_share() < -0.15
+    assert first_token_bound_ms(256, 768, [cost], 256) == pytest.approx(mean * (1 + cost.fast_share()))
+
+
 @pytest.mark.parametrize("tpot", [100.0, 1e5, 2e6])
 def test_a_loose_tpot_does_not_stretch_the_batch_past_the_ttft(tpot):
     """An idle replica and a TPOT of up to 2000 s with a 5 s TTFT: admitted. Batches are no longer than
@@ -537,6 +551,27 @@ def test_the_plan_prices_the_kv_held_not_the_kv_reserved():
     adm = SloAdmission()
     p = adm.propose(view, set(), None)
     assert [a.rid for a in p.admit] == ["c"] and "c" not in adm.best_effort, (p, adm.last)
+
+
+def test_a_declined_slo_request_runs_best_effort_when_its_first_token_comes_in_time_as_expected():
+    """Issue 48, item 4: a 1,527-token search prompt (TTFT 2 s) arrives while another one has 507 tokens
+    left to prefill and nothing decodes. At the chunks' p90 margin (one in five 30 % slow) its first
+    token is planned past its TTFT; at their expected time it comes in time, as FIFO served it (1.6 s).
+    It runs without a TPOT promise, not refused."""
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    for i in range(200):
+        cost.observe(sample(256, 200.0 * (1.3 if i % 5 == 0 else 1.0), prompt=256))
+        cost.observe(sample(1, 5.0))
+    expected, planned = cost.planned_ms(256, margin=False), cost.planned_ms(256)
+    assert math.floor(1929 / expected) * 256 >= 2034 > math.floor(1929 / planned) * 256  # the case it covers
+    first = PrefillView("first", 0, 1531, 1024, "search", 44.681, 2000.0, 550.0)
+    new = WaitingView("new", 1527, 256, 112, "search", 44.681, 2000.0, 71.0)
+    reps = [ReplicaView(0, True, 4096, 112, 1, cost, held_blocks=64)]
+    adm = SloAdmission()
+    view = SchedulerView([new], [first], [], reps, DraftView(False, False), Limits(64, 256, 8, 8))
+    p = adm.propose(view, set(), None)
+    assert [a.rid for a in p.admit] == ["new"] and "new" in adm.best_effort and p.reject == {}, (p, adm.last)
+    assert adm.last.declined == {"search": 1}
 
 
 def test_an_slo_request_is_refused_at_light_load_only_when_no_replica_could_meet_it_alone():

@@ -56,6 +56,7 @@ ANCHOR_TOKENS = 8  # the profile's baseline is a decode iteration at batch 8 (pr
 DRAFT_STEP_SHARE = 0.15  # the draft's prior: one beam step costs this share of the baseline iteration
 MAX_PASS_TOKENS = 1 << 20  # time2bs never answers more
 LOW_QUANTILE, HIGH_QUANTILE = 0.5, 0.9  # the planner's margin for passes of <= B tokens (ms) and above (a share)
+FAST_QUANTILE = 0.1  # the arrival check's bound: prompt passes this fast, as a share of their price
 ERROR_WINDOW = 20_000  # iterations whose prediction error `error_summary` reports
 LINE_PRIOR_PASSES = 20.0  # the profile's line weighs as this many passes (the data's weight tops out near 50)
 OUTLIER_FACTOR = 3.0  # a pass enters the table at most this many times the time it was priced at
@@ -161,7 +162,7 @@ class PassCost:
         self.lag = -1.0  # and of its catch-up tokens
         self.residuals: deque[tuple[bool, float, float]] = deque(maxlen=window)  # (a prompt in it, T - T̂, T̂), ms
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |T - T̂| / T
-        self._margins: tuple[float, float] | None = None
+        self._margins: tuple[float, float, float] | None = None
 
     # ---- prediction ----------------------------------------------------------------------------------
     @property
@@ -206,24 +207,33 @@ class PassCost:
         """What the planner adds to a pass of `tokens` priced at `priced_ms`: up to B tokens, the median
         recent residual of the passes without a prompt, ms; above, the p90 of the residuals of the passes
         with one as a share of their price, times this one's (>= 0)."""
+        return self._margin_stats()[0] if tokens <= self.budget_tokens else self._margin_stats()[1] * priced_ms
+
+    def fast_share(self) -> float:
+        """How much faster than priced the fast prompt passes ran: the p10 of their residuals as a share of
+        their price (<= 0; the arrival check's bound prices prompt passes at 1 + this)."""
+        return self._margin_stats()[2]
+
+    def _margin_stats(self) -> tuple[float, float, float]:
         if self._margins is None:
             low = [r for prompt, r, _ in self.residuals if not prompt]
             high = [r / max(p, 1e-3) for prompt, r, p in self.residuals if prompt]
             self._margins = (max(0.0, float(np.quantile(low, LOW_QUANTILE))) if low else 0.0,
-                             max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0)
-        return self._margins[0] if tokens <= self.budget_tokens else self._margins[1] * priced_ms
+                             max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0,
+                             max(-0.9, min(0.0, float(np.quantile(high, FAST_QUANTILE)))) if high else 0.0)
+        return self._margins
 
-    def planned_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0) -> float:
+    def planned_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> float:
         """An iteration as the planner prices it: `spec_steps` deep drafting for the usual draft call,
-        plus the margin."""
+        plus the margin (without it: the expected time)."""
         spec = round(max(self.spec, 1.0)) if spec_steps > 0 else 0
         priced = self.iteration_ms(tokens, spec_steps, spec, 1, round(max(self.lag, 0.0)), kv)
-        return priced + self.margin_ms(tokens, priced)
+        return priced + self.margin_ms(tokens, priced) if margin else priced
 
-    def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0) -> int:
+    def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> int:
         """The most tokens one pass may hold for its iteration to be planned within `time_ms` (0: not one)."""
         def fits(n: int) -> bool:
-            return self.planned_ms(n, spec_steps, kv) <= time_ms + 1e-9
+            return self.planned_ms(n, spec_steps, kv, margin) <= time_ms + 1e-9
 
         if not fits(1):
             return 0

@@ -29,8 +29,9 @@ MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this mu
 
 class ReplicaBudget:
     def __init__(self, cost: PassCost, tiers: Sequence[TierLoad], idle_ms: float, spec_steps: int = 0,
-                 kv_blocks: int = 0, longest_ms: float = math.inf):
+                 kv_blocks: int = 0, longest_ms: float = math.inf, margin: bool = True):
         self.cost = cost
+        self.margin = margin  # passes priced with the cost model's margin (False: at their expected time)
         self.longest_ms = longest_ms
         self.kv_blocks = kv_blocks  # KV blocks the replica's requests will hold: the context its passes attend to
         self.tiers = list(tiers)
@@ -42,7 +43,8 @@ class ReplicaBudget:
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
         """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
-        return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks, self.longest_ms)
+        return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks, self.longest_ms,
+                             self.margin)
 
     def cap(self, length_ms: float, spec_steps: int | None = None) -> int:
         """Tokens one pass of `length_ms` holds, with the draft call of `spec_steps` (default: the
@@ -50,7 +52,7 @@ class ReplicaBudget:
         steps = self.spec_steps if spec_steps is None else spec_steps
         c = self._caps.get((length_ms, steps))
         if c is None:
-            c = self._caps[(length_ms, steps)] = self.cost.time2bs(length_ms, steps, self.kv_blocks)
+            c = self._caps[(length_ms, steps)] = self.cost.time2bs(length_ms, steps, self.kv_blocks, self.margin)
         return c
 
     def _steps(self, decoders: tuple[int, ...]) -> int:

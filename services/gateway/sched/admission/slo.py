@@ -159,9 +159,12 @@ class SloAdmission:
             if r.replica in base:
                 base[r.replica][index[key_of[r.rid]]] += 1
         plain = [TierLoad(t.tpot_ms, paced=t.paced) for t in loads]
-        budgets = {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), attend[rep.index],
-                                            view.limits.max_prefill_tokens, first)
-                               for ls, st, first in ((loads, steps, False), (plain, 0, True))] for rep in up}
+        def points(margin: bool) -> dict[int, list[ReplicaBudget]]:
+            return {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), attend[rep.index],
+                                             view.limits.max_prefill_tokens, first, margin)
+                                for ls, st, first in ((loads, steps, False), (plain, 0, True))] for rep in up}
+
+        budgets = points(True)
         held = {rep.index: [Node(p.rid, at_slo(tpot_of[p.rid]), p.prompt_tokens - p.prefilled,
                                  p.ttft_ms - p.waited_ms, 0, True) for p in view.prefilling if p.replica == rep.index]
                 for rep in up}  # forced nodes: admitted before, and those admitted in this plan
@@ -189,17 +192,18 @@ class SloAdmission:
                     for w in cands[:slots_] if w.kv_blocks <= free_]
 
         def plan_on(replica: int, cands: list[WaitingView], best_effort: bool, held_: dict[int, list[Node]],
-                    free_: dict[int, int], slots_: dict[int, int]) -> tuple[set[str], list[ReplicaBudget]]:
+                    free_: dict[int, int], slots_: dict[int, int],
+                    budgets_: dict[int, list[ReplicaBudget]] = budgets) -> tuple[set[str], list[ReplicaBudget]]:
             """The DP's admissions among these candidates on this replica beside its forced nodes `held_`,
-            and the operating points it planned at."""
+            and the operating points it planned at (`budgets_`: with the cost model's margin, or without)."""
             unit = max(1, math.ceil(free_[replica] / self.memory_buckets))
             new = nodes(cands, best_effort, slots_[replica], free_[replica], unit)
             # the passes attend to the KV held now plus an arrival's prompt: exact for one arrival (the
             # usual case); when several are admitted at once, the next plans see all their prompts
             attending = attend[replica] + max((prompt_blocks(replica, w.prompt_tokens) for w in cands), default=0)
-            points = [b.attending(attending) for b in budgets[replica]]
-            return (best_plan(held_[replica] + new, base[replica], free_[replica] // unit, points) if new
-                    else set()), points
+            at = [b.attending(attending) for b in budgets_[replica]]
+            return (best_plan(held_[replica] + new, base[replica], free_[replica] // unit, at) if new
+                    else set()), at
 
         def hold(replica: int, w: WaitingView, best_effort: bool, held_: dict[int, list[Node]],
                  free_: dict[int, int], slots_: dict[int, int]) -> None:
@@ -224,11 +228,12 @@ class SloAdmission:
             self._count(self.last.refused, w.tier)
             reject[w.rid] = Reject("no target replica can meet this request's SLO now", retry_s)
 
-        def offer(replica: int, cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
+        def offer(replica: int, cands: list[WaitingView], best_effort: bool,
+                  budgets_: dict[int, list[ReplicaBudget]] = budgets) -> list[WaitingView]:
             """Plan this replica with these candidates; returns the ones it declined."""
             if not cands:
                 return cands
-            took, points = plan_on(replica, cands, best_effort, held, free, slots)
+            took, at = plan_on(replica, cands, best_effort, held, free, slots, budgets_)
             if not took and not any(base[replica]) and not held[replica] and slots[replica] > 0:
                 # work conserving: an idle replica is spare capacity whatever its refitted model says. A
                 # bad refit kept one idle beside a waiting best-effort request for good, and another
@@ -240,7 +245,7 @@ class SloAdmission:
                 took = {first.rid} if first is not None else took
             if not best_effort and len(took) < len(cands) and best_effort_on[replica]:
                 took = self._preempt_for(replica, held[replica], cands, nodes, took, best_effort_on, base, free,
-                                         slots, points, index, key_of, preempt)
+                                         slots, at, index, key_of, preempt)
             for w in cands:
                 if w.rid in took:
                     take(replica, w, best_effort)
@@ -252,16 +257,17 @@ class SloAdmission:
         home = {w.rid: first[w.rid] if first and first.get(w.rid) in order else order[0]
                 for w in offered} if order else {}
 
-        def route(cands: list[WaitingView], best_effort: bool) -> list[WaitingView]:
+        def route(cands: list[WaitingView], best_effort: bool,
+                  budgets_: dict[int, list[ReplicaBudget]] = budgets) -> list[WaitingView]:
             """Each candidate asks its own replica first (the router's pick); with `route_all`, those it
             declines ask every other replica in turn. Returns the declined, in arrival order."""
             took: set[str] = set()
             for replica in order:
                 mine = [w for w in cands if home[w.rid] == replica]
-                took |= {w.rid for w in mine} - {w.rid for w in offer(replica, mine, best_effort)}
+                took |= {w.rid for w in mine} - {w.rid for w in offer(replica, mine, best_effort, budgets_)}
             for replica in order if self.route_all else ():
                 others = [w for w in cands if home[w.rid] != replica and w.rid not in took]
-                took |= {w.rid for w in others} - {w.rid for w in offer(replica, others, best_effort)}
+                took |= {w.rid for w in others} - {w.rid for w in offer(replica, others, best_effort, budgets_)}
             return [w for w in cands if w.rid not in took]
 
         declined = route(list(offered), best_effort=False)
@@ -269,9 +275,9 @@ class SloAdmission:
             self._count(self.last.declined, w.tier)
         # one it declines with an SLO some replica could meet alone is served without a TPOT guarantee where
         # a replica can still start it within its TTFT (planned in the best-effort tier with its own TTFT
-        # deadline: what FIFO would serve in time, at light load); else refused
+        # deadline, at the passes' expected times: what FIFO would serve in time, at light load); else refused
         spare = [w for w in declined if w.rid in best_effort_ok or self._alone(w, up, view.limits.max_prefill_tokens)]
-        waits = {w.rid for w in route(spare, best_effort=True) if w.rid in best_effort_ok}
+        waits = {w.rid for w in route(spare, True, points(False) if spare else budgets) if w.rid in best_effort_ok}
         admitted = {a.rid for a in admit}
         for w in declined:
             if w.rid in admitted:
@@ -357,18 +363,19 @@ class SloAdmission:
 
     @staticmethod
     def _budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: int, attending: int,
-                max_prefill: int, prefill_first: bool) -> ReplicaBudget:
+                max_prefill: int, prefill_first: bool, margin: bool) -> ReplicaBudget:
         """A replica's budget at one operating point: the tiers' loads and the draft call's depth; with
-        `prefill_first`, batches with nothing decoding are the engine's largest passes."""
-        longest = cost.planned_ms(max_prefill + decoders, steps, attending)
+        `prefill_first`, batches with nothing decoding are the engine's largest passes; `margin`: passes
+        priced with the cost model's margin (else at their expected time)."""
+        longest = cost.planned_ms(max_prefill + decoders, steps, attending, margin)
         # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
         # a pass gives it, the speculation prior included) that holds a token without a draft call:
         # the prompts admitted now decode at that pace once prefilled (planning them only in the
         # largest chunks admitted a burst's requests that then missed their TTFT); prefill-first, the
         # largest pass (the chunks' deadline floor keeps the prompts the plan admits within their TTFT)
         idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
-                    if cost.time2bs(n, 0, attending) >= 1), default=longest) if not prefill_first else longest
-        return ReplicaBudget(cost, loads, idle, steps, attending, longest)
+                    if cost.time2bs(n, 0, attending, margin) >= 1), default=longest) if not prefill_first else longest
+        return ReplicaBudget(cost, loads, idle, steps, attending, longest, margin)
 
     def _load(self, tpot: float, prior: bool, pace: float) -> TierLoad:
         """A tier's measured cost and gain, its batches paced at `pace` ms per token (its TPOT, or
