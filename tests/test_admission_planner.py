@@ -574,6 +574,28 @@ def test_a_declined_slo_request_runs_best_effort_when_its_first_token_comes_in_t
     assert adm.last.declined == {"search": 1}
 
 
+@pytest.mark.parametrize("best_effort", [False, True])
+def test_a_best_effort_prompt_never_lengthens_the_slo_decoders_batches(best_effort):
+    """A 1,500-token prompt due in 500 ms beside a critical decoder: with an SLO its chunks are raised
+    past the decoder's room to meet its TTFT; in the best-effort tier (an SLO request the plan declined)
+    it gets the room the decoder leaves, nothing more (on the real CPU such chunks took critical
+    decoders past their TPOT)."""
+    from specserve.gateway.sched.admission.slo import BEST_EFFORT_TPOT_MS
+
+    cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
+    c = RequestView("c", "critical", CPU_BASELINE_MS, 1000.0, 5, 50.0, 100, [], 0, 0, 12)
+    b = PrefillView("b", 0, 1500, 0, "search", 44.681, 2000.0, 1500.0)
+    adm = SloAdmission()
+    if best_effort:
+        adm.tier_of["b"] = BEST_EFFORT_TPOT_MS
+        adm.best_effort.add("b")
+    reps = [ReplicaView(0, True, 4096, 120, 2, cost, held_blocks=20)]
+    p = adm.propose(SchedulerView([], [b], [c], reps, DraftView(False, False), Limits(64, 256, 8, 8)), set(), None)
+    room = max(ReplicaBudget(cost, [TierLoad(CPU_BASELINE_MS)], CPU_BASELINE_MS, 0, 20).shape((1,)).prefill_per_batch,
+               16)
+    assert (p.chunks["b"] <= room) if best_effort else (p.chunks["b"] > 2 * room), (p.chunks, room)
+
+
 def test_an_slo_request_is_refused_at_light_load_only_when_no_replica_could_meet_it_alone():
     """Issue 48, item 4: at light load a declined SLO request is refused only if the cost model says no
     replica can meet it even with nothing else to run: a 5 ms TPOT is below the lone decode pass (and a

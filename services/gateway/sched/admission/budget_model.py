@@ -97,11 +97,13 @@ def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[Repl
 
 
 def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
-                   held: dict[int, list[Node]], offered: list[WaitingView]) -> tuple[dict[str, int], list[int]]:
+                   held: dict[int, list[Node]], offered: list[WaitingView],
+                   best_effort_tier: int | None = None) -> tuple[dict[str, int], list[int]]:
     """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the operating
-    point whose batches hold its decoders with the most room), raised to what keeps every prompt not
-    yet late within its deadline and capped at the engine's chunk, handed to its prompts in
-    prefill-deadline order."""
+    point whose batches hold its decoders with the most room), raised to what keeps every SLO prompt not
+    yet late within its deadline and capped at the engine's chunk, handed to the SLO prompts in
+    prefill-deadline order, then to the best-effort ones (which never lengthen the decoders' batches:
+    nothing was promised them)."""
     chunks: dict[str, int] = {}
     per_replica = [0] * len(view.replicas)
     left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
@@ -110,10 +112,12 @@ def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]],
         shapes = [b.shape(tuple(base[replica])) for b in points]
         shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])
         room = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS)
-        by_deadline = sorted(held[replica], key=lambda x: x.deadline_ms)
+        by_deadline = sorted(held[replica], key=lambda x: (x.tier == best_effort_tier, x.deadline_ms))
         due = 0
         for n in by_deadline:
-            # every prompt not yet late, with those due before it, is in by its deadline at this room
+            if n.tier == best_effort_tier:
+                break
+            # every SLO prompt not yet late, with those due before it, is in by its deadline at this room
             due += left.get(n.rid, 0)
             if n.deadline_ms > 0:
                 room = max(room, math.ceil(due / max(1, math.floor(n.deadline_ms / shape.length_ms))))

@@ -304,7 +304,7 @@ class SloAdmission:
             else:
                 take(replica, w, False)
                 ahead.append(w)
-        chunks, per_replica = prefill_chunks(view, budgets, base, held, offered + ahead)
+        chunks, per_replica = prefill_chunks(view, budgets, base, held, offered + ahead, at_slo(be_tpot))
         for rid in preempt:
             self.best_effort.discard(rid)
             self.tier_of.pop(rid, None)
