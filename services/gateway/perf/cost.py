@@ -38,8 +38,8 @@ steps, speculative ones with their draft call included: a TPOT is a mean over a 
 one slow step in ten averages out); above B, the p90 of the residual as a share of the pass priced,
 over the passes that carried a prompt chunk (a TTFT is a few such passes; a share, because a pass's
 error grows with its size, so a large chunk's slowness is not added whole to a small pass; and not
-the speculative decode passes, whose draft call's spread says nothing of a chunk's). `time2bs` is the inverse
-the planner fills its batches with.
+the speculative decode passes, whose draft call's spread says nothing of a chunk's). `time2bs` is
+the inverse the planner fills its batches with.
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ class PassCost:
         """What the planner adds to a pass of `tokens` priced at `priced_ms`: up to B tokens, the median
         recent residual of the passes without a prompt, ms; above, the p90 of the residuals of the passes
         with one as a share of their price, times this one's (>= 0)."""
-        return self._margin_stats()[0] if tokens <= self.budget_tokens else self._margin_stats()[1] * priced_ms
+        low, high, _ = self._margin_stats()
+        return low if tokens <= self.budget_tokens else high * priced_ms
 
     def fast_share(self) -> float:
         """How much faster than priced the fast prompt passes ran: the p10 of their residuals as a share of

@@ -108,6 +108,10 @@ class ReplicaView:
     held_blocks: int = 0  # KV blocks its requests hold now (the target's last word): the context its passes attend to
     block_size: int = 16  # tokens per KV block
 
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks that `tokens` tokens fill on it."""
+        return math.ceil(max(tokens, 0) / self.block_size)
+
     @property
     def free_blocks(self) -> int:
         """Blocks not reserved by any admitted request."""
@@ -191,7 +195,7 @@ class SchedulerView:
                     self._groups[r.replica].append(r)
         chunk = [prefill_tokens[i] if i < len(prefill_tokens) else 0 for i in range(len(self.replicas))]
         return [BatchView(g, chunk[i], len(self.waiting), self.draft.usable, i,
-                          rep.held_blocks + math.ceil(chunk[i] / rep.block_size))
+                          rep.held_blocks + rep.blocks_for(chunk[i]))
                 for i, (g, rep) in enumerate(zip(self._groups, self.replicas, strict=True))]
 
 

@@ -139,14 +139,10 @@ class SloAdmission:
             return index[(tpot, tpot)]
 
         up = [rep for rep in view.replicas if rep.up]
-        size = {rep.index: rep.block_size for rep in up}
-
-        def prompt_blocks(replica: int, tokens: int) -> int:
-            return math.ceil(max(tokens, 0) / size[replica])
-
+        rep_of = {rep.index: rep for rep in up}
         # the KV its passes attend to while the prompts admitted now prefill: what its requests hold, and
         # the prompts still to come in (output tokens grow it slowly; their reservation is not attended to)
-        attend = {rep.index: rep.held_blocks + sum(prompt_blocks(rep.index, p.prompt_tokens - p.prefilled)
+        attend = {rep.index: rep.held_blocks + sum(rep.blocks_for(p.prompt_tokens - p.prefilled)
                                                    for p in view.prefilling if p.replica == rep.index) for rep in up}
         steps = round(self.spec_steps)
         needs = {t for t in slos if any(rep.cost.time2bs(t, steps, attend[rep.index]) < 2 for rep in up)}
@@ -159,6 +155,7 @@ class SloAdmission:
             if r.replica in base:
                 base[r.replica][index[key_of[r.rid]]] += 1
         plain = [TierLoad(t.tpot_ms, paced=t.paced) for t in loads]
+
         def points(margin: bool) -> dict[int, list[ReplicaBudget]]:
             return {rep.index: [self._budget(rep.cost, ls, st, sum(base[rep.index]), attend[rep.index],
                                              view.limits.max_prefill_tokens, first, margin)
@@ -200,7 +197,7 @@ class SloAdmission:
             new = nodes(cands, best_effort, slots_[replica], free_[replica], unit)
             # the passes attend to the KV held now plus an arrival's prompt: exact for one arrival (the
             # usual case); when several are admitted at once, the next plans see all their prompts
-            attending = attend[replica] + max((prompt_blocks(replica, w.prompt_tokens) for w in cands), default=0)
+            attending = attend[replica] + max((rep_of[replica].blocks_for(w.prompt_tokens) for w in cands), default=0)
             at = [b.attending(attending) for b in budgets_[replica]]
             return (best_plan(held_[replica] + new, base[replica], free_[replica] // unit, at) if new
                     else set()), at
@@ -212,7 +209,7 @@ class SloAdmission:
             held_[replica].append(Node(w.rid, at_slo(tpot), w.prompt_tokens, deadline(w, best_effort), 0, True))
             free_[replica] -= w.kv_blocks
             slots_[replica] -= 1
-            attend[replica] += prompt_blocks(replica, w.prompt_tokens)
+            attend[replica] += rep_of[replica].blocks_for(w.prompt_tokens)
 
         def take(replica: int, w: WaitingView, best_effort: bool) -> None:
             """Admit the request on this replica in this plan (in the best-effort tier, or its own)."""
