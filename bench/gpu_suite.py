@@ -6,8 +6,9 @@
 Sections, in this order (each is timed; one that fails is reported with its error and the next runs):
 1. **parity**: our pass against transformers on the device, for the demo target and SmolLM2-135M-Instruct
    (where installed), in float32 and bfloat16, with SDPA attention, the Triton kernel, and the Triton
-   kernel at bucketed shapes through CUDA graphs: max |logit difference| at a 64-token prompt's last
-   position, and whether 32 greedy tokens equal transformers `generate`.
+   kernel at bucketed shapes through CUDA graphs, for a random and a text prompt of 64 tokens: max |logit
+   difference| at the prompt's last position, whether 32 greedy tokens equal transformers `generate`, and
+   where they part, transformers' own top-2 gap there.
 2. **curves**: median pass time (ms) of the torch pass on random weights of SmolLM2-135M's, Llama-3.2-1B's and
    Llama-3.1-8B's shapes (timing only: weights do not change it), bfloat16, for decodes of 1-64 requests at
    512 tokens of context, trees of 4-64 nodes for 1 and 16 requests, and decodes at 128-4096 tokens of
@@ -18,10 +19,11 @@ Sections, in this order (each is timed; one that fails is reported with its erro
 4. **offload**: the draft service's Offload / Reload (Nightjar), in process: the demo and SmolLM2 drafts'
    weights to pinned host memory and back over PCIe, median of 3.
 5. **stack**: `specserve up --device cuda --dtype bfloat16` on the demo pair, a gateway per policy
-   (joint, the default; none; chain:4), at 1, 16 and 64 requests in flight (64 greedy tokens each, short
-   prompts, the chat tier with best effort allowed, so that nothing is refused): tokens/s, TTFT and TPOT
-   p50 (`specserve bench`); every policy's greedy texts against `none`'s; and transformers `generate` on
-   the GPU at batch 1, 16 and 64 on the same prompts.
+   (joint, the default; none; chain:4; none@fifo, `none` with FIFO admission), at 1, 16 and 64 requests in
+   flight (64 greedy tokens each, short prompts, the chat tier with best effort allowed, so that nothing is
+   refused): tokens/s, TTFT and TPOT p50 (`specserve bench`) and the admission's outcomes during the run;
+   every policy's greedy texts against `none`'s; the profile, the SLO classes and the cost model's error;
+   and transformers `generate` on the GPU at the same batch sizes on the same prompts.
 6. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
    bench/sim_fit_latency.py, acceptance of the cpu-demo preset: the same pair), and the simulated stack
    (`up --simulate`) against the real one of section 5 at 16 in flight: the error of tokens/s and TPOT p50.
@@ -38,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import logging
 import os
 import platform
 import random
@@ -121,7 +125,7 @@ class Plan:
     ipc_reps: int = 30
     stack_dtype: str = "bfloat16"
     concurrency: tuple[int, ...] = (1, 16, 64)
-    policies: tuple[str, ...] = ("joint", "none", "chain:4")
+    policies: tuple[str, ...] = ("joint", "none", "chain:4", "none@fifo")  # NAME@fifo: FIFO admission
     stack_tokens: int = 64
     lossless_prompts: int = 8
     sim_concurrency: int = 16
@@ -158,16 +162,15 @@ def parity(plan: Plan) -> list[dict]:
         models.append((SMOLLM2, model_store.models_dir() / SMOLLM2))
     rows: list[dict] = []
     for name, model_dir in models:
-        for dtype in plan.dtypes:
+        for dtype, (kind, prompt) in itertools.product(plan.dtypes, _parity_prompts(model_dir, plan.prompt_tokens)):
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(plan.device).eval()
-            rng = random.Random(0)
-            prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(plan.prompt_tokens)]
             with torch.inference_mode():
                 ids = torch.tensor([prompt], device=plan.device)
                 theirs = hf(ids).logits[0, -1].float()
                 gen = hf.generate(ids, max_new_tokens=plan.new_tokens, min_new_tokens=plan.new_tokens,
-                                  do_sample=False)
-            reference = gen[0, plan.prompt_tokens:].tolist()
+                                  do_sample=False, output_scores=True, return_dict_in_generate=True)
+            reference = gen.sequences[0, len(prompt):].tolist()
+            scores = [s[0].float() for s in gen.scores]  # transformers' logits at each greedy step
             del hf
             for kernels, graphs in (("torch", False), ("triton", False), ("triton", True)):
                 runner = ModelRunner.from_dir(model_dir, num_blocks=64, dtype=dtype, device=plan.device,
@@ -178,16 +181,33 @@ def parity(plan: Plan) -> list[dict]:
                 tokens = [int(ours.argmax())]
                 while len(tokens) < plan.new_tokens:
                     tokens.append(int(runner.forward([Chunk("p", [tokens[-1]], logits_at=[0])])[0][0].argmax()))
-                row = {"model": name, "dtype": dtype, "attention": "sdpa" if kernels == "torch" else "triton",
+                first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+                row = {"model": name, "prompt": kind, "dtype": dtype,
+                       "attention": "sdpa" if kernels == "torch" else "triton",
                        "graphs": ("captured" if plan.device.startswith("cuda") else "padded, eager") if graphs
                        else "no",
                        "max_abs_logit_diff": float((ours - theirs).abs().max()), "greedy_equal": tokens == reference,
-                       "first_difference": next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
-                                                None)}
+                       "first_difference": first,
+                       # how close transformers' own top two were where the tokens part: a near-tie flips on one
+                       # rounding step of the dtype
+                       "their_top2_gap": None if first is None else float(scores[first].topk(2).values.diff().abs())}
                 rows.append(row)
                 print("  parity", row, flush=True)
                 del runner
     return rows
+
+
+def _parity_prompts(model_dir: Path, n: int) -> list[tuple[str, list[int]]]:
+    """Two prompts of `n` tokens: random token ids (seeded), and text (the workloads' first prompts through the
+    model's tokenizer, cut to `n`)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    rng = random.Random(0)
+    text = "\n".join(_prompts(8))
+    return [("random", [rng.randrange(3, vocab) for _ in range(n)]),
+            ("text", tok(text, add_special_tokens=False)["input_ids"][:n])]
 
 
 # ---- 2. curves ---------------------------------------------------------------------------------------------
@@ -319,10 +339,14 @@ async def _echo_server(address: str, ipc: bool, device: str) -> None:
     from specserve.shared.messages import SpeculateReply
     from specserve.shared.rpc import RpcServer
 
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # the server's own errors, in the suite's report
+
     async def handler(body, tensors):
         x = tensors["x"].to(device, non_blocking=False)
         return SpeculateReply([], 0.0, 0.0, 0.0, 0, 0), {"y": x.reshape(-1)[:1].clone()}
 
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: traceback.print_exception(
+        ctx.get("exception") or RuntimeError(ctx.get("message")), file=sys.stderr))
     server = RpcServer(handler, cuda_ipc=ipc)
     print("ready", await server.start(address), flush=True)
     await asyncio.Event().wait()
@@ -339,8 +363,11 @@ def ipc(plan: Plan) -> list[dict]:
             rows.append({"path": "cuda_ipc", "skipped": "needs CUDA (tests/test_cuda_ipc.py runs its lifecycle)"})
             continue
         sock = Path(tempfile.mkdtemp()) / "echo.sock"
-        proc = subprocess.Popen([sys.executable, __file__, "--echo-server", f"unix:{sock}", "--device", plan.device]
-                                + (["--ipc"] if use_ipc else []), stdout=subprocess.PIPE, text=True)
+        errors = sock.with_name("echo.stderr")
+        with open(errors, "w") as err:  # faulthandler: a crash in CUDA's IPC shows where it happened
+            proc = subprocess.Popen([sys.executable, "-X", "faulthandler", __file__, "--echo-server", f"unix:{sock}",
+                                     "--device", plan.device] + (["--ipc"] if use_ipc else []),
+                                    stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             line = proc.stdout.readline() if proc.stdout else ""
             if not line.startswith("ready"):
@@ -364,7 +391,16 @@ def ipc(plan: Plan) -> list[dict]:
                 return statistics.median(times[2:])
 
             for tokens in plan.ipc_tokens:
-                ms = asyncio.run(measure(tokens))
+                try:
+                    ms = asyncio.run(measure(tokens))
+                except Exception as exc:
+                    try:  # a process that crashed has written all it will
+                        proc.wait(timeout=2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    raise RuntimeError(f"{'CUDA IPC' if use_ipc else 'socket'} round trip of {tokens} tokens failed; "
+                                       f"the receiving process (exit status {proc.poll()}) wrote:\n"
+                                       f"{errors.read_text()[-4000:]}") from exc
                 row = {"path": "cuda_ipc" if use_ipc else "socket", "tokens": tokens, "width": plan.ipc_width,
                        "mb": round(tokens * plan.ipc_width * 2 / 2**20, 3), "round_trip_ms": round(ms, 4)}
                 rows.append(row)
@@ -411,6 +447,26 @@ def _prompts(n: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines[:n]]
 
 
+def _get(url: str, path: str) -> dict:
+    import httpx
+
+    return dict(httpx.get(url + path, timeout=30).json())
+
+
+def _admissions(url: str) -> dict[str, float]:
+    """specserve:admission_total by outcome (declined, best_effort, refused), summed over tiers."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        if family.name == "specserve:admission":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["outcome"]] = out.get(sample.labels["outcome"], 0) + sample.value
+    return out
+
+
 def _texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
     import httpx
 
@@ -427,16 +483,24 @@ def _texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
 
 def stack(plan: Plan, work: Path) -> dict:
     from bench.sweep import bench_point
+    from specserve.launch import ServiceProcess
     from tests.support.procs import Up, gateway
 
     profile = work / "profile.json"
     first, *others = plan.policies
     up = Up("--device", plan.device, "--dtype", plan.stack_dtype, "--policy", first, "--profile", str(profile),
             timeout_s=900)
-    gateways = {p: gateway(up, p, "--profile", str(profile)) for p in others}
+
+    def started(policy: str) -> ServiceProcess:  # NAME@fifo: that policy with FIFO admission
+        name, _, admission = policy.partition("@")
+        return gateway(up, name, "--profile", str(profile), *(["--admission", admission] if admission else []))
+
+    gateways = {p: started(p) for p in others}
     urls = {first: up.url, **{p: g.address for p, g in gateways.items()}}
     out: dict = {"runs": [], "lossless": {}}
     try:
+        out["profile"] = json.loads(profile.read_text())
+        out["classes"] = {p: _get(url, "/v1/slo_classes") for p, url in urls.items()}
         prompts = _prompts(plan.lossless_prompts)
         texts = {p: _texts(url, prompts, plan.stack_tokens) for p, url in urls.items()}
         for p in urls:
@@ -445,15 +509,19 @@ def stack(plan: Plan, work: Path) -> dict:
         out["texts_none"] = texts["none"]
         for c in plan.concurrency:
             for p, url in urls.items():
+                before = _admissions(url)
                 s = bench_point(url, work / f"{p.replace(':', '')}-{c}.jsonl", f"{p} c{c}",
                                 num_requests=plan.requests(c), max_concurrency=c, max_tokens=plan.stack_tokens,
                                 mix=STACK_MIX, best_effort=True, sequential_prompts=True, seed=0)
+                after = _admissions(url)
                 row = {"policy": p, "concurrency": c, "requests": s["requests"], "errors": s["errors"],
                        "error_kinds": s["error_kinds"],
                        "tokens_per_s": s["throughput_tok_s"], "ttft_p50_ms": s["ttft_p50_ms"],
-                       "tpot_p50_ms": s["tpot_p50_ms"], "tokens_per_step": s["tokens_per_step"]}
+                       "tpot_p50_ms": s["tpot_p50_ms"], "tokens_per_step": s["tokens_per_step"],
+                       "admission": {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}}
                 out["runs"].append(row)
                 print("  stack", row, flush=True)
+        out["cost_error"] = {p: _get(url, "/v1/slo_classes").get("cost_error") for p, url in urls.items()}
     finally:
         for g in gateways.values():
             g.stop()
@@ -606,10 +674,13 @@ def markdown(report: dict) -> str:
             lines += [f"## {name}: failed", "", "```", sec["error"].strip()[-2000:], "```", ""]
     par = report["sections"].get("parity", {}).get("result")
     if par:
-        lines += ["## Parity with transformers", "", "| model | dtype | attention | CUDA graphs | max abs logit diff "
-                  "| greedy equal |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['dtype']} | {r['attention']} | {r['graphs']} | "
-                  f"{r['max_abs_logit_diff']:.3g} | {r['greedy_equal']} |" for r in par]
+        lines += ["## Parity with transformers", "", "| model | prompt | dtype | attention | CUDA graphs "
+                  "| max abs logit diff | greedy equal | first difference (their top-2 gap) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['prompt']} | {r['dtype']} | {r['attention']} | {r['graphs']} | "
+                  f"{r['max_abs_logit_diff']:.3g} | {r['greedy_equal']} | "
+                  + ("-" if r["first_difference"] is None else
+                     f"token {r['first_difference']} ({r['their_top2_gap']:.3g})") + " |" for r in par]
         lines.append("")
     cur = report["sections"].get("curves", {}).get("result")
     if cur:
@@ -642,14 +713,21 @@ def markdown(report: dict) -> str:
         lines += ["## `specserve up` on the device against transformers `generate`", "",
                   "Greedy texts equal to `none`'s: " + ", ".join(f"{p} {n}/{st['lossless_of']}"
                                                                 for p, n in st["lossless"].items()), "",
-                  "| policy | in flight | tokens/s | TTFT p50 ms | TPOT p50 ms | tokens per step |",
-                  "|---|---|---|---|---|---|"]
+                  "| policy | in flight | tokens/s | TTFT p50 ms | TPOT p50 ms | tokens per step | admission |",
+                  "|---|---|---|---|---|---|---|"]
         for r in st["runs"]:
+            adm = ", ".join(f"{k} {v:.0f}" for k, v in r.get("admission", {}).items()) or "-"
             lines.append(f"| {r['policy']} | {r['concurrency']} | {_f(r['tokens_per_s'])} | {_f(r['ttft_p50_ms'])} | "
-                         f"{_f(r['tpot_p50_ms'])} | {_f(r['tokens_per_step'])} |")
+                         f"{_f(r['tpot_p50_ms'])} | {_f(r['tokens_per_step'])} | {adm} |")
         for r in st["transformers"]:
             lines.append(f"| transformers generate | {r['concurrency']} | {_f(r['tokens_per_s'])} | | "
-                         f"(wall per token {_f(r['wall_per_token_ms'])}) | |")
+                         f"(wall per token {_f(r['wall_per_token_ms'])}) | | |")
+        if st.get("profile"):
+            pr = st["profile"]
+            chat = next(iter(st.get("classes", {}).values()), {}).get("classes", {}).get("chat", {})
+            lines += ["", f"Profile: baseline iteration {pr['baseline_iteration_ms']} ms, B = {pr['budget_tokens']} "
+                      f"tokens; the chat tier's TPOT SLO {chat.get('tpot_ms')} ms (8x the baseline). "
+                      "`admission`: specserve:admission_total during the run (declined, best_effort, refused)."]
         lines.append("")
     sm = report["sections"].get("sim", {}).get("result")
     if sm and sm.get("error_vs_real"):
@@ -671,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "gpu_suite"))
     ap.add_argument("--sections", default="parity,curves,ipc,offload,stack,sim", help="comma-separated, in order")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--policies", help="the stack's gateways, comma-separated (NAME@fifo: FIFO admission); "
+                                       "`none` among them (default: joint,none,chain:4,none@fifo)")
+    ap.add_argument("--concurrency", help="the stack's requests in flight, comma-separated (default: 1,16,64)")
     ap.add_argument("--echo-server", help=argparse.SUPPRESS)  # section 3's receiving process
     ap.add_argument("--ipc", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -684,6 +765,10 @@ def main(argv: list[str] | None = None) -> int:
 
     unpack_bundled()
     plan = dry_plan() if args.dry_run else Plan(device=args.device)
+    if args.policies:
+        plan.policies = tuple(args.policies.split(","))
+    if args.concurrency:
+        plan.concurrency = tuple(int(c) for c in args.concurrency.split(","))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_suite-"))

@@ -58,6 +58,9 @@ class TorchCudaIpc:
         return list(tensor.untyped_storage()._share_cuda_())
 
     def open(self, shared: list[Any], dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+        # CUDA must be initialized in this process before a handle is opened (torch's own rebuild_cuda_tensor
+        # does the same): a process whose first CUDA call is this one crashes (segfault, seen on an H200)
+        torch.cuda.init()
         storage = torch.UntypedStorage._new_shared_cuda(*shared)
         return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset // dtype.itemsize, (count,),
                                                                        (1,))

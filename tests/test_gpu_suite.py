@@ -34,12 +34,16 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
     assert {r["kind"] for r in rows} == {"decode", "tree", "context"}
     assert all(r[m] > 0 for r in rows for m in ("sdpa", "triton", "graphs"))
     assert [r["path"] for r in sections["ipc"]["result"]] == ["socket", "cuda_ipc"]  # CUDA IPC: skipped on CPU
+    assert {(r["prompt"], r["dtype"]) for r in parity} == {(k, d) for k in ("random", "text")
+                                                          for d in ("float32", "bfloat16")}
     assert [r["draft"] for r in sections["offload"]["result"]] == ["draft", "smollm2-draft"]
     assert all(r["weights_mb"] > 1 and r["reload_ms"] > 0 for r in sections["offload"]["result"])
     stack = sections["stack"]["result"]
     assert all(n == stack["lossless_of"] for n in stack["lossless"].values())  # every policy: none's texts
     assert {(r["policy"], r["concurrency"]) for r in stack["runs"]} == {
-        (p, c) for p in ("joint", "none", "chain:4") for c in (1, 2)}
+        (p, c) for p in ("joint", "none", "chain:4", "none@fifo") for c in (1, 2)}
+    assert stack["profile"]["baseline_iteration_ms"] > 0 and stack["classes"]["none@fifo"]["classes"]["chat"]
+    assert not any(r["admission"] for r in stack["runs"] if r["policy"] == "none@fifo")  # FIFO: never declines
     assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in stack["runs"])
     sim = sections["sim"]["result"]
     preset = tomllib.loads(sim["preset"])
