@@ -208,6 +208,7 @@ class ForwardReply(Struct, tag=True):
     accept_ms: float  # acceptance and KV commit, milliseconds
     total_ms: float  # the whole call inside the service (checks, pass, acceptance, reply), milliseconds
     free_blocks: int  # target KV blocks free after the step
+    warmup: bool = False  # the pass captured a CUDA graph for a new shape: a one-off cost, not its time again
 
 
 Message = (

@@ -34,6 +34,17 @@ def test_a_record_is_read_as_one_replicas_sample():
     assert sample_of(record(nodes=6, service_ms=10.0, total_ms=20.0), 1) is None  # no pass on replica 1
 
 
+def test_a_pass_that_captured_a_cuda_graph_is_not_a_sample():
+    """A first pass of its shape on a GPU (graph capture) costs tens of times its replays: neither the fit nor the
+    margins see it."""
+    r = record(nodes=6, service_ms=300.0, total_ms=310.0)
+    r.replicas[0].warmup = True
+    assert sample_of(r, 0) is None
+    cost = PassCost(8, 10.0)
+    cost.observe_record(r, 0)
+    assert cost.error_summary() == {"iterations": 0}
+
+
 def test_each_iteration_is_priced_before_it_is_fitted():
     cost = PassCost(8, 10.0)  # no curve: flat at the baseline
     assert cost.error_summary() == {"iterations": 0}

@@ -105,3 +105,34 @@ def test_passes_padded_to_their_buckets_give_the_unpadded_logits(tmp_path):
         BucketKey(16, 4, 4, 1, 4), BucketKey(8, 4, 4, 8, 8), BucketKey(8, 2, 2, 1, 1)}
     with pytest.raises(ValueError, match="Triton attention"):
         ModelRunner.from_dir(model_dir, num_blocks=8, block_size=BLOCK, kernels="torch").use_graphs(capture=False)
+
+
+def test_the_targets_reply_says_when_its_pass_captured_a_cuda_graph(monkeypatch):
+    """The target flags a pass that captured a graph (`ForwardReply.warmup`, which the gateway's cost model skips).
+    Capture needs a GPU: here the graphs run eagerly and a new bucket counts as a capture, as on CUDA."""
+    from specserve.shared.cuda_graphs import bucket_key
+    from specserve.shared.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
+    from specserve.target.config import TargetConfig
+    from specserve.target.engine import TargetEngine
+
+    engine = TargetEngine(TargetConfig(kv_blocks=64, threads=1, kernels="triton"))
+    engine.runner.use_graphs(capture=False)
+    graphs, run = engine.runner.graphs, engine.runner.graphs.run
+
+    def run_counting(inputs):
+        graphs.captures += bucket_key(inputs) not in graphs.statics
+        return run(inputs)
+
+    monkeypatch.setattr(graphs, "run", run_counting)
+    greedy = SamplingSpec(temperature=0.0)
+
+    def prefill(rid: str, tokens: list[int]):
+        return engine.forward(Forward(prefill=[PrefillEntry(rid, 0, 0, len(tokens), True, greedy)]),
+                              {"prefill_tokens": torch.tensor(tokens, dtype=torch.int32)})
+
+    first, out = prefill("a", [3, 4, 5, 6, 7])
+    again, _ = prefill("b", [8, 9, 10, 11, 12])
+    assert first.warmup and not again.warmup and graphs.captures == 1  # the same bucket: replayed
+    root = {"tree_tokens": out["tokens"][:1], "tree_parents": torch.tensor([-1], dtype=torch.int32)}
+    decode, _ = engine.forward(Forward(verify=[VerifyEntry("a", 1, 6, 1)]), root)
+    assert decode.results[0].error is None and decode.warmup and graphs.captures == 2  # one token: a new bucket

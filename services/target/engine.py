@@ -105,6 +105,8 @@ class TargetEngine:
 
         t0 = time.perf_counter()
         passed = [e for _, e in entries]
+        graphs = getattr(self.runner, "graphs", None)  # the simulated runner has none
+        captures = graphs.captures if graphs is not None else 0
         if msg.features:
             logits, features = self.runner.forward_features(passed)
         else:
@@ -135,7 +137,8 @@ class TargetEngine:
             results.append(StepResult(message.rid, message.step, len(tokens), accepted,
                                       num_features=0 if rows is None else len(rows)))
         self.entry_errors += len(errors)
-        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks)
+        warmup = graphs is not None and graphs.captures > captures
+        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup)
         payload = {"tokens": torch.tensor(out, dtype=torch.int32)}
         if feats:
             payload["features"] = torch.cat(feats)

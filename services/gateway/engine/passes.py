@@ -111,6 +111,7 @@ class Passes:
                 continue
             outputs, reply = result.value
             step.service_ms, step.forward_ms = min(reply.total_ms, result.ms), reply.forward_ms
+            step.warmup = reply.warmup
             p.replica.free_blocks = reply.free_blocks
             self.commit.outputs(outputs, {i.rid: len(i.tokens) for i in p.prefill}, steps, now, record.step)
         if drafted:

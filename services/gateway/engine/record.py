@@ -39,6 +39,7 @@ class ReplicaStep:
     call_ms: float = 0.0  # the Forward call as the gateway saw it
     service_ms: float = 0.0  # inside the target service (the reply's total_ms)
     forward_ms: float = 0.0  # the model pass alone (the reply's forward_ms)
+    warmup: bool = False  # the pass captured a CUDA graph (the reply's warmup): the cost model skips it
     failure: str | None = None  # "remote: ..." (the service refused the call) or "down: ..." (transport)
 
 
