@@ -135,6 +135,7 @@ class SpeculateReply(Struct, tag=True):
     forwards: int  # model passes this call ran
     free_blocks: int  # draft KV blocks free after the call
     offloaded: bool = False  # the draft is offloaded: trees are root-only, tokens were recorded
+    warmup: bool = False  # a beam step captured a CUDA graph for a new shape: a one-off cost, not its time again
 
 
 class Offload(Struct, tag=True):

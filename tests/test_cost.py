@@ -43,6 +43,10 @@ def test_a_pass_that_captured_a_cuda_graph_is_not_a_sample():
     cost = PassCost(8, 10.0)
     cost.observe_record(r, 0)
     assert cost.error_summary() == {"iterations": 0}
+    r = record(nodes=6, service_ms=10.0, total_ms=90.0, depth=3, spec=2, draft_ms=75.0)
+    assert sample_of(r, 0) is not None
+    r.draft.warmup = True  # the draft call captured: its time says nothing of the next call
+    assert sample_of(r, 0) is None
 
 
 def test_each_iteration_is_priced_before_it_is_fitted():

@@ -111,3 +111,33 @@ def test_static_shape_beam_steps_equal_the_dynamic_ones(model_dir):
     for rid in contexts:
         assert static[rid].tokens == dynamic[rid].tokens and static[rid].parents == dynamic[rid].parents
         assert static[rid].logp == pytest.approx(dynamic[rid].logp, abs=1e-4)
+
+
+def test_the_drafts_reply_says_when_a_beam_step_captured_a_cuda_graph(monkeypatch):
+    """The draft flags a Speculate call in which a beam step captured a graph (`SpeculateReply.warmup`, which the
+    gateway's cost model skips). Capture needs a GPU: here the static steps run eagerly and a new bucket counts
+    as a capture, as on CUDA."""
+    from specserve.draft.config import DraftConfig
+    from specserve.draft.engine import DraftEngine
+    from specserve.shared.messages import Speculate, SpeculateEntry
+
+    engine = DraftEngine(DraftConfig(kv_blocks=64, threads=1, kernels="torch"))
+    step = engine.static_step = StaticBeamStep(engine.runner, use_graphs=False)
+    run = step.run_model
+
+    def run_counting(model, kv, inputs):
+        (group,) = inputs.attention.groups
+        step.captures += (bucket(group.batch_size), group.max_q, bucket(group.block_table.shape[1])) not in step.statics
+        return run(model, kv, inputs)
+
+    monkeypatch.setattr(step, "run_model", run_counting)
+
+    def speculate(rid: str, step_no: int, new: list[int], committed: int):
+        reply, _ = engine.speculate(Speculate([SpeculateEntry(rid, step_no, len(new), committed, 3, 2)]),
+                                    {"tokens": torch.tensor(new, dtype=torch.int32)})
+        assert all(t.error is None and t.num_nodes > 1 for t in reply.trees)
+        return reply
+
+    assert speculate("a", 1, [5, 6, 7, 8], 4).warmup and step.captures > 0
+    seen = step.captures
+    assert not speculate("b", 1, [9, 10, 11, 12], 4).warmup and step.captures == seen  # the same buckets: replayed

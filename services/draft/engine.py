@@ -95,6 +95,7 @@ class DraftEngine:
     # ---- speculate ---------------------------------------------------------------------------
     def speculate(self, msg: Speculate, tensors: dict[str, torch.Tensor]) -> tuple[SpeculateReply, dict]:
         t0 = time.perf_counter()
+        captures = self.static_step.captures if self.static_step is not None else 0
         self.calls += 1
         new_tokens = split_counts(tensors, "tokens", [e.num_new for e in msg.entries])
         errors = self._validate(msg.entries, new_tokens)
@@ -160,8 +161,9 @@ class DraftEngine:
             results.append(DraftTree(entry.rid, entry.step, 0, 0, error))
         self.entry_errors += len(failed)
         self._forget_assumed([e for e, _ in accepted if e.num_assumed > 0 and e.rid not in failed])
+        warmup = self.static_step is not None and self.static_step.captures > captures
         reply = SpeculateReply(results, catchup_ms, beam_ms, ms_since(t0), forwards, self.free_blocks(),
-                               offloaded=self.runner is None)
+                               offloaded=self.runner is None, warmup=warmup)
         return reply, {
             "tokens": torch.tensor(out_tokens, dtype=torch.int32),
             "parents": torch.tensor(out_parents, dtype=torch.int32),

@@ -60,6 +60,7 @@ class StaticBeamStep:
         self.pad_slot = self.pad_block * bs
         self.statics: dict[tuple[int, int, int], _Static] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.captures = 0  # graphs captured so far (a call that captured says so: SpeculateReply.warmup)
 
     def applies(self, entries: list[DraftNodes]) -> bool:
         """One width for all entries, and logits for every node (the beam step's shape)."""
@@ -131,3 +132,4 @@ class StaticBeamStep:
         with torch.cuda.graph(graph, pool=self.pool):
             static.output = model(static.input_ids, static.positions, kv, meta, static.logits_indices)
         static.graph = graph
+        self.captures += 1

@@ -77,6 +77,7 @@ class DraftCalls:
         candidates, reply = result.value
         record.draft.service_ms = min(reply.total_ms, result.ms)
         record.draft.catchup_ms, record.draft.beam_ms = reply.catchup_ms, reply.beam_ms
+        record.draft.warmup = reply.warmup
         self.take(candidates, items, epochs, trees)
         return trees
 

@@ -58,6 +58,7 @@ class DraftStep:
     sync_service_ms: float = 0.0
     transition: str | None = None  # "offload" or "reload" when the residency changed
     transition_ms: float = 0.0  # that call, as the gateway saw it
+    warmup: bool = False  # a beam step captured a CUDA graph (the reply's warmup): the cost model skips the iteration
     failure: str | None = None
 
     @property

@@ -114,11 +114,11 @@ class PassSample:
 
 
 def sample_of(record: IterationRecord, replica: int, kv: int = 0) -> PassSample | None:
-    """This replica's part of an iteration; None when it had no pass, its call failed, or its pass captured a
-    CUDA graph (a first pass of its shape, on a GPU tens of times a replay: it would inflate the fit and the
-    margins for a shape whose every later pass is a replay)."""
+    """This replica's part of an iteration; None when it had no pass, its call failed, or its pass or the draft
+    call captured a CUDA graph (a first pass of its shape, on a GPU tens of times a replay: it would inflate the
+    fit and the margins for a shape whose every later pass is a replay)."""
     mine = next((r for r in record.replicas if r.replica == replica and r.failure is None), None)
-    if mine is None or mine.warmup:
+    if mine is None or mine.warmup or record.draft.warmup:
         return None
     d = record.draft
     drafted = d.requests > 0 and d.failure is None and d.service_ms > 0
