@@ -518,7 +518,11 @@ def stack(plan: Plan, work: Path) -> dict:
                        "error_kinds": s["error_kinds"],
                        "tokens_per_s": s["throughput_tok_s"], "ttft_p50_ms": s["ttft_p50_ms"],
                        "tpot_p50_ms": s["tpot_p50_ms"], "tokens_per_step": s["tokens_per_step"],
-                       "admission": {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}}
+                       "admission": {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)},
+                       # where an iteration's time went: the draft and target calls, transport, the gateway's own
+                       "iteration_ms": s["iteration"].get("mean_ms"),
+                       "iteration_ms_by_part": {k: round(v * 1e3 / max(1, s["iteration"]["iterations"]), 3)
+                                                for k, v in s["iteration"].get("seconds", {}).items()}}
                 out["runs"].append(row)
                 print("  stack", row, flush=True)
         out["cost_error"] = {p: _get(url, "/v1/slo_classes").get("cost_error") for p, url in urls.items()}
@@ -713,15 +717,19 @@ def markdown(report: dict) -> str:
         lines += ["## `specserve up` on the device against transformers `generate`", "",
                   "Greedy texts equal to `none`'s: " + ", ".join(f"{p} {n}/{st['lossless_of']}"
                                                                 for p, n in st["lossless"].items()), "",
-                  "| policy | in flight | tokens/s | TTFT p50 ms | TPOT p50 ms | tokens per step | admission |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| policy | in flight | tokens/s | TTFT p50 ms | TPOT p50 ms | tokens per step | admission "
+                  "| iteration ms (draft / target / transport / schedule) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in st["runs"]:
             adm = ", ".join(f"{k} {v:.0f}" for k, v in r.get("admission", {}).items()) or "-"
+            parts = r.get("iteration_ms_by_part", {})
+            split = " / ".join(_f(parts.get(k)) for k in ("draft", "target", "transport", "schedule"))
+            it = f"{_f(r.get('iteration_ms'))} ({split})" if parts else "-"
             lines.append(f"| {r['policy']} | {r['concurrency']} | {_f(r['tokens_per_s'])} | {_f(r['ttft_p50_ms'])} | "
-                         f"{_f(r['tpot_p50_ms'])} | {_f(r['tokens_per_step'])} | {adm} |")
+                         f"{_f(r['tpot_p50_ms'])} | {_f(r['tokens_per_step'])} | {adm} | {it} |")
         for r in st["transformers"]:
             lines.append(f"| transformers generate | {r['concurrency']} | {_f(r['tokens_per_s'])} | | "
-                         f"(wall per token {_f(r['wall_per_token_ms'])}) | | |")
+                         f"(wall per token {_f(r['wall_per_token_ms'])}) | | | |")
         if st.get("profile"):
             pr = st["profile"]
             chat = next(iter(st.get("classes", {}).values()), {}).get("classes", {}).get("chat", {})

@@ -44,6 +44,7 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
         (p, c) for p in ("joint", "none", "chain:4", "none@fifo") for c in (1, 2)}
     assert stack["profile"]["baseline_iteration_ms"] > 0 and stack["classes"]["none@fifo"]["classes"]["chat"]
     assert not any(r["admission"] for r in stack["runs"] if r["policy"] == "none@fifo")  # FIFO: never declines
+    assert all(r["iteration_ms"] > 0 and r["iteration_ms_by_part"]["target"] > 0 for r in stack["runs"])
     assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in stack["runs"])
     sim = sections["sim"]["result"]
     preset = tomllib.loads(sim["preset"])
