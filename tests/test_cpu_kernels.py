@@ -106,6 +106,22 @@ def test_the_plain_cpp_fallback_agrees(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
+    """torch's lock file left by a killed build (every later build or load would wait on it for ever) is removed
+    under our own lock, which a second process cannot take while the first holds it."""
+    import fcntl
+
+    from specserve.shared import kernels
+
+    (tmp_path / "lock").touch()  # what a build killed mid-way leaves
+    with kernels.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        (tmp_path / "lock").touch()  # torch's lock of a build in progress, under ours
+        with open(tmp_path / "specserve.lock", "a") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process waits here: it removes nothing
+        assert (tmp_path / "lock").exists()
+
+
 # ---- a whole model from a GGUF file --------------------------------------------------------------
 
 

@@ -16,10 +16,13 @@ The operators (see cpu_ops.cpp for their exactness rules):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,6 +46,24 @@ def build_dir() -> Path:
     return base / f"torch-{torch.__version__.split('+')[0]}"
 
 
+@contextlib.contextmanager
+def build_lock(target: Path) -> Iterator[None]:
+    """Held while torch builds or loads the operators in `target`: an flock on `target/specserve.lock`, which the
+    kernel releases when its holder dies. torch's own lock file there (`lock`, which a killed build leaves
+    behind and every later build or load then waits on for ever) can only be stale while this is held: it is
+    removed."""
+    with open(target / "specserve.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            baton = target / "lock"
+            if baton.exists():
+                log.warning("removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def load(verbose: bool = False) -> bool:
     """Build (once) and load the operators; False, with `error()` set, where that fails."""
     with _lock:
@@ -56,8 +77,10 @@ def load(verbose: bool = False) -> bool:
 
             target = build_dir()
             target.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                               build_directory=str(target), is_python_module=False, verbose=verbose)
+            with build_lock(target):
+                cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                   extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False,
+                                   verbose=verbose)
             _state.update(ok=True, error=None)
         except Exception as exc:  # any build or load failure: the torch pass runs instead
             lines = [line for line in str(exc).splitlines() if "error" in line.lower()] or str(exc).splitlines()
