@@ -21,7 +21,8 @@ Sections, in this order (each is timed; one that fails is reported with its erro
 5. **stack**: `specserve up --device cuda --dtype bfloat16` on the demo pair, a gateway per policy
    (joint, the default; none; chain:4; none@fifo, `none` with FIFO admission), at 1, 16 and 64 requests in
    flight (64 greedy tokens each, short prompts, the chat tier with best effort allowed, so that nothing is
-   refused): tokens/s, TTFT and TPOT p50 (`specserve bench`) and the admission's outcomes during the run;
+   refused), each gateway warmed at that concurrency first (untimed: the shapes' CUDA graphs are captured
+   then): tokens/s, TTFT and TPOT p50 (`specserve bench`) and the admission's outcomes during the run;
    every policy's greedy texts against `none`'s; the profile, the SLO classes and the cost model's error;
    and transformers `generate` on the GPU at the same batch sizes on the same prompts.
 6. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
@@ -495,10 +496,11 @@ def stack(plan: Plan, work: Path) -> dict:
         name, _, admission = policy.partition("@")
         return gateway(up, name, "--profile", str(profile), *(["--admission", admission] if admission else []))
 
-    gateways = {p: started(p) for p in others}
-    urls = {first: up.url, **{p: g.address for p, g in gateways.items()}}
+    gateways: dict[str, ServiceProcess] = {}
     out: dict = {"runs": [], "lossless": {}}
-    try:
+    try:  # a gateway that fails to start still stops `up` and the gateways before it
+        gateways.update((p, started(p)) for p in others)
+        urls = {first: up.url, **{p: g.address for p, g in gateways.items()}}
         out["profile"] = json.loads(profile.read_text())
         out["classes"] = {p: _get(url, "/v1/slo_classes") for p, url in urls.items()}
         prompts = _prompts(plan.lossless_prompts)
@@ -508,6 +510,10 @@ def stack(plan: Plan, work: Path) -> dict:
         out["lossless_of"] = len(prompts)
         out["texts_none"] = texts["none"]
         for c in plan.concurrency:
+            for p, url in urls.items():  # untimed: a shape's first pass captures its graphs (target and draft)
+                bench_point(url, work / f"warm-{p.replace(':', '')}-{c}.jsonl", f"{p} c{c} warm-up", num_requests=c,
+                            max_concurrency=c, max_tokens=plan.stack_tokens, mix=STACK_MIX, best_effort=True,
+                            sequential_prompts=True, seed=1)
             for p, url in urls.items():
                 before = _admissions(url)
                 s = bench_point(url, work / f"{p.replace(':', '')}-{c}.jsonl", f"{p} c{c}",
