@@ -139,7 +139,11 @@ def test_compose_processes_parity_and_scaling(stack, reference):
         wait_for(lambda: replicas(url)[second.host]["state"] == "draining", "the second replica to be draining")
     finally:
         second.signal(signal.SIGCONT)
-    assert task.result(timeout=300) == reference  # drained, not lost
+    try:
+        texts = task.result(timeout=300)
+    except Exception as exc:  # what the gateway did with the drained replica's requests
+        raise AssertionError(f"the requests did not finish: {exc!r}\n{stack.gateway.log()[-6000:]}") from exc
+    assert texts == reference  # drained, not lost
     wait_for(lambda: replicas(url)[second.host]["state"] == "dropped", "the second replica to be dropped")
     # the gateway's output reaches the test through a pipe read by a thread: wait for the line, do not race it
     wait_for(lambda: "drained and dropped" in stack.gateway.log(), "the gateway to log the drop")
