@@ -52,6 +52,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -753,6 +754,13 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def portable(text: str, work: Path) -> str:
+    """The report without this machine's paths: the checkout's relative to it, the run's scratch folder as
+    <work>, the standard library's as <stdlib> (tracebacks, the profile's model and path)."""
+    return (text.replace(str(ROOT) + "/", "").replace(str(work), "<work>")
+            .replace(sysconfig.get_paths()["stdlib"], "<stdlib>"))
+
+
 def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
 
@@ -806,8 +814,8 @@ def main(argv: list[str] | None = None) -> int:
             print(entry["error"], file=sys.stderr, flush=True)
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         report["sections"][name] = entry
-        (out_dir / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        (out_dir / "gpu_suite.md").write_text(markdown(report))
+        (out_dir / "gpu_suite.json").write_text(portable(json.dumps(report, indent=1, default=str) + "\n", work))
+        (out_dir / "gpu_suite.md").write_text(portable(markdown(report), work))
     print(f"[gpu_suite] done in {time.perf_counter() - t_all:.0f} s: {out_dir / 'gpu_suite.md'}", flush=True)
     return 1 if any("error" in s for s in report["sections"].values()) else 0
 
