@@ -46,10 +46,10 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import ROOT, Stack, machine_info, measure_profile, relative_paths  # noqa: E402
 
-from specserve.loadgen.records import RequestRecord  # noqa: E402
-from specserve.loadgen.runner import BenchConfig, run_bench  # noqa: E402
-from specserve.loadgen.scrape import scrape  # noqa: E402
-from specserve.shared.service_client import DraftClient, TargetClient  # noqa: E402
+from specserve.cli.loadgen.records import RequestRecord  # noqa: E402
+from specserve.cli.loadgen.runner import BenchConfig, run_bench  # noqa: E402
+from specserve.cli.loadgen.scrape import scrape  # noqa: E402
+from specserve.shared.wire.service_client import DraftClient, TargetClient  # noqa: E402
 
 MIX = "critical=0.6:short,search=0.2:long,flex=0.2:short"  # AdaServe's mix; chat as service_tier flex
 RESULTS = ROOT / "bench" / "results" / "admission"

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.schedule_cost import counter_deltas, package_tree  # noqa: E402
 from bench.sweep import relative_paths  # noqa: E402
-from specserve.launch import ServiceProcess  # noqa: E402
+from specserve.shared.host.launch import ServiceProcess  # noqa: E402
 
 PARTS = ("draft", "target", "transport", "schedule")
 

@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specserve.shared import kernels
-    from specserve.shared.batch import Chunk, Tree
-    from specserve.shared.model_store import resolve
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime import kernels
+    from specserve.shared.runtime.batch import Chunk, Tree
+    from specserve.shared.runtime.model_store import resolve
+    from specserve.shared.runtime.runner import ModelRunner
 
     torch.set_num_threads(args.threads)
     assert kernels.load(), kernels.error()

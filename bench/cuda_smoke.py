@@ -39,8 +39,8 @@ PROMPT_TOKENS, NEW_TOKENS, BLOCKS = 64, 32, 512
 def parity(device: str, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from specserve.shared.batch import Chunk
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.batch import Chunk
+    from specserve.shared.runtime.runner import ModelRunner
 
     model_dir = ROOT / "models" / "target"
     runner = ModelRunner.from_dir(model_dir, num_blocks=BLOCKS, dtype=dtype, device=device)
@@ -63,8 +63,8 @@ def parity(device: str, dtype: str) -> dict:
 def beam_steps(device: str) -> dict:
     from specserve.draft.beam import BeamRequest, beam_search
     from specserve.draft.static_step import StaticBeamStep
-    from specserve.shared.batch import Chunk
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.batch import Chunk
+    from specserve.shared.runtime.runner import ModelRunner
 
     rng = random.Random(1)
 

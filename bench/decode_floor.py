@@ -46,7 +46,7 @@ def compile_layers(model) -> None:
     compile itself happens in the first pass, which the caller times."""
     import torch
 
-    from specserve.shared import model as M
+    from specserve.shared.runtime import model as M
 
     def before_attention(attn, norm, x, cos, sin):
         t = x.shape[0]
@@ -72,8 +72,8 @@ def compile_layers(model) -> None:
 
 
 def run_ours(model_dir: str, steps: int, compiled: bool) -> dict:
-    from specserve.shared.batch import Chunk
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.batch import Chunk
+    from specserve.shared.runtime.runner import ModelRunner
 
     runner = ModelRunner.from_dir(model_dir, num_blocks=64)
     if compiled:
@@ -95,7 +95,7 @@ def run_ours(model_dir: str, steps: int, compiled: bool) -> dict:
 def run_linears(model_dir: str, steps: int) -> dict:
     import torch
 
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.runner import ModelRunner
 
     linears = [m for m in ModelRunner.from_dir(model_dir, num_blocks=4).model.modules()
                if isinstance(m, torch.nn.Linear)]
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specserve.shared.model_store import resolve
+    from specserve.shared.runtime.model_store import resolve
 
     torch.set_num_threads(1)
     models = {name: str(resolve(name)) for name in args.models.split(",")}

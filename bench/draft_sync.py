@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.sweep import relative_paths  # noqa: E402
-from specserve.launch import ServiceProcess  # noqa: E402
-from specserve.loadgen.scrape import parse_counters  # noqa: E402
+from specserve.cli.loadgen.scrape import parse_counters  # noqa: E402
+from specserve.shared.host.launch import ServiceProcess  # noqa: E402
 
 PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "bench/workloads/short.jsonl").read_text().splitlines()]
 COUNTERS = {

@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from specserve.shared.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
-    from specserve.shared.model_store import resolve
+    from specserve.shared.runtime.model_store import resolve
+    from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
     from specserve.target.config import TargetConfig
     from specserve.target.engine import TargetEngine
 

@@ -50,11 +50,11 @@ import torch
 from tqdm import tqdm
 
 from specserve.gateway.perf.profile import knee
-from specserve.shared.batch import Chunk, Entry, Tree
-from specserve.shared.loader import parse_device
-from specserve.shared.model_config import ModelConfig
-from specserve.shared.random_model import BENCH_CONFIG, write_random_model
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime.batch import Chunk, Entry, Tree
+from specserve.shared.runtime.loader import parse_device
+from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.runtime.random_model import BENCH_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 TREE_REQUESTS = 8

@@ -35,8 +35,8 @@ MODELS = ("target", "draft")
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
-    from specserve.shared.batch import Chunk, Tree
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.batch import Chunk, Tree
+    from specserve.shared.runtime.runner import ModelRunner
 
     out: dict = {}
     with torch.inference_mode():

@@ -14,7 +14,7 @@ Sections, in this order (each is timed; one that fails is reported with its erro
    512 tokens of context, trees of 4-64 nodes for 1 and 16 requests, and decodes at 128-4096 tokens of
    context; each point with SDPA, the Triton kernel eagerly, and the Triton kernel replayed as CUDA graphs.
 3. **ipc**: a tensor of draft features (tokens x 4096, bfloat16) sent draft -> target over a Unix socket, as
-   payload bytes against as a CUDA IPC handle (shared/cuda_ipc.py), to an RpcServer in another process:
+   payload bytes against as a CUDA IPC handle (shared/wire/cuda_ipc.py), to an RpcServer in another process:
    median round trip.
 4. **offload**: the draft service's Offload / Reload (Nightjar), in process: the demo and SmolLM2 drafts'
    weights to pinned host memory and back over PCIe, median of 3.
@@ -89,8 +89,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from specserve.shared.batch import Chunk, Tree  # noqa: E402
-from specserve.shared.runner import ModelRunner  # noqa: E402
+from specserve.shared.runtime.batch import Chunk, Tree  # noqa: E402
+from specserve.shared.runtime.runner import ModelRunner  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct"
 SHAPES: dict[str, dict[str, Any]] = {  # random-weight Llama shapes for the pass-time curves
@@ -138,7 +138,7 @@ class Plan:
 
 
 def dry_plan() -> Plan:
-    from specserve.shared.random_model import TINY_CONFIG
+    from specserve.shared.runtime.random_model import TINY_CONFIG
 
     return Plan(device="cpu", dtypes=("float32", "bfloat16"), prompt_tokens=12, new_tokens=4, shapes=("tiny",),
                 curve_dtype="float32", decode_batches=(1, 2), decode_context=24, trees=((1, 4), (2, 3)),
@@ -157,7 +157,7 @@ def sync(device: str) -> None:
 def parity(plan: Plan) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from specserve.shared import model_store
+    from specserve.shared.runtime import model_store
 
     models = [("demo", ROOT / "models" / "target")]
     if model_store.installed(SMOLLM2):
@@ -216,9 +216,9 @@ def _parity_prompts(model_dir: Path, n: int) -> list[tuple[str, list[int]]]:
 
 def random_runner(raw: dict[str, Any], dtype: str, device: str, num_blocks: int) -> ModelRunner:
     """A ModelRunner over a random-weight Llama of `raw`'s shape, built on the device in `dtype` directly."""
-    from specserve.shared.model import CausalLM
-    from specserve.shared.model_config import ModelConfig
-    from specserve.shared.rope import inverse_frequencies
+    from specserve.shared.runtime.model import CausalLM
+    from specserve.shared.runtime.model_config import ModelConfig
+    from specserve.shared.runtime.rope import inverse_frequencies
 
     base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 8192,
             "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
@@ -338,8 +338,8 @@ class _Curves:
 
 async def _echo_server(address: str, ipc: bool, device: str) -> None:
     """The receiving end: takes the features onto its device and answers with a one-element tensor."""
-    from specserve.shared.messages import SpeculateReply
-    from specserve.shared.rpc import RpcServer
+    from specserve.shared.wire.messages import SpeculateReply
+    from specserve.shared.wire.rpc import RpcServer
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # the server's own errors, in the suite's report
 
@@ -355,8 +355,8 @@ async def _echo_server(address: str, ipc: bool, device: str) -> None:
 
 
 def ipc(plan: Plan) -> list[dict]:
-    from specserve.shared.messages import Speculate, SpeculateReply
-    from specserve.shared.rpc import RpcClient
+    from specserve.shared.wire.messages import Speculate, SpeculateReply
+    from specserve.shared.wire.rpc import RpcClient
 
     cuda = plan.device.startswith("cuda")
     rows: list[dict] = []
@@ -485,7 +485,7 @@ def _texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
 
 def stack(plan: Plan, work: Path) -> dict:
     from bench.sweep import bench_point
-    from specserve.launch import ServiceProcess
+    from specserve.shared.host.launch import ServiceProcess
     from tests.support.procs import Up, gateway
 
     profile = work / "profile.json"
@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device here: run it on a GPU, or with --dry-run")
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # every RPC link and service started here
-    from specserve.shared.model_store import unpack_bundled
+    from specserve.shared.runtime.model_store import unpack_bundled
 
     unpack_bundled()
     plan = dry_plan() if args.dry_run else Plan(device=args.device)

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def worker(model: str, tree: int, start: float, seconds: float) -> list[float]:
     import torch
 
-    from specserve.shared.batch import Chunk, Tree
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.batch import Chunk, Tree
+    from specserve.shared.runtime.runner import ModelRunner
 
     torch.set_num_threads(1)
     times = []

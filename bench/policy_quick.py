@@ -25,7 +25,7 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specserve.launch import ServiceProcess  # noqa: E402
+from specserve.shared.host.launch import ServiceProcess  # noqa: E402
 
 SHORT = [json.loads(line)["prompt"] for line in (ROOT / "bench/workloads/short.jsonl").read_text().splitlines()]
 PROMPTS = [SHORT[i] for i in (1, 2, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15)]

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.cli import BUNDLED_TARGET
-from specserve.launch import ServiceProcess
-from specserve.shared.messages import SamplingSpec, Speculate, SpeculateEntry
-from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
-from specserve.shared.transport import decode_tensors, encode_frame
+from specserve.cli.main import BUNDLED_TARGET
+from specserve.shared.host.launch import ServiceProcess
+from specserve.shared.wire.messages import SamplingSpec, Speculate, SpeculateEntry
+from specserve.shared.wire.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
+from specserve.shared.wire.transport import decode_tensors, encode_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 64
@@ -61,7 +61,7 @@ def _codec_ms(body, tensors, rounds: int = 50) -> float:
         payload = bytearray(b"".join(bytes(b) for b in buffers[2:]))
         import msgspec
 
-        from specserve.shared.transport import Header
+        from specserve.shared.wire.transport import Header
 
         header = msgspec.msgpack.decode(buffers[1], type=Header)
         decode_tensors(header.tensors, payload)
@@ -123,7 +123,7 @@ async def transport(n: int, steps: int, depth: int, width: int) -> dict:
         await tc.release(rids)
         await dc.release(rids)
         # Serialization share: the same messages encoded and decoded in process.
-        from specserve.shared.messages import Forward, ForwardReply, SpeculateReply, StepResult, VerifyEntry
+        from specserve.shared.wire.messages import Forward, ForwardReply, SpeculateReply, StepResult, VerifyEntry
 
         entries, toks = spec_frame
         flat_nodes = torch.tensor([t for c in cands for t in c.tokens], dtype=torch.int32)

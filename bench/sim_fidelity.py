@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import ROOT, Stack, bench_point, measure_profile, warm_up  # noqa: E402
 
-from specserve.loadgen.workload import DEFAULT_MIX  # noqa: E402
+from specserve.cli.loadgen.workload import DEFAULT_MIX  # noqa: E402
 
 METRICS = ("tokens_per_step", "tpot_p50_ms", "attainment")
 

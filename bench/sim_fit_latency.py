@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.simulate.latency import LatencyModel
 
 KNOTS = (1, 2, 8, 16, 32, 64, 128, 256, 512)

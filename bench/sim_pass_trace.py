@@ -38,14 +38,14 @@ from specserve.shared.simulate.preset import load_preset  # noqa: E402
 
 TRACE_VAR = "SPECSERVE_BENCH_PASS_TRACE"  # the directory the probe writes to (bench only)
 
-# The probe: patches ModelRunner.forward once specserve.shared.runner is imported (an import hook,
+# The probe: patches ModelRunner.forward once specserve.shared.runtime.runner is imported (an import hook,
 # so processes that never import it, the CLI and the load generator, load nothing more).
 PROBE = '''
 import importlib.abc, importlib.util, json, os, sys, time
 
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "specserve.shared.runner":
+        if name != "specserve.shared.runtime.runner":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

@@ -7,7 +7,7 @@ it is cut. SIMULATED model services.
 One stack (simulated target and draft, docs/simulation.md; the gateway on its defaults: the default
 policy, --stream-buffer-bytes 64 KiB, --stream-stall-s 30). Each run, in turn:
 - `alone`: --streams fast streams at once (chat tier, short prompts, --max-tokens tokens, EOS
-  ignored; the load generator, services/loadgen), nothing else;
+  ignored; the load generator, services/cli/loadgen), nothing else;
 - `beside_slow`: one slow client first (a raw socket with a 1 KiB receive buffer: a streaming
   completion of 3,000 tokens, EOS ignored, of which it reads one byte per second), then the same
   fast streams; then the gateway's client_too_slow count is read every 0.5 s until the slow client

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specserve.shared.model_store import resolve
+    from specserve.shared.runtime.model_store import resolve
     from tests.support.procs import Up, gateway
 
     torch.set_num_threads(args.threads)

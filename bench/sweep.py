@@ -48,10 +48,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specserve.launch import ServiceProcess
-from specserve.loadgen.runner import BenchConfig, run_bench
-from specserve.loadgen.scrape import PARTS
-from specserve.loadgen.workload import DEFAULT_MIX
+from specserve.cli.loadgen.runner import BenchConfig, run_bench
+from specserve.cli.loadgen.scrape import PARTS
+from specserve.cli.loadgen.workload import DEFAULT_MIX
+from specserve.shared.host.launch import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 

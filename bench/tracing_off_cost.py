@@ -24,9 +24,9 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specserve.shared import tracing  # noqa: E402
-from specserve.shared.messages import Forward, Message, VerifyEntry  # noqa: E402
-from specserve.shared.transport import Header, TensorMeta  # noqa: E402
+from specserve.shared.process import tracing  # noqa: E402
+from specserve.shared.wire.messages import Forward, Message, VerifyEntry  # noqa: E402
+from specserve.shared.wire.transport import Header, TensorMeta  # noqa: E402
 
 
 class OldHeader(msgspec.Struct):

@@ -28,7 +28,7 @@ ensure_venv() {
     [ -n "$extras" ] && spec="$ROOT[$extras]"
     echo "[specserve] installing specserve${extras:+[$extras]} (editable)"
     "${pip[@]}" install -e "$spec"
-    # The compiled CPU operators (shared/kernels), cached; where they cannot be built the torch pass runs.
+    # The compiled CPU operators (shared/runtime/kernels), cached; where they cannot be built the torch pass runs.
     "$VENV/bin/specserve" kernels build
     # The bundled models' weights are committed xz-compressed (models/README.md); written out once.
     "$VENV/bin/specserve" models unpack >/dev/null

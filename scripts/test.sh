@@ -30,4 +30,6 @@ echo "[specserve] ruff check"
 "$VENV/bin/ruff" check .
 echo "[specserve] mypy (the whole package: services/ and shared/)"
 "$VENV/bin/mypy" -p specserve
+echo "[specserve] import-linter (the layering contracts in pyproject.toml)"
+PYTHONPATH="$ROOT/.mypy_path" "$VENV/bin/lint-imports" --no-cache
 exec "$VENV/bin/python" -m pytest "${tier[@]}" "$@"

@@ -22,9 +22,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from specserve.shared.model_store import unpack_bundled  # noqa: E402
+from specserve.shared.runtime.model_store import unpack_bundled  # noqa: E402
 
-# One shared secret for the whole run (shared/auth.py), set before anything starts: every test, the
+# One shared secret for the whole run (shared/wire/auth.py), set before anything starts: every test, the
 # services and gateways it starts (they inherit the environment) and its clients use it.
 os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))
 

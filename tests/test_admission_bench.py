@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import admission  # noqa: E402
 
-from specserve.loadgen.records import RequestRecord  # noqa: E402
+from specserve.cli.loadgen.records import RequestRecord  # noqa: E402
 
 
 def _rec(**kw) -> RequestRecord:

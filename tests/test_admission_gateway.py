@@ -19,8 +19,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specserve.launch import ServiceProcess
-from specserve.shared.service_client import DraftClient, TargetClient
+from specserve.shared.host.launch import ServiceProcess
+from specserve.shared.wire.service_client import DraftClient, TargetClient
 from tests.support import poll
 from tests.support.gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 from tests.support.procs import gateway

@@ -479,7 +479,7 @@ def test_every_policy_that_drafts_is_priced_by_what_it_drafts(name):
 
 def test_the_admission_measures_acceptance_from_the_drafted_steps():
     """The rate every policy's prior is priced at: what the drafted steps accepted, whatever drafted them."""
-    from specserve.gateway.engine.record import IterationRecord, RequestStep
+    from specserve.gateway.perf.record import IterationRecord, RequestStep
 
     adm = SloAdmission()
     for _ in range(200):  # 4-token chains that always accept 1: the truncated-geometric MLE gives 1/2

@@ -20,8 +20,9 @@ import time
 import pytest
 import torch
 
-from specserve.shared.auth import AuthError, ClientHandshake, load_secret
-from specserve.shared.messages import (
+from specserve.shared.process.settings import SettingsError
+from specserve.shared.wire.auth import AuthError, ClientHandshake, load_secret
+from specserve.shared.wire.messages import (
     AuthChallenge,
     AuthHello,
     AuthOk,
@@ -39,10 +40,9 @@ from specserve.shared.messages import (
     SpeculateEntry,
     Stats,
 )
-from specserve.shared.rpc import RpcClient, RpcServer
-from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient
-from specserve.shared.settings import SettingsError
-from specserve.shared.transport import MAGIC, PREFIX, frame_bytes, read_frame
+from specserve.shared.wire.rpc import RpcClient, RpcServer
+from specserve.shared.wire.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient
+from specserve.shared.wire.transport import MAGIC, PREFIX, frame_bytes, read_frame
 from tests.support.drive import Req, drive
 from tests.support.fixtures import start_services
 
@@ -360,7 +360,7 @@ async def _health_only(body, tensors):
 
 
 def test_beyond_the_cap_a_new_unauthenticated_connection_drops_the_oldest():
-    from specserve.shared.rpc import MAX_UNAUTHENTICATED
+    from specserve.shared.wire.rpc import MAX_UNAUTHENTICATED
 
     async def main():
         server = RpcServer(_health_only, handshake_timeout_s=60)
@@ -390,7 +390,7 @@ def test_services_started_side_by_side_share_one_new_secret():
     # authenticate to a target: "the service does not hold our shared secret")
     import threading
 
-    from specserve.shared.auth import SECRET_VAR, ensure_secret
+    from specserve.shared.wire.auth import SECRET_VAR, ensure_secret
 
     class Slow(dict):  # an environment whose lookups yield the GIL, as a busy machine does
         writes = 0

@@ -23,9 +23,7 @@ import numpy as np
 import openai
 import pytest
 
-from specserve.gateway.perf.profile import Profile
-from specserve.gateway.sched.policy import DEFAULT_POLICY
-from specserve.loadgen.arrivals import (
+from specserve.cli.loadgen.arrivals import (
     gamma_arrivals,
     load_trace,
     parse_rate_schedule,
@@ -33,11 +31,11 @@ from specserve.loadgen.arrivals import (
     poisson_arrivals,
     trace_arrivals,
 )
-from specserve.loadgen.client import request_body
-from specserve.loadgen.records import RequestRecord, percentile, summarize, vllm_tpot_ms
-from specserve.loadgen.runner import BenchConfig, arrival_times, format_summary, summary_path
-from specserve.loadgen.scrape import parse_counters, server_delta
-from specserve.loadgen.workload import (
+from specserve.cli.loadgen.client import request_body
+from specserve.cli.loadgen.records import RequestRecord, percentile, summarize, vllm_tpot_ms
+from specserve.cli.loadgen.runner import BenchConfig, arrival_times, format_summary, summary_path
+from specserve.cli.loadgen.scrape import parse_counters, server_delta
+from specserve.cli.loadgen.workload import (
     DEFAULT_MIX,
     BenchRequest,
     Category,
@@ -46,6 +44,8 @@ from specserve.loadgen.workload import (
     load_prompts,
     parse_mix,
 )
+from specserve.gateway.perf.profile import Profile
+from specserve.gateway.sched.policy import DEFAULT_POLICY
 from tests.support.fixtures import fresh_profile, start_up
 from tests.support.procs import Up, gateway
 

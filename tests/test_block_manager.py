@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.block_manager import BlockManager, OutOfBlocks, UnknownRequest
-from specserve.shared.random_model import write_random_model
-from specserve.shared.runner import ModelRunner, PendingTree
-from specserve.shared.token_tree import path_to
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.block_manager import BlockManager, OutOfBlocks, UnknownRequest
+from specserve.shared.runtime.random_model import write_random_model
+from specserve.shared.runtime.runner import ModelRunner, PendingTree
+from specserve.shared.spec.token_tree import path_to
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.gateway.engine.record import IterationRecord, RequestStep
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord, RequestStep
 from specserve.gateway.sched.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
 from specserve.gateway.sched.policy.branching import Branches, spine
 from specserve.gateway.sched.policy.joint import Joint

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.shared.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
 
 SPECSERVE = [sys.executable, "-m", "specserve.cli"]
 
@@ -72,7 +72,7 @@ def test_services_report_a_bad_model_dir_and_exit_2(service, tmp_path):
 
 
 def test_service_flags_fall_back_to_environment_variables(monkeypatch):
-    from specserve.cli import build_parser
+    from specserve.cli.main import build_parser
     from specserve.draft.config import DraftConfig
 
     monkeypatch.setenv("SPECSERVE_DRAFT_KV_BLOCKS", "77")
@@ -97,9 +97,9 @@ def test_models_lists_the_named_models_and_refuses_an_unknown_one(tmp_path):
 def test_up_pairs_a_target_with_its_own_draft_by_default():
     """Without --draft-model, a named model gets the draft its entry names (never the demo draft, whose
     vocabulary is not its own), and any other target the bundled demo draft."""
+    from specserve.cli.up import default_draft
     from specserve.draft.ngram import NGRAM
-    from specserve.shared.model_store import MODELS, NAMED
-    from specserve.up import default_draft
+    from specserve.shared.runtime.model_store import MODELS, NAMED
 
     assert default_draft("/some/target") == str(MODELS / "draft")
     assert default_draft("demo") == str(MODELS / "draft")

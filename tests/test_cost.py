@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from specserve.gateway.engine.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.perf.cost import PassCost, PassSample, sample_of
+from specserve.gateway.perf.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 
 
 def record(*, nodes: int, service_ms: float, total_ms: float, replica: int = 0, depth: int = 0, spec: int = 0,

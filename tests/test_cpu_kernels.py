@@ -1,4 +1,4 @@
-"""The compiled CPU operators (shared/kernels) and the weights they multiply as stored (shared/quant.py).
+"""The compiled CPU operators (shared/runtime/kernels) and the weights they multiply as stored (runtime/quant.py).
 
 - Q8_0 / Q4_1 blocks made by gguf-py's quantizer are split and dequantized exactly as gguf-py does it.
 - `linear` equals a float64 product over the dequantized weights (float32 rounding only), for every
@@ -29,13 +29,13 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file, save_file
 
-from specserve.shared import kernels
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.kernels import KIND_F32, KIND_Q4_1, KIND_Q8_0
-from specserve.shared.lean_model import LeanModel
-from specserve.shared.quant import GGUF_FILE, StoredWeight, dequantize, quantize, read_gguf
-from specserve.shared.random_model import TINY_CONFIG, write_random_model
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime import kernels
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.kernels import KIND_F32, KIND_Q4_1, KIND_Q8_0
+from specserve.shared.runtime.lean_model import LeanModel
+from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, quantize, read_gguf
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU operators not built: {kernels.error()}")
 KINDS = {"float32": KIND_F32, "q8_0": KIND_Q8_0, "q4_1": KIND_Q4_1}
@@ -89,8 +89,8 @@ def test_the_plain_cpp_fallback_agrees(tmp_path):
     script = tmp_path / "generic.py"
     script.write_text(
         "import torch\n"
-        "from specserve.shared import kernels\n"
-        "from specserve.shared.quant import quantize, dequantize\n"
+        "from specserve.shared.runtime import kernels\n"
+        "from specserve.shared.runtime.quant import quantize, dequantize\n"
         "assert kernels.load() and kernels.variant() == 'generic', kernels.variant()\n"
         "g = torch.Generator().manual_seed(0)\n"
         "for kind in (0, 1, 2):\n"
@@ -111,7 +111,7 @@ def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
     under our own lock, which a second process cannot take while the first holds it."""
     import fcntl
 
-    from specserve.shared import kernels
+    from specserve.shared.runtime import kernels
 
     (tmp_path / "lock").touch()  # what a build killed mid-way leaves
     with kernels.build_lock(tmp_path):
@@ -230,8 +230,8 @@ def test_without_the_operators_the_torch_pass_runs(gguf_model, tmp_path):
     script.write_text(
         "import logging, sys\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from specserve.shared.runner import ModelRunner\n"
-        "from specserve.shared.model import CausalLM\n"
+        "from specserve.shared.runtime.runner import ModelRunner\n"
+        "from specserve.shared.runtime.model import CausalLM\n"
         "r = ModelRunner.from_dir(sys.argv[1], num_blocks=8)\n"
         "assert isinstance(r.model, CausalLM)\n"
         "try:\n"

@@ -1,4 +1,4 @@
-"""CUDA IPC's lifecycle (shared/cuda_ipc.py) without a GPU: a host-memory backend of torch's shape.
+"""CUDA IPC's lifecycle (shared/wire/cuda_ipc.py) without a GPU: a host-memory backend of torch's shape.
 
 `HostIpc` names a storage by a handle in a table, as a cudaIpcMemHandle names a device allocation, and
 holds it there until the receiver opened it (torch's cross-process reference counter), so a handle that
@@ -15,11 +15,11 @@ import msgspec
 import pytest
 import torch
 
-from specserve.shared import cuda_ipc
-from specserve.shared.cuda_ipc import CudaIpc
-from specserve.shared.messages import Health, Speculate, SpeculateReply
-from specserve.shared.rpc import RpcClient, RpcServer
-from specserve.shared.transport import PREFIX, Header, MessageError, TensorMeta, encode_frame, read_frame
+from specserve.shared.wire import cuda_ipc
+from specserve.shared.wire.cuda_ipc import CudaIpc
+from specserve.shared.wire.messages import Health, Speculate, SpeculateReply
+from specserve.shared.wire.rpc import RpcClient, RpcServer
+from specserve.shared.wire.transport import PREFIX, Header, MessageError, TensorMeta, encode_frame, read_frame
 
 
 class HostIpc:

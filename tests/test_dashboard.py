@@ -37,8 +37,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from specserve.launch import free_port
-from specserve.up import SERVICE_HOST, UpConfig, add_flags
+from specserve.cli.up import SERVICE_HOST, UpConfig, add_flags
+from specserve.shared.host.launch import free_port
 from tests.support import poll
 from tests.support.fixtures import start_up
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from specserve.shared.generate import generate
-from specserve.shared.model_config import ModelConfig
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime.generate import generate
+from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.runtime.runner import ModelRunner
 from training.corpus import is_held_out
 from training.tokenizer import chat_text
 
@@ -127,7 +127,7 @@ def test_runtime_stops_on_generation_config_eos(tokenizer):
 def test_acceptance_measurement_is_calibrated(tmp_path):
     """The simulator behind models/README.md's figures: a draft identical to the target accepts
     all k tokens (k + 1 per step), a random-weight draft almost none (about 1 per step)."""
-    from specserve.shared.random_model import write_random_model
+    from specserve.shared.runtime.random_model import write_random_model
     from training.evaluate import simulate
 
     tok = AutoTokenizer.from_pretrained(MODELS / "draft")
@@ -151,8 +151,8 @@ def test_compressed_bundled_weights_are_unpacked_when_missing_or_stale(tmp_path)
     import os
     import shutil
 
-    from specserve.shared.loader import weight_files
-    from specserve.shared.model_store import unpack_bundled
+    from specserve.shared.runtime.loader import weight_files
+    from specserve.shared.runtime.model_store import unpack_bundled
 
     src = MODELS / "draft"
     model = tmp_path / "draft"

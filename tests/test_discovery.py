@@ -13,7 +13,7 @@ from specserve.gateway.backends.pool import ServicePool, TargetReplica
 from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.slo_classes import SloClass
-from specserve.shared.messages import SamplingSpec
+from specserve.shared.wire.messages import SamplingSpec
 
 
 def latency() -> PassCost:

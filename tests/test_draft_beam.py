@@ -10,9 +10,9 @@ import torch
 
 from specserve.draft.beam import BeamRequest, beam_search
 from specserve.draft.static_step import StaticBeamStep, bucket
-from specserve.shared.batch import Chunk, DraftNodes, Tree
-from specserve.shared.random_model import TINY_CONFIG, write_random_model
-from specserve.shared.runner import ModelRunner, PendingTree
+from specserve.shared.runtime.batch import Chunk, DraftNodes, Tree
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner, PendingTree
 from training.evaluate import _beam_tree
 
 NUM_BLOCKS, BLOCK_SIZE = 128, 4
@@ -119,7 +119,7 @@ def test_the_drafts_reply_says_when_a_beam_step_captured_a_cuda_graph(monkeypatc
     as a capture, as on CUDA."""
     from specserve.draft.config import DraftConfig
     from specserve.draft.engine import DraftEngine
-    from specserve.shared.messages import Speculate, SpeculateEntry
+    from specserve.shared.wire.messages import Speculate, SpeculateEntry
 
     engine = DraftEngine(DraftConfig(kv_blocks=64, threads=1, kernels="torch"))
     step = engine.static_step = StaticBeamStep(engine.runner, use_graphs=False)

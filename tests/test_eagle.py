@@ -21,12 +21,12 @@ from specserve.draft.config import DraftConfig
 from specserve.draft.eagle import EagleDrafter
 from specserve.draft.eagle_engine import EagleDraftEngine
 from specserve.draft.eagle_head import EagleHead, load_for_target
-from specserve.shared.batch import Chunk
-from specserve.shared.messages import Forward, PrefillEntry, SamplingSpec, Speculate, SpeculateEntry, VerifyEntry
-from specserve.shared.model_config import ModelConfig
-from specserve.shared.model_store import MODELS
-from specserve.shared.runner import ModelRunner
-from specserve.shared.service_base import BadCall
+from specserve.shared.host.service_base import BadCall
+from specserve.shared.runtime.batch import Chunk
+from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.runtime.model_store import MODELS
+from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, Speculate, SpeculateEntry, VerifyEntry
 from specserve.target.config import TargetConfig
 from specserve.target.engine import TargetEngine
 from tests.support.fixtures import start_up
@@ -202,7 +202,7 @@ def test_the_head_on_the_cpu_kernels_predicts_as_in_float32(tmp_path):
 def test_the_feature_log_keeps_rows_by_position():
     """The gateway's and the draft's FeatureLog: rows at their positions, grown as needed, a rewrite (a
     re-prefill) in place, a write past the known positions refused."""
-    from specserve.shared.feature_log import FeatureLog
+    from specserve.shared.spec.feature_log import FeatureLog
 
     log = FeatureLog()
     rows = torch.arange(200 * 4, dtype=torch.float32).view(200, 4)

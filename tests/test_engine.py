@@ -23,7 +23,7 @@ from specserve.gateway.sched.policy.fixed import Chain
 from specserve.gateway.sched.routing import RoundRobin
 from specserve.gateway.sched.scheduler import Scheduler
 from specserve.gateway.sched.slo_classes import SloClass
-from specserve.shared.messages import SamplingSpec
+from specserve.shared.wire.messages import SamplingSpec
 from tests.support.engine import Steered, idle, serve
 
 

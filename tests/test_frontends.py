@@ -28,8 +28,8 @@ import httpx
 import pytest
 
 from specserve.gateway.frontend import wire
-from specserve.launch import free_port
-from specserve.shared.messages import SamplingSpec
+from specserve.shared.host.launch import free_port
+from specserve.shared.wire.messages import SamplingSpec
 from tests.support import poll
 from tests.support.fixtures import start_up
 from tests.support.gateway import MAX_TOKENS, PROMPTS, run_all

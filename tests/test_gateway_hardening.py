@@ -35,8 +35,8 @@ import httpx
 import openai
 import pytest
 
-from specserve.shared.messages import SamplingSpec
-from specserve.shared.service_client import DraftClient, PrefillItem, TargetClient
+from specserve.shared.wire.messages import SamplingSpec
+from specserve.shared.wire.service_client import DraftClient, PrefillItem, TargetClient
 from tests.support import poll
 from tests.support.gateway import MAX_TOKENS, PROMPTS, aclient, wait_all_free
 from tests.support.procs import await_health, gateway, health, kill, service_pid, wait_health

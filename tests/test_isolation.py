@@ -19,7 +19,7 @@ import specserve.draft.engine as draft_engine
 import specserve.target.engine as target_engine
 from specserve.draft.config import DraftConfig
 from specserve.draft.engine import DraftEngine
-from specserve.shared.messages import (
+from specserve.shared.wire.messages import (
     ErrorInfo,
     Forward,
     PrefillEntry,

@@ -19,7 +19,7 @@ import torch
 
 from specserve.draft.config import DraftConfig
 from specserve.draft.ngram import NgramDraftEngine, ngram_tree
-from specserve.shared.messages import Speculate, SpeculateEntry
+from specserve.shared.wire.messages import Speculate, SpeculateEntry
 from tests.support.fixtures import start_up
 from tests.support.gateway import PROMPTS, every_policy_is_lossless, greedy_results
 

@@ -31,11 +31,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.generate import generate
-from specserve.shared.model_config import ModelLoadError
-from specserve.shared.runner import ModelRunner
-from specserve.shared.token_tree import path_to
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.generate import generate
+from specserve.shared.runtime.model_config import ModelLoadError
+from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.spec.token_tree import path_to
 
 RTOL, ATOL = 1e-4, 2e-5
 BLOCK_SIZE = 4  # small, so every sequence spans many blocks
@@ -564,7 +564,7 @@ def test_transformers_4x_rope_layout_loads(hf_model: HFModel, tmp_path):
 
 
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
-    from specserve.shared.loader import dtype_name, parse_dtype
+    from specserve.shared.runtime.loader import dtype_name, parse_dtype
 
     assert parse_dtype("auto", "cuda:1") is torch.bfloat16 and parse_dtype("auto", "cpu") is torch.float32
     assert parse_dtype("float16", "cuda") is torch.float16 and dtype_name("auto", torch.device("cuda")) == "bfloat16"

@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from specserve.gateway.engine.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.perf.cost import OnlineLinear, PassCost
+from specserve.gateway.perf.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.sched.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
 from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens
 from specserve.gateway.sched.policy.joint import AT_RISK, LOST, SLACK, Joint

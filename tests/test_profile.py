@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from specserve.cli import BUNDLED_TARGET
+from specserve.cli.main import BUNDLED_TARGET
 from specserve.gateway.perf.profile import Profile, add_flags, default_profile_path, format_table, knee, measure
-from specserve.launch import ServiceProcess
-from specserve.shared.model_config import ModelConfig
-from specserve.shared.service_client import TargetClient
+from specserve.shared.host.launch import ServiceProcess
+from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.wire.service_client import TargetClient
 
 
 def test_knee_flat_then_rising():
@@ -57,7 +57,7 @@ def test_the_latency_fingerprint_changes_with_what_sets_pass_time(tmp_path):
     import os
     import shutil
 
-    from specserve.shared.service_base import latency_fingerprint
+    from specserve.shared.host.service_base import latency_fingerprint
     from specserve.target.config import TargetConfig
 
     model = tmp_path / "target"

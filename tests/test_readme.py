@@ -66,7 +66,7 @@ def test_the_check_sees_a_missing_flag():
 
 
 def _parser_flags() -> set[str]:
-    from specserve.cli import build_parser
+    from specserve.cli.main import build_parser
 
     out: set[str] = set()
     for action in build_parser()._actions:

@@ -31,8 +31,8 @@ import pytest
 from specserve.gateway.backends.executor import Executor
 from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
 from specserve.gateway.perf.cost import PassCost
-from specserve.launch import ServiceProcess, free_port
-from specserve.shared.service_client import PrefillItem, SpeculateItem, TargetClient
+from specserve.shared.host.launch import ServiceProcess, free_port
+from specserve.shared.wire.service_client import PrefillItem, SpeculateItem, TargetClient
 from tests.support.fixtures import start_up
 from tests.support.gateway import MAX_TOKENS, PROMPTS, aclient, run_all, wait_all_free
 from tests.support.procs import await_health, health, kill, service_pid, wait_health
@@ -198,7 +198,7 @@ def test_executor_tells_remote_errors_from_dead_services_and_deadlines():
             executor = Executor(pool, call_timeout_s=30)
 
             async def bad_call():  # counts that disagree with the payload: the service refuses the call
-                from specserve.shared.messages import Forward, ForwardReply, PrefillEntry
+                from specserve.shared.wire.messages import Forward, ForwardReply, PrefillEntry
                 return await replica.client.rpc.call(Forward([PrefillEntry("x", 1, 0, 5, True)]), ForwardReply)
 
             remote = await executor._guard(replica, bad_call)
@@ -209,7 +209,7 @@ def test_executor_tells_remote_errors_from_dead_services_and_deadlines():
             assert down.failure is not None and down.failure.kind == "down" and not dead.up
             slow = Executor(pool, call_timeout_s=0.0005)
             item = PrefillItem("y", 1, 0, list(range(1, 300)), True, None)
-            from specserve.shared.messages import SamplingSpec
+            from specserve.shared.wire.messages import SamplingSpec
             item.sampling = SamplingSpec()
             late = await slow._guard(replica, lambda: replica.client.forward([item], []))
             assert late.failure is not None and late.failure.kind == "down" and "no reply within" in str(late.failure)

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from specserve.shared.batch import Chunk, Tree, attention_groups, build_inputs
-from specserve.shared.random_model import TINY_CONFIG, write_random_model
-from specserve.shared.runner import ModelRunner, PendingTree
+from specserve.shared.runtime.batch import Chunk, Tree, attention_groups, build_inputs
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner, PendingTree
 
 NUM_BLOCKS, BLOCK_SIZE = 128, 4
 

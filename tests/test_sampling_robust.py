@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specserve.shared.sampling import SamplingParams, probabilities, sample
+from specserve.shared.spec.sampling import SamplingParams, probabilities, sample
 
 INF = float("inf")
 # Values that used to break the sampler or sit at the edges of float32 / float64.

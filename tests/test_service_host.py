@@ -13,9 +13,9 @@ import asyncio
 import threading
 import time
 
-from specserve.shared.messages import Forward, ForwardReply, Health, HealthReply, Message, VerifyEntry
-from specserve.shared.rpc import RpcClient, RpcServer
-from specserve.shared.service_base import ServiceHost
+from specserve.shared.host.service_base import ServiceHost
+from specserve.shared.wire.messages import Forward, ForwardReply, Health, HealthReply, Message, VerifyEntry
+from specserve.shared.wire.rpc import RpcClient, RpcServer
 from specserve.target.server import call_tokens
 
 

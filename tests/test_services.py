@@ -19,14 +19,14 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from specserve.cli import BUNDLED_TARGET
-from specserve.shared.generate import generate
-from specserve.shared.messages import Error, Forward, Health, HealthReply, PrefillEntry, SamplingSpec
-from specserve.shared.model_config import ModelConfig
-from specserve.shared.rpc import RpcClient
-from specserve.shared.runner import ModelRunner
-from specserve.shared.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
-from specserve.shared.transport import MAGIC, PREFIX, frame_bytes, read_frame
+from specserve.cli.main import BUNDLED_TARGET
+from specserve.shared.runtime.generate import generate
+from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.wire.messages import Error, Forward, Health, HealthReply, PrefillEntry, SamplingSpec
+from specserve.shared.wire.rpc import RpcClient
+from specserve.shared.wire.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
+from specserve.shared.wire.transport import MAGIC, PREFIX, frame_bytes, read_frame
 from tests.support.drive import Req, drive
 from tests.support.fixtures import start_services
 
@@ -213,7 +213,7 @@ async def _exchange(address: str, frames: list[bytes]) -> list:
 def _decode_reply(data: bytes):
     import msgspec
 
-    from specserve.shared.transport import Header
+    from specserve.shared.wire.transport import Header
 
     _, hlen, _ = PREFIX.unpack(data[: PREFIX.size])
     return msgspec.msgpack.decode(data[PREFIX.size : PREFIX.size + hlen], type=Header)
@@ -318,7 +318,7 @@ def _ints(values):
 
 
 def _speculate_frame(rid: str, tokens: list[int]) -> bytes:
-    from specserve.shared.messages import Speculate, SpeculateEntry
+    from specserve.shared.wire.messages import Speculate, SpeculateEntry
 
     entry = SpeculateEntry(rid, 1, len(tokens), len(tokens), 4, 4)
     return frame_bytes(1, Speculate([entry]), {"tokens": _ints(tokens)})

@@ -1,4 +1,4 @@
-"""specserve.shared.settings: one declaration per setting -> flag, environment variable, default.
+"""specserve.shared.process.settings: one declaration per setting -> flag, environment variable, default.
 
 The unit tests use a demo dataclass with every supported type; the last tests run the real
 console script with a bad SPECSERVE_DRAFT_PORT in the environment."""
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from specserve.shared.random_model import TINY_CONFIG, write_random_model
-from specserve.shared.settings import Settings, SettingsError, add_flags, from_args, option, override_default
+from specserve.shared.process.settings import Settings, SettingsError, add_flags, from_args, option, override_default
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
 
 SPECSERVE = [sys.executable, "-m", "specserve.cli"]
 built = []  # calls of Demo.stamp's default_factory
@@ -254,11 +254,11 @@ def test_declaration_mistakes_are_caught_at_add_flags():
 
 
 def test_service_configs_keep_their_defaults_and_variables():
-    from specserve.cli import build_parser
+    from specserve.cli.main import build_parser
+    from specserve.cli.up import UpConfig
     from specserve.draft.config import DraftConfig
     from specserve.gateway.config import GatewayConfig
     from specserve.target.config import TargetConfig
-    from specserve.up import UpConfig
 
     parser = build_parser()
     draft = DraftConfig.from_args(parser.parse_args(["draft"]), environ={})

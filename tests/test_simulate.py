@@ -13,13 +13,13 @@ import torch
 
 from specserve.draft.config import DraftConfig
 from specserve.draft.simulated import simulated_engine as simulated_draft
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.messages import Forward, PrefillEntry, SamplingSpec, Speculate, SpeculateEntry, VerifyEntry
+from specserve.shared.runtime.batch import Chunk, Tree
 from specserve.shared.simulate.acceptance import AcceptanceModel, accept_choices
 from specserve.shared.simulate.latency import LatencyModel
 from specserve.shared.simulate.preset import PresetError, load_preset, preset_names
 from specserve.shared.simulate.runner import SimulatedRunner
 from specserve.shared.simulate.text import load_corpus
+from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, Speculate, SpeculateEntry, VerifyEntry
 from specserve.target.config import TargetConfig
 from specserve.target.simulated import simulated_engine as simulated_target
 

@@ -3,7 +3,7 @@ losslessness and crash tests: they are test_gateway.py's functions, run here aga
 `up` fixture. The reference output is the simulation's true continuation of each prompt, which any
 policy must emit exactly (greedy). Also: N simulated replicas start and serve, and a bad or missing
 spec exits 2 with one line (`--simulate ''` means no simulation,
-as for every optional setting: shared/settings.py)."""
+as for every optional setting: shared/process/settings.py)."""
 
 from __future__ import annotations
 

@@ -33,10 +33,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.gateway.perf.profile import Profile
-from specserve.shared import model_store
-from specserve.shared.batch import Chunk
-from specserve.shared.generate import generate
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime import model_store
+from specserve.shared.runtime.batch import Chunk
+from specserve.shared.runtime.generate import generate
+from specserve.shared.runtime.runner import ModelRunner
 from tests.support.procs import Up
 
 pytestmark = pytest.mark.slow

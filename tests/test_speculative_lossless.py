@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.generate import generate
-from specserve.shared.random_model import TINY_CONFIG, write_random_model
-from specserve.shared.runner import ModelRunner
-from specserve.shared.sampling import SamplingParams
-from specserve.shared.tree_acceptance import accept_tree
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.generate import generate
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.spec.sampling import SamplingParams
+from specserve.shared.spec.tree_acceptance import accept_tree
 
 NUM_BLOCKS, BLOCK_SIZE = 96, 4
 PROMPT_LENGTHS = {"short": 3, "mid": 17, "long": 41, "odd": 9}

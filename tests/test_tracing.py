@@ -1,4 +1,4 @@
-"""Tracing (shared/tracing.py, services/gateway/obs/spans.py): OpenTelemetry spans across the gateway,
+"""Tracing (shared/process/tracing.py, services/gateway/obs/spans.py): OpenTelemetry spans across the gateway,
 the draft and the target.
 
 - In process, with the SDK's InMemorySpanExporter: the trace context crosses a real RpcServer /
@@ -37,10 +37,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from specserve.shared import tracing
-from specserve.shared.messages import Health, HealthReply, Message
-from specserve.shared.rpc import RpcClient, RpcServer
-from specserve.shared.transport import PREFIX, TensorMeta, encode_frame, read_frame
+from specserve.shared.process import tracing
+from specserve.shared.wire.messages import Health, HealthReply, Message
+from specserve.shared.wire.rpc import RpcClient, RpcServer
+from specserve.shared.wire.transport import PREFIX, TensorMeta, encode_frame, read_frame
 from tests.support import poll
 from tests.support.fixtures import BUDGET_24, start_up
 from tests.support.procs import Up

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.shared.messages import (
+from specserve.shared.wire.messages import (
     DraftTree,
     Error,
     Health,
@@ -30,7 +30,7 @@ from specserve.shared.messages import (
     Stats,
     StatsReply,
 )
-from specserve.shared.rpc import (
+from specserve.shared.wire.rpc import (
     TRANSPORT_ERRORS,
     RemoteError,
     ReplyOutOfStep,
@@ -40,7 +40,7 @@ from specserve.shared.rpc import (
     UnexpectedReply,
     parse_address,
 )
-from specserve.shared.transport import (
+from specserve.shared.wire.transport import (
     MAGIC,
     PREFIX,
     FrameError,

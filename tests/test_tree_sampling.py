@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from specserve.shared.sampling import SamplingParams, probabilities, sample
-from specserve.shared.token_tree import children_by_token
-from specserve.shared.tree_acceptance import Acceptance, accept_tree, walk
+from specserve.shared.spec.sampling import SamplingParams, probabilities, sample
+from specserve.shared.spec.token_tree import children_by_token
+from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree, walk
 
 V = 6  # vocabulary
 L = 3  # continuation length whose joint distribution is tested

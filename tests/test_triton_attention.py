@@ -1,4 +1,4 @@
-"""The Triton paged attention kernel (shared/kernels/triton_attention.py), run through Triton's interpreter
+"""The Triton paged attention kernel (shared/runtime/kernels/triton_attention.py), run through Triton's interpreter
 (TRITON_INTERPRET=1, which tests/conftest.py sets where there is no GPU) on CPU tensors: the same kernel
 the torch pass launches on CUDA.
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.shared.batch import Chunk, DraftNodes, Tree
-from specserve.shared.block_manager import BlockManager
-from specserve.shared.kernels import triton_attention
-from specserve.shared.lean_inputs import build_lean_inputs
-from specserve.shared.random_model import TINY_CONFIG, write_random_model
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime.batch import Chunk, DraftNodes, Tree
+from specserve.shared.runtime.block_manager import BlockManager
+from specserve.shared.runtime.kernels import triton_attention
+from specserve.shared.runtime.lean_inputs import build_lean_inputs
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="Triton is not installed")
 BLOCK = 4
@@ -80,10 +80,10 @@ def test_the_torch_pass_with_triton_attention_equals_sdpa(tmp_path):
 
 
 def test_passes_padded_to_their_buckets_give_the_unpadded_logits(tmp_path):
-    """The padding the target's CUDA graphs use (shared/cuda_graphs.py), run eagerly here: every pass, a
+    """The padding the target's CUDA graphs use (shared/runtime/cuda_graphs.py), run eagerly here: every pass, a
     prefill, a tree, a batch of decodes beside a chunk, returns the unpadded pass's logits, buckets are
     reused, and the scratch block stays the only block the padding takes."""
-    from specserve.shared.cuda_graphs import BucketKey
+    from specserve.shared.runtime.cuda_graphs import BucketKey
 
     model_dir = write_random_model(tmp_path / "m", TINY_CONFIG, seed=9, std=0.1)
     plain = ModelRunner.from_dir(model_dir, num_blocks=64, block_size=BLOCK, kernels="triton")
@@ -110,8 +110,8 @@ def test_passes_padded_to_their_buckets_give_the_unpadded_logits(tmp_path):
 def test_the_targets_reply_says_when_its_pass_captured_a_cuda_graph(monkeypatch):
     """The target flags a pass that captured a graph (`ForwardReply.warmup`, which the gateway's cost model skips).
     Capture needs a GPU: here the graphs run eagerly and a new bucket counts as a capture, as on CUDA."""
-    from specserve.shared.cuda_graphs import bucket_key
-    from specserve.shared.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
+    from specserve.shared.runtime.cuda_graphs import bucket_key
+    from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
     from specserve.target.config import TargetConfig
     from specserve.target.engine import TargetEngine
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from specserve.launch import free_port
-from specserve.shared.lifeline import DEATH_SIGNAL_VAR, PARENT_PID_VAR, child_environment, follow_parent
-from specserve.shared.ports import PortInUse, check_port_free
-from specserve.shared.rpc import RpcServer
+from specserve.shared.host.launch import free_port
+from specserve.shared.process.lifeline import DEATH_SIGNAL_VAR, PARENT_PID_VAR, child_environment, follow_parent
+from specserve.shared.process.ports import PortInUse, check_port_free
+from specserve.shared.wire.rpc import RpcServer
 from tests.support import poll
 from tests.support.procs import Up, service_pid
 
@@ -157,7 +157,7 @@ def test_tcp_services_puts_them_on_loopback_ports():
 # A parent that starts a draft from a worker thread, reports the draft's pid, and waits to be killed.
 _THREAD_PARENT = """
 import threading, time
-from specserve.launch import ServiceProcess
+from specserve.shared.host.launch import ServiceProcess
 started = []
 worker = threading.Thread(target=lambda: started.append(ServiceProcess("draft", "--kv-blocks", "16")))
 worker.start()

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, LogitsProcessor
 
-from specserve.shared.model_store import resolve
+from specserve.shared.runtime.model_store import resolve
 from training import corpus, smollm2_prompts
 from training.stages import build_main
 
@@ -225,8 +225,8 @@ def stage_distill(state: dict) -> None:
 
 
 def stage_evaluate(state: dict) -> None:
-    from specserve.shared.generate import generate
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.generate import generate
+    from specserve.shared.runtime.runner import ModelRunner
     from training.evaluate import forward_cost, simulate
 
     target_dir = resolve(TARGET)

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.draft.eagle import EagleDrafter
 from specserve.draft.eagle_head import EagleHead, load_for_target, target_parts
-from specserve.shared.model_store import resolve
+from specserve.shared.runtime.model_store import resolve
 from training import corpus, smollm2_prompts
 from training.stages import build_main
 
@@ -285,8 +285,8 @@ def simulate(drafter: EagleDrafter, runs: list[dict], depth: int, width: int) ->
 def head_cost(target_dir: str, drafter: EagleDrafter, context: int = 128, rounds: int = 40) -> dict:
     """Median times, alternating: the target's 1-token decode at `context` tokens of KV through the
     served runtime; one head step (a chain of 4 steps, divided by 4); one entry appended."""
-    from specserve.shared.batch import Chunk, Tree
-    from specserve.shared.runner import ModelRunner
+    from specserve.shared.runtime.batch import Chunk, Tree
+    from specserve.shared.runtime.runner import ModelRunner
 
     target = ModelRunner.from_dir(Path(target_dir), num_blocks=64)
     hidden = drafter.head.hidden_size

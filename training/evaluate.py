@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.generate import generate
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.generate import generate
+from specserve.shared.runtime.runner import ModelRunner
 from training.data import fixed_windows
 
 CHAINS = tuple(range(1, 9))

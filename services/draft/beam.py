@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.shared.batch import DraftNodes
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime.batch import DraftNodes
+from specserve.shared.runtime.runner import ModelRunner
 
 if TYPE_CHECKING:
     from specserve.draft.static_step import StaticBeamStep

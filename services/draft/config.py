@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.shared.model_store import MODELS
-from specserve.shared.ports import DRAFT_PORT
-from specserve.shared.service_base import ServiceConfig
-from specserve.shared.settings import option, override_default
+from specserve.shared.host.service_base import ServiceConfig
+from specserve.shared.process.ports import DRAFT_PORT
+from specserve.shared.process.settings import option, override_default
+from specserve.shared.runtime.model_store import MODELS
 
 
 @dataclass(slots=True, kw_only=True)
 class DraftConfig(ServiceConfig):
     """The common service fields, plus the draft's own. Each field is a flag (`--max-depth`) and a
-    variable (`SPECSERVE_DRAFT_MAX_DEPTH`); see specserve.shared.settings."""
+    variable (`SPECSERVE_DRAFT_MAX_DEPTH`); see specserve.shared.process.settings."""
 
     env_prefix = "SPECSERVE_DRAFT_"
 

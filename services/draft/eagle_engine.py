@@ -22,10 +22,10 @@ from specserve.draft.eagle import EagleDrafter
 from specserve.draft.eagle_head import load_for_target, target_of
 from specserve.draft.engine import DraftEngine
 from specserve.draft.ngram import NoKV
-from specserve.shared.feature_log import FeatureLog
-from specserve.shared.messages import ErrorInfo, Offload, Reload, SpeculateEntry, TransitionReply
-from specserve.shared.model_store import resolve
-from specserve.shared.service_base import BadCall
+from specserve.shared.host.service_base import BadCall
+from specserve.shared.runtime.model_store import resolve
+from specserve.shared.spec.feature_log import FeatureLog
+from specserve.shared.wire.messages import ErrorInfo, Offload, Reload, SpeculateEntry, TransitionReply
 
 log = logging.getLogger(__name__)
 

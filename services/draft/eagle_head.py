@@ -22,10 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specserve.shared import kernels
-from specserve.shared.kernels import KIND_Q8_0
-from specserve.shared.model_config import ModelConfig
-from specserve.shared.rope import RotaryEmbedding, apply_rotary
+from specserve.shared.runtime import kernels
+from specserve.shared.runtime.kernels import KIND_Q8_0
+from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.runtime.rope import RotaryEmbedding, apply_rotary
 
 WEIGHTS = "eagle.safetensors"
 CONFIG = "eagle.json"
@@ -42,7 +42,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        from specserve.shared.quant import quantize
+        from specserve.shared.runtime.quant import quantize
 
         stored = quantize(weight.detach().float(), KIND_Q8_0)
         self.register_buffer("data", stored.data, persistent=False)

@@ -25,11 +25,14 @@ import torch
 from specserve.draft.beam import BeamRequest, BeamTree, beam_search
 from specserve.draft.config import DraftConfig
 from specserve.draft.static_step import StaticBeamStep
-from specserve.shared.batch import Chunk
-from specserve.shared.kv_cache import KVCache
-from specserve.shared.lean_model import LeanModel
-from specserve.shared.loader import load_model, parse_device, parse_dtype
-from specserve.shared.messages import (
+from specserve.shared.host.service_base import ms_since, split_counts
+from specserve.shared.runtime.batch import Chunk
+from specserve.shared.runtime.kv_cache import KVCache
+from specserve.shared.runtime.lean_model import LeanModel
+from specserve.shared.runtime.loader import load_model, parse_device, parse_dtype
+from specserve.shared.runtime.model import CausalLM
+from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.wire.messages import (
     DraftTree,
     ErrorInfo,
     Offload,
@@ -40,9 +43,6 @@ from specserve.shared.messages import (
     StatsReply,
     TransitionReply,
 )
-from specserve.shared.model import CausalLM
-from specserve.shared.runner import ModelRunner
-from specserve.shared.service_base import ms_since, split_counts
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import torch
 from specserve.draft.beam import BeamRequest, BeamTree
 from specserve.draft.config import DraftConfig
 from specserve.draft.engine import DraftEngine
-from specserve.shared.messages import ErrorInfo, Offload, Reload, SpeculateEntry, TransitionReply
+from specserve.shared.wire.messages import ErrorInfo, Offload, Reload, SpeculateEntry, TransitionReply
 
 NGRAM = "ngram"  # the --model / --draft-model value that selects this draft
 MAX_N = 4  # longest suffix matched

@@ -7,10 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specserve.draft.config import DraftConfig
-from specserve.shared.loader import dtype_name
-from specserve.shared.messages import Message, Offload, Release, Reload, Speculate
-from specserve.shared.model_store import resolve_or_exit
-from specserve.shared.service_base import (
+from specserve.shared.host.service_base import (
     ServiceHost,
     exit_on_load_error,
     latency_fingerprint,
@@ -18,6 +15,9 @@ from specserve.shared.service_base import (
     serve,
     setup_process,
 )
+from specserve.shared.runtime.loader import dtype_name
+from specserve.shared.runtime.model_store import resolve_or_exit
+from specserve.shared.wire.messages import Message, Offload, Release, Reload, Speculate
 
 
 def build_host(config: DraftConfig) -> ServiceHost:

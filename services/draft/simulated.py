@@ -14,13 +14,13 @@ import torch
 from specserve.draft.beam import BeamRequest, BeamTree
 from specserve.draft.config import DraftConfig
 from specserve.draft.engine import DraftEngine
-from specserve.shared.batch import DraftNodes
-from specserve.shared.messages import Offload, Reload, TransitionReply
-from specserve.shared.model_config import ModelConfig
+from specserve.shared.runtime.batch import DraftNodes
+from specserve.shared.runtime.model_config import ModelConfig
 from specserve.shared.simulate.preset import Preset, load_preset
 from specserve.shared.simulate.runner import SimulatedRunner
 from specserve.shared.simulate.text import TruthText, _mix, load_corpus
-from specserve.shared.token_tree import depths
+from specserve.shared.spec.token_tree import depths
+from specserve.shared.wire.messages import Offload, Reload, TransitionReply
 
 
 class SimulatedDraftEngine(DraftEngine):

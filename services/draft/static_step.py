@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.attention import AttentionGroup, AttentionMetadata
-from specserve.shared.batch import SMALL_QUERY, DraftNodes, ModelInputs
-from specserve.shared.kv_cache import KVCache
-from specserve.shared.model import CausalLM
-from specserve.shared.runner import ModelRunner
+from specserve.shared.runtime.attention import AttentionGroup, AttentionMetadata
+from specserve.shared.runtime.batch import SMALL_QUERY, DraftNodes, ModelInputs
+from specserve.shared.runtime.kv_cache import KVCache
+from specserve.shared.runtime.model import CausalLM
+from specserve.shared.runtime.runner import ModelRunner
 
 PAD_REQUEST = "__static_step_pad__"
 

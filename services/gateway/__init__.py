@@ -6,7 +6,7 @@ frontend/  what a front end asks of the engine: in this process, or from front e
 engine/    the step loops (loop.Engine) and their parts: the request table, intake, admission, draft calls,
            passes, commit
 sched/     the decisions, with no I/O: scheduler and plan, SLO classes, routing, admission, policies
-perf/      the cost model of a pass (PassCost) and the profile it starts from
+perf/      the iteration record, the cost model of a pass (PassCost) and the profile it starts from
 backends/  the model services: replica pool, executor of service calls, discovery
 obs/       metrics and spans
 config.py  every flag of `specserve gateway`

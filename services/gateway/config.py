@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 from specserve.gateway.sched.policy import DEFAULT_POLICY, option_classes, policy_help
 from specserve.gateway.sched.routing import ROUTERS
-from specserve.shared.model_store import MODELS
-from specserve.shared.ports import DRAFT_PORT, GATEWAY_PORT, TARGET_PORT
-from specserve.shared.settings import Settings, option
+from specserve.shared.process.ports import DRAFT_PORT, GATEWAY_PORT, TARGET_PORT
+from specserve.shared.process.settings import Settings, option
+from specserve.shared.runtime.model_store import MODELS
 
 
 @dataclass(slots=True, kw_only=True)
 class GatewayConfig(Settings):
     """Each field is a flag (`max_running` -> `--max-running`) and an environment variable
     (`SPECSERVE_GATEWAY_MAX_RUNNING`); its default is declared here only. A new setting is one
-    line: `name: int = option(DEFAULT, "help")` (see specserve.shared.settings)."""
+    line: `name: int = option(DEFAULT, "help")` (see specserve.shared.process.settings)."""
 
     env_prefix = "SPECSERVE_GATEWAY_"
 

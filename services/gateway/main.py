@@ -38,11 +38,11 @@ from specserve.gateway.sched.policy import Policy, make_policy, option_classes
 from specserve.gateway.sched.routing import make_router
 from specserve.gateway.sched.scheduler import Scheduler
 from specserve.gateway.sched.slo_classes import default_classes, parse_class
-from specserve.shared import tracing
-from specserve.shared.auth import AuthError, load_secret
-from specserve.shared.lifeline import follow_parent
-from specserve.shared.model_store import resolve_or_exit
-from specserve.shared.ports import check_port_free, port_in_use_as_error
+from specserve.shared.process import tracing
+from specserve.shared.process.lifeline import follow_parent
+from specserve.shared.process.ports import check_port_free, port_in_use_as_error
+from specserve.shared.runtime.model_store import resolve_or_exit
+from specserve.shared.wire.auth import AuthError, load_secret
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,7 +59,7 @@ async def load_cost(config: GatewayConfig, vocab_size: int,
                        target: str) -> tuple[Callable[[], PassCost], Path]:
     """The profile (budget B, baseline latency, curve); measured against the target now if missing."""
     from specserve.gateway.perf import profile as profiling
-    from specserve.shared.service_client import TargetClient
+    from specserve.shared.wire.service_client import TargetClient
 
     client = await TargetClient.connect(target)
     try:
@@ -89,8 +89,8 @@ async def load_cost(config: GatewayConfig, vocab_size: int,
 def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInfo]:
     from transformers import AutoTokenizer
 
-    from specserve.shared.model_config import ModelConfig
-    from specserve.shared.service_base import exit_on_load_error
+    from specserve.shared.host.service_base import exit_on_load_error
+    from specserve.shared.runtime.model_config import ModelConfig
 
     cfg = exit_on_load_error(lambda: ModelConfig.from_dir(config.model))
     tokenizer = exit_on_load_error(lambda: AutoTokenizer.from_pretrained(config.model))
@@ -102,7 +102,7 @@ def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInf
 
 
 async def run(config: GatewayConfig, policy: Policy) -> int:
-    tracing.setup("gateway")  # on if OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set (shared/tracing.py)
+    tracing.setup("gateway")  # on if OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set (shared/process/tracing.py)
     tokenizer, info = model_info(config)
     resolver = Resolver(config.hosts_file)
     discovery = TargetDiscovery(config.target, resolver, config.discovery_interval_s)
@@ -167,7 +167,7 @@ async def _start_frontends(config: GatewayConfig, local: LocalEngine) -> Callabl
     """--frontends N: the link on a Unix socket in a private directory, then N front ends on one port."""
     from specserve.gateway.frontend.link import FrontendLink
     from specserve.gateway.frontend.procs import Frontends, frontend_command
-    from specserve.launch import free_port
+    from specserve.shared.host.launch import free_port
 
     directory = tempfile.mkdtemp(prefix="specserve-frontends-")
     address = "unix:" + os.path.join(directory, "engine.sock")

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.shared.model_store import MODELS
-from specserve.shared.ports import TARGET_PORT
-from specserve.shared.service_base import ServiceConfig
-from specserve.shared.settings import option, override_default
+from specserve.shared.host.service_base import ServiceConfig
+from specserve.shared.process.ports import TARGET_PORT
+from specserve.shared.process.settings import option, override_default
+from specserve.shared.runtime.model_store import MODELS
 
 
 @dataclass(slots=True, kw_only=True)
 class TargetConfig(ServiceConfig):
     """The common service fields (model, device, dtype, address, KV pool, threads, frame limit).
     Each field is a flag (`--kv-blocks`) and a variable (`SPECSERVE_TARGET_KV_BLOCKS`); see
-    specserve.shared.settings."""
+    specserve.shared.process.settings."""
 
     env_prefix = "SPECSERVE_TARGET_"
 

@@ -23,9 +23,14 @@ from typing import Any
 
 import torch
 
-from specserve.shared.batch import Chunk, Tree
-from specserve.shared.loader import load_model, parse_device, parse_dtype
-from specserve.shared.messages import (
+from specserve.shared.host.service_base import ms_since, split_counts
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.loader import load_model, parse_device, parse_dtype
+from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.spec.sampling import SamplingParams
+from specserve.shared.spec.token_tree import InvalidTree, validate_tree
+from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
+from specserve.shared.wire.messages import (
     ErrorInfo,
     Forward,
     ForwardReply,
@@ -34,11 +39,6 @@ from specserve.shared.messages import (
     StepResult,
     VerifyEntry,
 )
-from specserve.shared.runner import ModelRunner
-from specserve.shared.sampling import SamplingParams
-from specserve.shared.service_base import ms_since, split_counts
-from specserve.shared.token_tree import InvalidTree, validate_tree
-from specserve.shared.tree_acceptance import Acceptance, accept_tree
 from specserve.target.config import TargetConfig
 
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator)

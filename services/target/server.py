@@ -6,10 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from specserve.shared.loader import dtype_name
-from specserve.shared.messages import Forward, Message, Release
-from specserve.shared.model_store import resolve_or_exit
-from specserve.shared.service_base import (
+from specserve.shared.host.service_base import (
     ServiceHost,
     exit_on_load_error,
     latency_fingerprint,
@@ -17,6 +14,9 @@ from specserve.shared.service_base import (
     serve,
     setup_process,
 )
+from specserve.shared.runtime.loader import dtype_name
+from specserve.shared.runtime.model_store import resolve_or_exit
+from specserve.shared.wire.messages import Forward, Message, Release
 from specserve.target.config import TargetConfig
 
 

@@ -4,7 +4,7 @@ every node, and the acceptance rule that follows the true tokens (shared/simulat
 
 from __future__ import annotations
 
-from specserve.shared.model_config import ModelConfig
+from specserve.shared.runtime.model_config import ModelConfig
 from specserve.shared.simulate.acceptance import accept_choices
 from specserve.shared.simulate.preset import load_preset
 from specserve.shared.simulate.runner import SimulatedRunner

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.sampling import SamplingParams
-from specserve.shared.token_tree import children_by_token
-from specserve.shared.tree_acceptance import Acceptance, walk
+from specserve.shared.spec.sampling import SamplingParams
+from specserve.shared.spec.token_tree import children_by_token
+from specserve.shared.spec.tree_acceptance import Acceptance, walk
 
 
 @dataclass(frozen=True, slots=True)

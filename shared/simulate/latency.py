@@ -13,7 +13,7 @@ tokens, a memory term in the KV read) with the token curve given as measured ins
 planes, so that it reproduces a `specserve profile` curve point for point.
 
 With `padded_attention`, the c_i and t_i c_i terms count what a padded attention reads instead of
-each entry's own context: this project's attention (shared/attention.py) runs entries in groups of
+each entry's own context: this project's attention (shared/runtime/attention.py) runs entries in groups of
 similar query length (shared.batch.attention_groups) and pads every entry of a group to the group's
 longest query Q_g and longest key length, so entry i reads K_g = max_j (c_j + t_j) - Q_g keys and
 pays for Q_g x K_g pairs. For a group of equal entries (every point of the fit) the two forms
@@ -27,7 +27,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.shared.batch import attention_groups
+from specserve.shared.runtime.batch import attention_groups
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specserve.shared.batch import Chunk, DraftNodes, Entry, Tree, entry_logits_at
-from specserve.shared.block_manager import BlockManager
-from specserve.shared.runner import ModelRunner, RunModel
+from specserve.shared.runtime.batch import Chunk, DraftNodes, Entry, Tree, entry_logits_at
+from specserve.shared.runtime.block_manager import BlockManager
+from specserve.shared.runtime.runner import ModelRunner, RunModel
 from specserve.shared.simulate.latency import LatencyModel
 from specserve.shared.simulate.text import TruthText
-from specserve.shared.token_tree import depths
+from specserve.shared.spec.token_tree import depths
 
 
 class SimulatedRunner(ModelRunner):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from specserve.shared.lifeline import child_environment
+from specserve.shared.process.lifeline import child_environment
 from tests.support import poll
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,7 +194,7 @@ class ComposeStack:
 
 
 def known_variables() -> set[str]:
-    """Every SPECSERVE_* variable a gateway, draft or target reads (shared/settings.py), plus the secret's
+    """Every SPECSERVE_* variable a gateway, draft or target reads (shared/process/settings.py), plus the secret's
     and the log level's."""
     import dataclasses
 

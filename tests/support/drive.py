@@ -1,4 +1,4 @@
-"""A step loop that drives the draft and target services (started with specserve.launch).
+"""A step loop that drives the draft and target services (started with specserve.shared.host.launch).
 
 The loop is a test client, deliberately plain: prefill in chunks, speculate for every decoding
 request, verify every candidate node, commit what the target emits. It is what the gateway does,
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from specserve.shared.messages import SamplingSpec
-from specserve.shared.service_client import (
+from specserve.shared.wire.messages import SamplingSpec
+from specserve.shared.wire.service_client import (
     DraftClient,
     PrefillItem,
     SpeculateItem,

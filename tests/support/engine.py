@@ -10,17 +10,17 @@ import asyncio
 from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.loop import Engine
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.engine.request import Finished, GenRequest, Tokens
 from specserve.gateway.obs.metrics import GatewayMetrics
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import Decision, Residency, SchedulerView, Shape
 from specserve.gateway.sched.policy.fixed import Chain
 from specserve.gateway.sched.routing import RoundRobin
 from specserve.gateway.sched.scheduler import Scheduler
 from specserve.gateway.sched.slo_classes import SloClass
-from specserve.shared.messages import SamplingSpec
-from specserve.shared.service_client import DraftClient, TargetClient
+from specserve.shared.wire.messages import SamplingSpec
+from specserve.shared.wire.service_client import DraftClient, TargetClient
 from tests.support.gateway import PROMPTS, TARGET
 
 MAX_TOKENS = 30

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import pytest
 
-from specserve.launch import ServiceProcess
+from specserve.shared.host.launch import ServiceProcess
 from tests.support.procs import Up
 
 BUDGET_24 = ("--budget", "24")  # B pinned, so that tests do not depend on this machine's timing
@@ -36,7 +36,7 @@ class ServicePair(NamedTuple):
 
 
 def start_services(request: pytest.FixtureRequest, *args: str) -> ServicePair:
-    """A target, then a draft service (specserve.launch), both with `args`; stopped, draft first, when the
+    """A target, then a draft service (specserve.shared.host.launch), both with `args`; stopped, draft first, when the
     fixture ends. A draft that fails to start stops the target before the error goes on."""
     target = ServiceProcess("target", *args)
     try:

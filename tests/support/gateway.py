@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from specserve.shared.service_client import DraftClient, TargetClient
+from specserve.shared.wire.service_client import DraftClient, TargetClient
 from tests.support import poll
 from tests.support.procs import Up, gateway
 

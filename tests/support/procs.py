@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import httpx
 
-from specserve.launch import ServiceProcess
+from specserve.shared.host.launch import ServiceProcess
 from tests.support import poll
 
 

@@ -3,7 +3,7 @@ metrics, the bench's /metrics parsing)."""
 
 from __future__ import annotations
 
-from specserve.gateway.engine.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.perf.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 
 
 def sample_records() -> list[IterationRecord]:

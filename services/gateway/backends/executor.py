@@ -27,11 +27,11 @@ from typing import Generic, TypeVar
 
 from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
 from specserve.gateway.sched.plan import Residency
-from specserve.shared import tracing
-from specserve.shared.messages import ForwardReply, SpeculateReply, TransitionReply
-from specserve.shared.rpc import TRANSPORT_ERRORS, RemoteError, RpcProtocolError
-from specserve.shared.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
-from specserve.shared.transport import MessageError
+from specserve.shared.process import tracing
+from specserve.shared.wire.messages import ForwardReply, SpeculateReply, TransitionReply
+from specserve.shared.wire.rpc import TRANSPORT_ERRORS, RemoteError, RpcProtocolError
+from specserve.shared.wire.service_client import Candidate, PrefillItem, SpeculateItem, StepOutput, VerifyItem
+from specserve.shared.wire.transport import MessageError
 
 log = logging.getLogger("specserve.gateway")
 T = TypeVar("T")

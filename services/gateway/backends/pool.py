@@ -38,14 +38,11 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.plan import DraftView, ReplicaView
-from specserve.shared.service_client import DraftClient, TargetClient
-
-if TYPE_CHECKING:
-    from specserve.gateway.engine.request import GenRequest
+from specserve.shared.wire.service_client import DraftClient, TargetClient
 
 log = logging.getLogger("specserve.gateway")
 RECONNECT_INTERVAL_S = 1.0
@@ -101,7 +98,8 @@ class TargetReplica(_Service):
         self.block_size = 16  # tokens per block
         self.free_blocks = 0  # free after its last call (what the service said)
         self.reserved_blocks = 0  # reserved by the requests bound to it
-        self.requests: dict[str, GenRequest] = {}  # the requests bound to it, in admission order (engine/table.py)
+        # the requests bound to it (the engine's GenRequest), in admission order (engine/table.py binds them)
+        self.requests: dict[str, Any] = {}
         self.retired = False  # its address vanished: no new requests; dropped once drained
 
     @property

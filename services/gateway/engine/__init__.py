@@ -1,3 +1,2 @@
 """The step loops (`loop.Engine`) and their parts, one job each: the request table, intake, snapshots,
-admission, draft calls (drafting ahead in overlap.py), passes and commit; the per-request state and the
-iteration record."""
+admission, draft calls (drafting ahead in overlap.py), passes and commit; the per-request state."""

@@ -17,10 +17,10 @@ from specserve.gateway.backends.pool import ServicePool
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.preempt import Holder, victims
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.engine.request import Admitted, GenRequest
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs.metrics import ADMISSION_OUTCOMES, GatewayMetrics
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.admission.slo import SloAdmission
 from specserve.gateway.sched.plan import IterationPlan
 

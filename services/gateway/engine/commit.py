@@ -8,12 +8,12 @@ written into the request's FeatureLog by position.
 
 from __future__ import annotations
 
-from specserve.gateway.engine.record import RequestStep
 from specserve.gateway.engine.request import GenRequest, Tokens
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs.metrics import GatewayMetrics
-from specserve.shared.feature_log import FeatureLog
-from specserve.shared.service_client import StepOutput
+from specserve.gateway.perf.record import RequestStep
+from specserve.shared.spec.feature_log import FeatureLog
+from specserve.shared.wire.service_client import StepOutput
 
 MAX_OUT_OF_BLOCKS = 200  # iterations a request may be refused for KV room before it is ended
 

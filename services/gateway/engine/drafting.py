@@ -14,12 +14,12 @@ import logging
 
 from specserve.gateway.backends.executor import Executor, Failure
 from specserve.gateway.backends.pool import ServicePool
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.engine.table import RequestTable
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import IterationPlan
 from specserve.gateway.sched.policy import CandidateTree
-from specserve.shared.service_client import Candidate, SpeculateItem
+from specserve.shared.wire.service_client import Candidate, SpeculateItem
 
 log = logging.getLogger("specserve.gateway")
 

@@ -16,7 +16,7 @@ from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs import spans
 from specserve.gateway.obs.metrics import GatewayMetrics
 from specserve.gateway.sched.admission.arrival import first_token_bound_ms
-from specserve.shared import tracing
+from specserve.shared.process import tracing
 
 
 class ServiceUnavailable(Exception):

@@ -34,17 +34,17 @@ from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.intake import Intake
 from specserve.gateway.engine.overlap import guesses, held_trees
 from specserve.gateway.engine.passes import Passes
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.engine.snapshot import Snapshots
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs import spans
 from specserve.gateway.obs.metrics import GatewayMetrics
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import IterationPlan, Residency
 from specserve.gateway.sched.policy import CandidateTree, Policy
 from specserve.gateway.sched.scheduler import Scheduler
-from specserve.shared import tracing
-from specserve.shared.rpc import TRANSPORT_ERRORS
+from specserve.shared.process import tracing
+from specserve.shared.wire.rpc import TRANSPORT_ERRORS
 
 log = logging.getLogger("specserve.gateway")
 REPLAN_INTERVAL_S = 0.05  # requests wait that no replica takes and nothing runs: plan again after this

@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.gateway.engine.drafting import draft_step
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.engine.table import RequestTable
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import IterationPlan
 from specserve.gateway.sched.policy.base import CandidateTree
-from specserve.shared.service_client import SpeculateItem
+from specserve.shared.wire.service_client import SpeculateItem
 
 
 @dataclass(slots=True)

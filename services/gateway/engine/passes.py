@@ -17,13 +17,13 @@ from specserve.gateway.backends.pool import ServicePool, TargetReplica
 from specserve.gateway.engine.commit import Commit
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.overlap import Guess, keep_hits
-from specserve.gateway.engine.record import IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.engine.request import GenRequest
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs.metrics import GatewayMetrics
+from specserve.gateway.perf.record import IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.sched.plan import IterationPlan
 from specserve.gateway.sched.policy import CandidateTree, Policy
-from specserve.shared.service_client import PrefillItem, SpeculateItem, VerifyItem
+from specserve.shared.wire.service_client import PrefillItem, SpeculateItem, VerifyItem
 
 log = logging.getLogger("specserve.gateway")
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specserve.gateway.sched.slo_classes import SloClass
-from specserve.shared.feature_log import FeatureLog
-from specserve.shared.messages import SamplingSpec
+from specserve.shared.spec.feature_log import FeatureLog
+from specserve.shared.wire.messages import SamplingSpec
 
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext

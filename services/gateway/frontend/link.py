@@ -22,12 +22,11 @@ import msgspec
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
 from specserve.gateway.frontend import wire
-from specserve.gateway.frontend.local import LocalEngine
-from specserve.gateway.http.api import kv_pool_error
+from specserve.gateway.frontend.local import LocalEngine, kv_pool_error
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo_classes import SloClass
-from specserve.shared.auth import ServerHandshake
-from specserve.shared.messages import AuthChallenge
+from specserve.shared.wire.auth import ServerHandshake
+from specserve.shared.wire.messages import AuthChallenge
 
 log = logging.getLogger("specserve.gateway")
 
@@ -86,7 +85,7 @@ class FrontendLink:
         return await wire.serve_link(self._serve, address)
 
     async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """The handshake (shared/auth.py) within wire.HANDSHAKE_TIMEOUT_S; False: close the connection."""
+        """The handshake (shared/wire/auth.py) within wire.HANDSHAKE_TIMEOUT_S; False: close the connection."""
         handshake = ServerHandshake(self.secret)
         try:
             async with asyncio.timeout(wire.HANDSHAKE_TIMEOUT_S):

@@ -1,4 +1,4 @@
-"""What an HTTP front end asks of the engine: `EngineApi`, and `LocalEngine`, the engine in the same
+"""What an HTTP front end asks of the engine: `EngineApi`; `LocalEngine`, the engine in the same
 process. A front end in a process of its own uses `frontend.remote.RemoteEngine` instead, whose
 questions the engine process answers through a `LocalEngine` (frontend/link.py).
 """
@@ -83,3 +83,12 @@ class LocalEngine:
 
 
 __all__ = ["EngineApi", "LocalEngine"]
+
+
+def kv_pool_error(engine: EngineApi, prompt_tokens: int, max_tokens: int) -> str | None:
+    """Why the request cannot run even alone on the largest replica's KV pool (a 400), or None."""
+    pool_tokens = engine.pool_tokens_short(prompt_tokens, max_tokens)
+    if pool_tokens is None:
+        return None
+    return (f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} need more KV than the target's whole pool "
+            f"({pool_tokens} tokens)")

@@ -5,7 +5,7 @@ streams exactly as the engine process would), the fixed HTTP port they share (SO
 kernel spreads new connections over them) and the engine's Unix socket. `start` returns once every
 one has printed its ready line. One that exits while the engine runs is started again (at most once a
 second); its clients' requests were aborted by the link when its connection ended. `stop` ends them
-all with SIGTERM (SIGKILL after the grace period). They follow this process (shared/lifeline.py):
+all with SIGTERM (SIGKILL after the grace period). They follow this process (shared/process/lifeline.py):
 if it dies, so do they.
 """
 
@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 
-from specserve.launch import cli_command, start_async
+from specserve.shared.host.launch import cli_command, start_async
 
 log = logging.getLogger("specserve.gateway")
 RESTART_INTERVAL_S = 1.0

@@ -24,8 +24,8 @@ from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tok
 from specserve.gateway.frontend import wire
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo_classes import SloClass
-from specserve.shared import tracing
-from specserve.shared.auth import AuthError, ClientHandshake
+from specserve.shared.process import tracing
+from specserve.shared.wire.auth import AuthError, ClientHandshake
 
 log = logging.getLogger("specserve.gateway")
 ENGINE_GONE = "the engine process is gone"

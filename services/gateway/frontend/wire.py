@@ -5,7 +5,7 @@ answered itself, for the engine's metrics), `Query` (health, SLO classes, metric
 Engine -> front end: `Hello` (the SLO classes), `Events` (every request event since the last frame,
 in order), `Answer` (to a `Query`).
 
-A connection opens with the services' mutual handshake over the shared secret (shared/auth.py's
+A connection opens with the services' mutual handshake over the shared secret (shared/wire/auth.py's
 messages and checks, in this framing): `AuthHello` -> `AuthChallenge` -> `AuthProof`, then `Hello`
 (authenticated) or the connection is closed. Only then does the engine read anything else.
 """
@@ -19,8 +19,8 @@ from typing import TypeVar, cast
 
 import msgspec
 
-from specserve.shared.messages import AuthChallenge, AuthHello, AuthProof, SamplingSpec
-from specserve.shared.rpc import parse_address
+from specserve.shared.wire.messages import AuthChallenge, AuthHello, AuthProof, SamplingSpec
+from specserve.shared.wire.rpc import parse_address
 
 T = TypeVar("T")
 LENGTH = struct.Struct("!I")
@@ -91,7 +91,7 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def frame(message: msgspec.Struct) -> bytes:
-    """One message (a link message, or one of shared/auth.py's during the handshake) as a frame."""
+    """One message (a link message, or one of shared/wire/auth.py's during the handshake) as a frame."""
     body = _encoder.encode(message)
     return LENGTH.pack(len(body)) + body
 
@@ -113,7 +113,7 @@ auth_proof = msgspec.msgpack.Decoder(AuthProof)
 
 
 async def open_link(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection to an engine's link: "unix:/path" or "host:port" (shared/rpc.py's address forms)."""
+    """A connection to an engine's link: "unix:/path" or "host:port" (shared/wire/rpc.py's address forms)."""
     host, port = parse_address(address)
     if host == "unix":
         return await asyncio.open_unix_connection(cast(str, port))

@@ -12,15 +12,15 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
-from specserve.gateway.frontend.local import EngineApi
+from specserve.gateway.frontend.local import EngineApi, kv_pool_error
 from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
 from specserve.gateway.http.protocol import ApiError, Sampling, SloSpec
 from specserve.gateway.sched.slo_classes import SloClass, resolve
-from specserve.shared.messages import SamplingSpec
+from specserve.shared.wire.messages import SamplingSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -80,15 +80,6 @@ def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], samplin
                         None if sampling.seed is None else sampling.seed % 2**63)
     return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo,
                       frozenset() if sampling.ignore_eos else info.stop_ids)
-
-
-def kv_pool_error(engine: EngineApi, prompt_tokens: int, max_tokens: int) -> str | None:
-    """Why the request cannot run even alone on the largest replica's KV pool (a 400), or None."""
-    pool_tokens = engine.pool_tokens_short(prompt_tokens, max_tokens)
-    if pool_tokens is None:
-        return None
-    return (f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} need more KV than the target's whole pool "
-            f"({pool_tokens} tokens)")
 
 
 class Generation:
@@ -164,3 +155,37 @@ class Generation:
     def usage(self) -> dict:
         p, c = len(self.req.prompt), self.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def span_attributes(self) -> dict[str, Any]:
+        """The request span's attributes (OpenTelemetry GenAI names, and specserve's), as of now."""
+        r = self.req
+        now = time.perf_counter()
+        out: dict[str, Any] = {
+            "gen_ai.request.id": r.rid,
+            "gen_ai.request.max_tokens": r.max_tokens,
+            "gen_ai.request.temperature": r.sampling.temperature,
+            "gen_ai.request.top_p": r.sampling.top_p,
+            "gen_ai.usage.prompt_tokens": len(r.prompt),
+            "gen_ai.usage.completion_tokens": self.completion_tokens,
+            "gen_ai.latency.e2e": now - r.arrival,
+            "specserve.slo.tier": r.slo.name,
+            "specserve.slo.tpot_target_ms": r.slo.tpot_ms,
+            "specserve.slo.ttft_target_ms": r.slo.ttft_ms,
+            "specserve.verify_steps": len(r.accepted),
+        }
+        if r.admitted_at is not None:
+            out["gen_ai.latency.time_in_queue"] = r.admitted_at - r.arrival
+        if r.token_times:
+            out["gen_ai.latency.time_to_first_token"] = r.ttft_s()
+        tpot = r.tpot_s()
+        if tpot is not None:
+            out["specserve.tpot_ms"] = tpot * 1e3
+            out["specserve.slo.met"] = r.slo_met()
+        if r.accepted:
+            out["specserve.tokens_per_step"] = (sum(r.accepted) + len(r.accepted)) / len(r.accepted)
+        if r.replica is not None:
+            out["specserve.replica"] = r.replica
+        if self.finish_reason is not None:
+            out["specserve.finish_reason"] = self.finish_reason
+        return out
+

@@ -141,7 +141,7 @@ class Gateway:
         gen_req.best_effort_ok = allows_best_effort(req.service_tier, req.slo)
         self.engine.submit(gen_req)
         gen = Generation(self.engine, gen_req, self.tokenizer, sampling.stop)
-        request[spans.GENERATION] = gen  # the request span's attributes at the end (when tracing is on)
+        request[spans.ATTRIBUTES] = gen.span_attributes  # the request span's attributes at the end (tracing on)
         await gen.admitted()  # refused before admission: 503 before any response byte
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

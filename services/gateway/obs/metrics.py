@@ -22,7 +22,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from specserve.gateway.engine.record import IterationRecord
+from specserve.gateway.perf.record import IterationRecord
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 

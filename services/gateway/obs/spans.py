@@ -1,4 +1,4 @@
-"""The gateway's spans: one per HTTP request, one per engine iteration (shared/tracing.py sets up and
+"""The gateway's spans: one per HTTP request, one per engine iteration (shared/process/tracing.py sets up and
 propagates; nothing here runs while tracing is off).
 
 - `llm_request` (SERVER), one per POST, continuing an incoming W3C `traceparent`. Its attributes are
@@ -23,15 +23,16 @@ from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from specserve.gateway.engine.record import IterationRecord
-from specserve.shared import tracing
+from specserve.gateway.perf.record import IterationRecord
+from specserve.shared.process import tracing
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler, Middleware
 
-    from specserve.gateway.http.api import Generation
 
-GENERATION = "specserve.generation"  # the aiohttp request key under which a handler leaves its Generation
+# The aiohttp request key under which a handler leaves a callable that gives the request span's
+# attributes once the response is done (http/api.py: Generation.span_attributes).
+ATTRIBUTES = "specserve.span_attributes"
 
 
 # ---- the HTTP request ----------------------------------------------------------------------------
@@ -57,44 +58,11 @@ def middlewares(model: str) -> list[Middleware]:
                 span.set_attribute("http.response.status_code", status)
                 if status >= 500:
                     tracing.failed(span, f"HTTP {status}")
-                gen = request.get(GENERATION)
-                if gen is not None and span.is_recording():  # a span the sampler dropped keeps nothing
-                    span.set_attributes(request_attributes(gen))
+                span_attributes = request.get(ATTRIBUTES)
+                if span_attributes is not None and span.is_recording():  # a span the sampler dropped keeps nothing
+                    span.set_attributes(span_attributes())
 
     return [traced]
-
-
-def request_attributes(gen: Generation) -> dict[str, Any]:
-    r = gen.req
-    now = time.perf_counter()
-    out: dict[str, Any] = {
-        "gen_ai.request.id": r.rid,
-        "gen_ai.request.max_tokens": r.max_tokens,
-        "gen_ai.request.temperature": r.sampling.temperature,
-        "gen_ai.request.top_p": r.sampling.top_p,
-        "gen_ai.usage.prompt_tokens": len(r.prompt),
-        "gen_ai.usage.completion_tokens": gen.completion_tokens,
-        "gen_ai.latency.e2e": now - r.arrival,
-        "specserve.slo.tier": r.slo.name,
-        "specserve.slo.tpot_target_ms": r.slo.tpot_ms,
-        "specserve.slo.ttft_target_ms": r.slo.ttft_ms,
-        "specserve.verify_steps": len(r.accepted),
-    }
-    if r.admitted_at is not None:
-        out["gen_ai.latency.time_in_queue"] = r.admitted_at - r.arrival
-    if r.token_times:
-        out["gen_ai.latency.time_to_first_token"] = r.ttft_s()
-    tpot = r.tpot_s()
-    if tpot is not None:
-        out["specserve.tpot_ms"] = tpot * 1e3
-        out["specserve.slo.met"] = r.slo_met()
-    if r.accepted:
-        out["specserve.tokens_per_step"] = (sum(r.accepted) + len(r.accepted)) / len(r.accepted)
-    if r.replica is not None:
-        out["specserve.replica"] = r.replica
-    if gen.finish_reason is not None:
-        out["specserve.finish_reason"] = gen.finish_reason
-    return out
 
 
 def current() -> trace.SpanContext | None:

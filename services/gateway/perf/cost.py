@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.gateway.engine.record import IterationRecord
+from specserve.gateway.perf.record import IterationRecord
 
 ANCHOR_TOKENS = 8  # the profile's baseline is a decode iteration at batch 8 (profile.BATCH)
 DRAFT_STEP_SHARE = 0.15  # the draft's prior: one beam step costs this share of the baseline iteration

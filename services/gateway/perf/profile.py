@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from specserve.shared.messages import SamplingSpec
-from specserve.shared.service_client import PrefillItem, StepOutput, TargetClient, VerifyItem
+from specserve.shared.wire.messages import SamplingSpec
+from specserve.shared.wire.service_client import PrefillItem, StepOutput, TargetClient, VerifyItem
 
 __all__ = ["DEFAULT_TREE_SIZES", "MIN_BUDGET", "Profile", "add_flags", "default_profile_path", "knee", "main",
            "measure"]
@@ -254,7 +254,7 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    from specserve.shared.service_base import default_threads
+    from specserve.shared.host.service_base import default_threads
 
     parser.add_argument("--target", metavar="ADDR",
                         help="address of a running target service (host:port or unix:/path); "
@@ -283,7 +283,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 async def _profile(address: str, args: argparse.Namespace, settings: dict) -> Profile:
-    from specserve.shared.model_config import ModelConfig
+    from specserve.shared.runtime.model_config import ModelConfig
 
     target = await TargetClient.connect(address)
     try:
@@ -315,7 +315,7 @@ def format_table(profile: Profile) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from specserve.launch import ServiceProcess
+    from specserve.shared.host.launch import ServiceProcess
 
     settings = _settings(args)
     proc = None

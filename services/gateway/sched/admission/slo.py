@@ -55,8 +55,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.admission.arrival import first_token_bound_ms
 from specserve.gateway.sched.admission.budget import TierLoad
 from specserve.gateway.sched.admission.budget_model import ReplicaBudget, best_plan, prefill_chunks

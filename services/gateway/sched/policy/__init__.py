@@ -21,7 +21,7 @@ from specserve.gateway.sched.policy.nightjar import Nightjar, NightjarOptions, p
 from specserve.gateway.sched.policy.slo_goodput import SloGoodput
 from specserve.gateway.sched.policy.tetris import Tetris
 from specserve.gateway.sched.policy.turbospec import TurboSpec
-from specserve.shared.settings import Settings, option
+from specserve.shared.process.settings import Settings, option
 
 SPECINFER_TREE = [1, 1, 3, 1, 1, 1, 1, 1]
 # `--policy` of the gateway and of `specserve up` (docs/benchmarks/sweep_default.md, "The default: `joint`")

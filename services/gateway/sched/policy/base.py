@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import BatchView, Decision, RequestView, Residency, SchedulerView, Shape
 from specserve.gateway.sched.policy.goodput import expected_tokens
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import BatchView, RequestView
 from specserve.gateway.sched.policy.base import CandidateTree, Selected, Trees
 from specserve.gateway.sched.policy.goodput import expected_tokens

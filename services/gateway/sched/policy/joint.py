@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import SchedulerView
 from specserve.gateway.sched.policy.base import BatchView, RequestView, Selected, Shape, Trees
 from specserve.gateway.sched.policy.branching import Branches

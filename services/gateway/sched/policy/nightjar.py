@@ -42,11 +42,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import Residency, SchedulerView, Shape
 from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, Selected, Trees
-from specserve.shared.settings import Settings, option
+from specserve.shared.process.settings import Settings, option
 
 DEFAULT_ARMS = [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)]  # (d, w); at most about 8 (digest §8)
 L_SYNC = 2  # draft lag (tokens) below which switching is free

@@ -17,8 +17,8 @@ Built from the seed papers' parts:
 
 from __future__ import annotations
 
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import SchedulerView
 from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
 from specserve.gateway.sched.policy.goodput import expected_tokens

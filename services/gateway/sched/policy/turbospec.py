@@ -25,8 +25,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specserve.gateway.engine.record import IterationRecord
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import SchedulerView
 from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
 from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens

@@ -1,1 +1,0 @@
-../../services/cli.py

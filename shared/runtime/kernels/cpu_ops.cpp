@@ -1,0 +1,745 @@
+// specserve's CPU operators: matrix products over weights as stored (GGUF Q4_1 / Q8_0 blocks, or
+// float32), and the decoder stack of a Llama-family model in one call over a paged KV cache.
+//
+// Exactness rules, which the Python tests check:
+// - A weight is dequantized exactly as gguf-py does it (Q4_1: d * q + m, Q8_0: d * q, in float32 with
+//   one rounding per operation; compiled with -ffp-contract=off so that no mul+add is fused), then
+//   multiplied in float32. The products equal a float32 matmul over the dequantized weights up to
+//   summation order.
+// - Batch invariance: the sum behind one output element (one token, one row) is computed by the same
+//   operations in the same order whatever else shares the call (other tokens, other rows, threads).
+//   Each (row, token) keeps two 16-lane accumulators (elements 0-15 and 16-31 of every 32-wide block),
+//   added in block order and reduced in one fixed order. Attention visits a token's visible keys in
+//   one order (its committed context, then its own tree ancestors), so a tree node's logits equal
+//   those of the same token decoded alone.
+// Two variants: AVX-512 intrinsics, chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and F16C,
+// and plain C++ otherwise (same accumulation structure, not bit-identical to the AVX-512 one).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { kF32 = 0, kQ8_0 = 1, kQ4_1 = 2 };
+constexpr int64_t QK = 32;  // elements per quantized block
+
+// A weight in the operators' layout (shared/runtime/quant.py packs it at load, exactly):
+// - F32: data float32 [rows, cols];
+// - Q8_0: data int8 [rows, cols] (32 per block), scales float32 [rows, cols / 32] (d);
+// - Q4_1: data uint8 [rows, cols / 2], 16 bytes a block (low nibbles: elements 0-15, high: 16-31,
+//   as GGUF stores them), scales float32 [rows, cols / 32, 2] (d, m).
+// GGUF's fp16 d and m are widened to float32 once at load (exact), so a block costs 24 bytes (Q4_1)
+// or 36 (Q8_0) instead of 20 or 34, for fewer instructions per block.
+struct Weight {
+  const uint8_t* data;
+  const float* scales;
+  int64_t kind, rows, cols;
+  const float* bias;  // nullptr: none
+};
+
+Weight make_weight(const at::Tensor& data, const at::Tensor& scales, int64_t kind, int64_t cols,
+                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "weights must be contiguous CPU tensors");
+  TORCH_CHECK(kind == kF32 || kind == kQ8_0 || kind == kQ4_1, "unknown weight kind ", kind);
+  TORCH_CHECK(kind == kF32 ? data.scalar_type() == at::kFloat : data.scalar_type() == at::kByte,
+              "weight kind ", kind, " does not match the tensor's dtype");
+  TORCH_CHECK(kind == kF32 || cols % QK == 0, "quantized rows must be a multiple of 32 wide");
+  Weight w;
+  w.data = static_cast<const uint8_t*>(data.data_ptr());
+  w.kind = kind;
+  w.cols = cols;
+  const int64_t row_bytes = kind == kF32 ? cols * 4 : kind == kQ8_0 ? cols : cols / 2;
+  TORCH_CHECK(cols > 0 && data.numel() * data.element_size() % row_bytes == 0, "weight size is not a whole number of rows");
+  w.rows = data.numel() * data.element_size() / row_bytes;
+  w.scales = nullptr;
+  if (kind != kF32) {
+    const int64_t per_row = kind == kQ8_0 ? cols / QK : cols / QK * 2;
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.rows * per_row,
+                "scales must be float32 with ", per_row, " values per row");
+    w.scales = scales.data_ptr<float>();
+  }
+  w.bias = nullptr;
+  if (bias.has_value() && bias->defined() && bias->numel() > 0) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.rows,
+                "bias must be float32 with one value per row");
+    w.bias = bias->data_ptr<float>();
+  }
+  return w;
+}
+
+// ---- plain C++ variant -------------------------------------------------------------------------
+
+namespace generic {
+
+// Dequantized elements [b*32, b*32+32) of row `r` into out[32] (past the row's end: zeros).
+inline void dequant_block(const Weight& w, int64_t r, int64_t b, float* out) {
+  const int64_t nb = w.cols / QK;
+  if (w.kind == kF32) {
+    const float* src = reinterpret_cast<const float*>(w.data) + r * w.cols + b * QK;
+    int64_t valid = std::min<int64_t>(QK, w.cols - b * QK);
+    for (int64_t i = 0; i < QK; ++i) out[i] = i < valid ? src[i] : 0.0f;
+  } else if (w.kind == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.data) + r * w.cols + b * QK;
+    float d = w.scales[r * nb + b];
+    for (int i = 0; i < QK; ++i) out[i] = d * static_cast<float>(q[i]);
+  } else {
+    const uint8_t* q = w.data + (r * nb + b) * 16;
+    float d = w.scales[(r * nb + b) * 2], m = w.scales[(r * nb + b) * 2 + 1];
+    for (int i = 0; i < 16; ++i) {
+      out[i] = d * static_cast<float>(q[i] & 0xF) + m;
+      out[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+    }
+  }
+}
+
+// One (row, token) dot product with the lane structure of the AVX-512 variant.
+float dot_row(const Weight& w, int64_t r, const float* x) {
+  float lo[16] = {0}, hi[16] = {0}, wb[QK], xb[QK];
+  int64_t nb = (w.cols + QK - 1) / QK;
+  for (int64_t b = 0; b < nb; ++b) {
+    dequant_block(w, r, b, wb);
+    int64_t valid = std::min<int64_t>(QK, w.cols - b * QK);
+    for (int64_t i = 0; i < QK; ++i) xb[i] = i < valid ? x[b * QK + i] : 0.0f;
+    for (int i = 0; i < 16; ++i) {
+      lo[i] = std::fma(wb[i], xb[i], lo[i]);
+      hi[i] = std::fma(wb[i + 16], xb[i + 16], hi[i]);
+    }
+  }
+  float s[16];
+  for (int i = 0; i < 16; ++i) s[i] = lo[i] + hi[i];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) s[i] = s[i] + s[i + width];
+  return s[0];
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
+          bool accumulate) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = r0; r < r1; ++r) {
+      float s = dot_row(w, r, X + t * ldx);
+      if (w.bias) s += w.bias[r];
+      float* y = Y + t * ldy + r;
+      *y = accumulate ? *y + s : s;
+    }
+}
+
+}  // namespace generic
+
+// ---- AVX-512 variant ---------------------------------------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
+
+namespace avx512 {
+
+inline __m512 load_part(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __mmask16 mask_of(int64_t valid) {
+  return valid >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>(valid <= 0 ? 0 : ((1u << valid) - 1));
+}
+
+// Elements [b*32, b*32+16) and [b*32+16, b*32+32) of row `r`, dequantized. Q4_1 looks the 16 nibble
+// values up in a table d * [0..15] + m (vpermps ignores an index's bits above the low 4).
+template <int64_t KIND>
+inline void dequant_block(const Weight& w, int64_t r, int64_t b, __mmask16 ml, __mmask16 mh, __m512& lo, __m512& hi) {
+  const int64_t nb = w.cols / QK;
+  if constexpr (KIND == kQ4_1) {
+    const float* s = w.scales + (r * nb + b) * 2;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s[0]), iota), _mm512_set1_ps(s[1]));
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.data + (r * nb + b) * 16)));
+    lo = _mm512_permutexvar_ps(q, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+  } else if constexpr (KIND == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.data) + r * w.cols + b * QK;
+    __m512 d = _mm512_set1_ps(w.scales[r * nb + b]);
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
+  } else {
+    const float* src = reinterpret_cast<const float*>(w.data) + r * w.cols + b * QK;
+    lo = load_part(src, ml);
+    hi = load_part(src + 16, mh);
+  }
+}
+
+// R rows x TB tokens: Y[t, r0 + r] (+)= sum_k W[r0 + r, k] * X[t, k] (+ bias).
+template <int64_t KIND, int R, int TB>
+void tile(const Weight& w, int64_t r0, const float* X, int64_t ldx, float* Y, int64_t ldy, bool accumulate) {
+  __m512 alo[R][TB], ahi[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) alo[r][t] = ahi[r][t] = _mm512_setzero_ps();
+  const int64_t nb = (w.cols + QK - 1) / QK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __mmask16 ml = 0xFFFF, mh = 0xFFFF;
+    if constexpr (KIND == kF32) {
+      ml = mask_of(w.cols - b * QK);
+      mh = mask_of(w.cols - b * QK - 16);
+    }
+    __m512 wl[R], wh[R];
+    for (int r = 0; r < R; ++r) dequant_block<KIND>(w, r0 + r, b, ml, mh, wl[r], wh[r]);
+    for (int t = 0; t < TB; ++t) {
+      const float* x = X + t * ldx + b * QK;
+      __m512 xl, xh;
+      if constexpr (KIND == kF32) {
+        xl = load_part(x, ml);
+        xh = load_part(x + 16, mh);
+      } else {
+        xl = _mm512_loadu_ps(x);
+        xh = _mm512_loadu_ps(x + 16);
+      }
+      for (int r = 0; r < R; ++r) {
+        alo[r][t] = _mm512_fmadd_ps(wl[r], xl, alo[r][t]);
+        ahi[r][t] = _mm512_fmadd_ps(wh[r], xh, ahi[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) {
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(alo[r][t], ahi[r][t]));
+      if (w.bias) s += w.bias[r0 + r];
+      float* y = Y + t * ldy + r0 + r;
+      *y = accumulate ? *y + s : s;
+    }
+}
+
+template <int64_t KIND, int R>
+void tile_tokens(const Weight& w, int64_t r0, const float* X, int64_t tb, int64_t ldx, float* Y, int64_t ldy,
+                 bool accumulate) {
+  switch (tb) {
+    case 1: tile<KIND, R, 1>(w, r0, X, ldx, Y, ldy, accumulate); break;
+    case 2: tile<KIND, R, 2>(w, r0, X, ldx, Y, ldy, accumulate); break;
+    case 3: tile<KIND, R, 3>(w, r0, X, ldx, Y, ldy, accumulate); break;
+    case 4: tile<KIND, R, 4>(w, r0, X, ldx, Y, ldy, accumulate); break;
+    case 5: tile<KIND, R, 5>(w, r0, X, ldx, Y, ldy, accumulate); break;
+    case 6: tile<KIND, R, 6>(w, r0, X, ldx, Y, ldy, accumulate); break;
+    case 7: tile<KIND, R, 7>(w, r0, X, ldx, Y, ldy, accumulate); break;
+    default: tile<KIND, R, 8>(w, r0, X, ldx, Y, ldy, accumulate); break;
+  }
+}
+
+// Tokens in tiles (one dequantization of a block serves a whole tile): Q4_1 two rows at a time, up to
+// 4 tokens a tile (each x load then feeds two rows); Q8_0 and float32 one row, up to 8 tokens. (Q4_1
+// tiles of 6 tokens on two rows measured within the noise of these.)
+template <int64_t KIND>
+void rows_of(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
+             bool accumulate) {
+  constexpr int64_t kTile = KIND == kQ4_1 ? 4 : 8;
+  constexpr int R = KIND == kQ4_1 ? 2 : 1;
+  for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+    const int64_t tb = std::min<int64_t>(kTile, T - t0);
+    const float* x = X + t0 * ldx;
+    float* y = Y + t0 * ldy;
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) tile_tokens<KIND, R>(w, r, x, tb, ldx, y, ldy, accumulate);
+    for (; r < r1; ++r) tile_tokens<KIND, 1>(w, r, x, tb, ldx, y, ldy, accumulate);
+  }
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
+          bool accumulate) {
+  switch (w.kind) {
+    case kQ4_1: rows_of<kQ4_1>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+    case kQ8_0: rows_of<kQ8_0>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+    default: rows_of<kF32>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+  }
+}
+
+// exp(x) for float32 lanes (Cephes' expf polynomial, within about 1 ulp); inputs below -87.3 give 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
+  __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, n));
+}
+
+}  // namespace avx512
+
+#pragma GCC pop_options
+
+bool use_avx512() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("fma") && std::getenv("SPECSERVE_CPU_KERNELS_GENERIC") == nullptr;
+  }();
+  return ok;
+}
+
+// ---- vector helpers over float arrays (each has both variants) ---------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
+namespace avx512 {
+
+// out[i] = exp(x[i] - shift) for i < n; returns their sum (16 lanes in index order, then reduced).
+float exp_shift_sum(const float* x, float shift, float* out, int64_t n) {
+  __m512 acc = _mm512_setzero_ps(), s = _mm512_set1_ps(shift);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = mask_of(n - i);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s));
+    e = _mm512_maskz_mov_ps(m, e);
+    _mm512_mask_storeu_ps(out + i, m, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = mask_of(n - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// y[i] += a * x[i]
+void axpy(float a, const float* x, float* y, int64_t n) {
+  __m512 va = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = mask_of(n - i);
+    __m512 r = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
+    _mm512_mask_storeu_ps(y + i, m, r);
+  }
+}
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = mask_of(n - i);
+    __m512 vg = _mm512_maskz_loadu_ps(m, g + i);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), vg));
+    __m512 s = _mm512_div_ps(vg, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+
+float sum_squares(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = _mm512_maskz_loadu_ps(mask_of(n - i), x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace generic {
+
+float exp_shift_sum(const float* x, float shift, float* out, int64_t n) {
+  float acc[16] = {0};
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = std::exp(x[i] - shift);
+    acc[i % 16] += out[i];
+  }
+  float s = 0;
+  for (float a : acc) s += a;
+  return s;
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  for (int64_t i = 0; i < n; ++i) acc[i % 16] = std::fma(a[i], b[i], acc[i % 16]);
+  float s = 0;
+  for (float v : acc) s += v;
+  return s;
+}
+
+void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+float sum_squares(const float* x, int64_t n) {
+  float acc[16] = {0};
+  for (int64_t i = 0; i < n; ++i) acc[i % 16] = std::fma(x[i], x[i], acc[i % 16]);
+  float s = 0;
+  for (float v : acc) s += v;
+  return s;
+}
+
+}  // namespace generic
+
+#define DISPATCH(fn, ...) (use_avx512() ? avx512::fn(__VA_ARGS__) : generic::fn(__VA_ARGS__))
+
+// ---- phase timers (the `profile` operator) ------------------------------------------------------
+
+// Seconds spent in each phase of decoder_layers and the head, summed while profiling is on.
+enum Phase { kNorm, kQkv, kRope, kKvWrite, kAttention, kOut, kGateUp, kSiluMul, kDown, kEmbed, kHead, kPhases };
+const char* const kPhaseNames[kPhases] = {"rms_norm", "qkv_proj", "rope", "kv_write", "attention", "o_proj",
+                                          "gate_up_proj", "silu_mul", "down_proj", "embed", "head"};
+std::atomic<bool> g_profiling{false};
+double g_phase_s[kPhases] = {0};
+
+struct PhaseTimer {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(Phase phase) {
+    if (!g_profiling.load(std::memory_order_relaxed)) return;
+    auto now = std::chrono::steady_clock::now();
+    g_phase_s[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
+// ---- building blocks ---------------------------------------------------------------------------
+
+// Y[T, rows] (+)= X[T, cols] @ W^T, rows split over torch's intra-op threads (a row is one thread's).
+void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t chunk = 32;
+  const int64_t tasks = (w.rows + chunk - 1) / chunk;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    int64_t r0 = begin * chunk, r1 = std::min(w.rows, end * chunk);
+    DISPATCH(rows, w, r0, r1, X, T, ldx, Y, ldy, accumulate);
+  });
+}
+
+// out[t] = weight * (x[t] * 1 / sqrt(mean(x[t]^2) + eps)), as Hugging Face's LlamaRMSNorm in float32.
+void rms_norm_rows(const float* x, int64_t T, int64_t H, const float* weight, float eps, float* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * H;
+    float* o = out + t * H;
+    float var = DISPATCH(sum_squares, xr, H) / static_cast<float>(H);
+    float inv = 1.0f / std::sqrt(var + eps);
+    for (int64_t i = 0; i < H; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// Rotate-half RoPE in place on `heads` heads of width D at x[t]; cos and signed sin are [T, D].
+void rope_rows(float* x, int64_t T, int64_t ld, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  std::vector<float> tmp(D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + t * ld + h * D;
+      const float* c = cos + t * D;
+      const float* s = sin + t * D;
+      for (int64_t i = 0; i < D; ++i) {
+        float rotated = i < half ? v[i + half] : v[i - half];
+        tmp[i] = v[i] * c[i] + rotated * s[i];
+      }
+      std::memcpy(v, tmp.data(), D * sizeof(float));
+    }
+}
+
+// Where a pass's tokens read their keys: a committed prefix through the block table, then extras.
+struct KeyLayout {
+  const int32_t* tables;  // [B, max_blocks]
+  int64_t max_blocks, block_size;
+  const int32_t* seq;  // [T] row of tables per token
+  const int32_t* prefix;  // [T] leading logical slots each token sees
+  const int32_t* extra_off;  // [T + 1] CSR offsets into extra_slots
+  const int32_t* extra_slots;  // physical slots of tree ancestors (and the node itself), root first
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
+namespace avx512 {
+
+// Softmax attention of G query heads (q: their rows, D = 16 * ND wide) over the n keys at `slots` of
+// one kv head (k, v: that head's column in the cache; `row` floats between slots). Each key and value
+// row is loaded once for the G heads; scores: G * n floats of scratch.
+template <int ND, int G>
+void attend_group(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, float scale, float* scores) {
+  __m512 qv[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) qv[i][d] = _mm512_loadu_ps(q + i * ND * 16 + d * 16);
+  float mx[G];
+  for (int i = 0; i < G; ++i) mx[i] = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + slots[j] * row;
+    __m512 kv[ND];
+    for (int d = 0; d < ND; ++d) kv[d] = _mm512_loadu_ps(kj + d * 16);
+    for (int i = 0; i < G; ++i) {
+      __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);
+      for (int d = 1; d < ND; ++d) acc = _mm512_fmadd_ps(qv[i][d], kv[d], acc);
+      float sc = _mm512_reduce_add_ps(acc) * scale;
+      scores[i * n + j] = sc;
+      mx[i] = std::max(mx[i], sc);
+    }
+  }
+  __m512 inv[G];
+  for (int i = 0; i < G; ++i) inv[i] = _mm512_set1_ps(1.0f / exp_shift_sum(scores + i * n, mx[i], scores + i * n, n));
+  __m512 o[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) o[i][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row;
+    __m512 vv[ND];
+    for (int d = 0; d < ND; ++d) vv[d] = _mm512_loadu_ps(vj + d * 16);
+    for (int i = 0; i < G; ++i) {
+      __m512 p = _mm512_set1_ps(scores[i * n + j]);
+      for (int d = 0; d < ND; ++d) o[i][d] = _mm512_fmadd_ps(p, vv[d], o[i][d]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + i * ND * 16 + d * 16, _mm512_mul_ps(o[i][d], inv[i]));
+}
+
+// The heads in chunks of up to 4 (G x ND accumulators stay in registers for ND <= 4; 2 for ND = 8).
+template <int ND>
+void attend_heads(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, int64_t group, float scale, float* scores) {
+  constexpr int kMax = ND <= 4 ? 4 : 2;
+  for (int64_t i = 0; i < group;) {
+    const int64_t g = std::min<int64_t>(kMax, group - i);
+    const float* qi = q + i * ND * 16;
+    float* oi = out + i * ND * 16;
+    switch (g) {
+      case 1: attend_group<ND, 1>(qi, oi, slots, n, k, v, row, scale, scores); break;
+      case 2: attend_group<ND, 2>(qi, oi, slots, n, k, v, row, scale, scores); break;
+      case 3: attend_group<ND, (kMax >= 3 ? 3 : 1)>(qi, oi, slots, n, k, v, row, scale, scores); break;
+      default: attend_group<ND, kMax>(qi, oi, slots, n, k, v, row, scale, scores); break;
+    }
+    i += g;
+  }
+}
+
+bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
+            int64_t D, int64_t group, float scale, float* scores) {
+  switch (D) {
+    case 64: attend_heads<4>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 128: attend_heads<8>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 32: attend_heads<2>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 96: attend_heads<6>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    default: return false;
+  }
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace generic {
+
+bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
+            int64_t D, int64_t group, float scale, float* scores) {
+  for (int64_t i = 0; i < group; ++i) {
+    float* s = scores + i * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = dot(q + i * D, k + slots[j] * row, D) * scale;
+      mx = std::max(mx, s[j]);
+    }
+    float inv = 1.0f / exp_shift_sum(s, mx, s, n);
+    float* o = out + i * D;
+    std::fill(o, o + D, 0.0f);
+    for (int64_t j = 0; j < n; ++j) axpy(s[j], v + slots[j] * row, o, D);
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+  return true;
+}
+
+}  // namespace generic
+
+// Attention of token t's query heads of kv head g; q and out are the token's [H*D] rows; kcache and
+// vcache are one layer's head-major K and V ([kv_heads, slots, D]). The keys: the token's committed
+// prefix (through its block table), then its extra slots (tree path), in order.
+void attend(const float* q, float* out, int64_t t, int64_t g, const KeyLayout& kl, const float* kcache,
+            const float* vcache, int64_t slots_total, int64_t D, int64_t group, float scale,
+            std::vector<float>& scores, std::vector<int64_t>& slots) {
+  const int64_t prefix = kl.prefix[t];
+  const int64_t e0 = kl.extra_off[t], e1 = kl.extra_off[t + 1];
+  const int64_t n = prefix + (e1 - e0);
+  slots.resize(n);
+  const int32_t* table = kl.tables + static_cast<int64_t>(kl.seq[t]) * kl.max_blocks;
+  for (int64_t j = 0, b = 0; j < prefix; ++b) {  // block by block: no division per key
+    const int64_t first = static_cast<int64_t>(table[b]) * kl.block_size;
+    for (int64_t i = 0; i < kl.block_size && j < prefix; ++i, ++j) slots[j] = first + i;
+  }
+  for (int64_t e = e0; e < e1; ++e) slots[prefix + e - e0] = kl.extra_slots[e];
+  scores.resize(group * n);
+  const float* qg = q + g * group * D;
+  float* og = out + g * group * D;
+  const float* k = kcache + g * slots_total * D;
+  const float* v = vcache + g * slots_total * D;
+  if (!(use_avx512() && avx512::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data())))
+    generic::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
+}
+
+// ---- operators ---------------------------------------------------------------------------------
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t kind, int64_t cols,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.scalar_type() == at::kFloat, "x must be float32 [T, cols]");
+  at::Tensor xc = x.contiguous();
+  Weight w = make_weight(weight, scales, kind, cols, bias);
+  at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
+  PhaseTimer timer;
+  matmul(w, xc.data_ptr<float>(), x.size(0), cols, y.data_ptr<float>(), w.rows, false);
+  timer.lap(kHead);  // the model calls `linear` for its head only
+  return y;
+}
+
+at::Tensor embed(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& scales, int64_t kind, int64_t cols) {
+  Weight w = make_weight(weight, scales, kind, cols, c10::nullopt);
+  at::Tensor idc = ids.to(at::kLong).contiguous();
+  const int64_t T = idc.numel();
+  at::Tensor out = at::empty({T, cols}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* id = idc.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  PhaseTimer timer;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < w.rows, "token id ", id[t], " outside the embedding's ", w.rows, " rows");
+    float block[QK];
+    for (int64_t b = 0; b * QK < cols; ++b) {
+      generic::dequant_block(w, id[t], b, block);
+      std::memcpy(o + t * cols + b * QK, block, std::min<int64_t>(QK, cols - b * QK) * sizeof(float));
+    }
+  }
+  timer.lap(kEmbed);
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t H = x.size(-1);
+  rms_norm_rows(xc.data_ptr<float>(), xc.numel() / H, H, weight.contiguous().data_ptr<float>(),
+                static_cast<float>(eps), out.data_ptr<float>());
+  return out;
+}
+
+// The decoder layers of a Llama-family model over one pass, x [T, H] updated in place.
+// layers: per layer 14 tensors: input norm, then (data, scales, bias) of qkv and o, post norm, then
+// (data, scales, bias) of gate_up and down; an empty tensor: no scales (float32) or no bias.
+// kinds: per layer 4 weight kinds (qkv, o, gate_up, down).
+void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef kinds, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& kv, const at::Tensor& slot_mapping,
+                    const at::Tensor& tables, const at::Tensor& seq, const at::Tensor& prefix,
+                    const at::Tensor& extra_off, const at::Tensor& extra_slots, int64_t block_size,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
+  const int64_t L = static_cast<int64_t>(layers.size()) / 14;
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * 14 && static_cast<int64_t>(kinds.size()) == L * 4,
+              "decoder_layers takes 14 tensors and 4 kinds per layer");
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "x must be contiguous float32 [T, H]");
+  TORCH_CHECK(kv.is_contiguous() && kv.scalar_type() == at::kFloat && kv.dim() == 5 && kv.size(0) >= L,
+              "kv must be contiguous float32 [layers, 2, kv_heads, slots, head_dim]");
+  for (const at::Tensor* t : {&tables, &seq, &prefix, &extra_off, &extra_slots})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kInt, "key layout tensors must be contiguous int32");
+  const int64_t T = x.size(0), H = x.size(1), D = head_dim, NH = num_heads, KVH = num_kv_heads;
+  const int64_t qsize = NH * D, kvsize = KVH * D, group = NH / KVH, slots_total = kv.size(3);
+  TORCH_CHECK(kv.size(2) == KVH && kv.size(4) == D, "kv must be [layers, 2, kv_heads, slots, head_dim] (head-major)");
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const KeyLayout kl{tables.data_ptr<int32_t>(), tables.size(1), block_size, seq.data_ptr<int32_t>(),
+                     prefix.data_ptr<int32_t>(), extra_off.data_ptr<int32_t>(), extra_slots.data_ptr<int32_t>()};
+  const int64_t* slot_map = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot_map[t] >= 0 && slot_map[t] < slots_total, "slot ", slot_map[t], " outside the KV cache");
+  float* X = x.data_ptr<float>();
+  const float* C = cos.data_ptr<float>();
+  const float* S = sin.data_ptr<float>();
+  std::vector<float> h(T * H), attn(T * qsize);
+  std::vector<float> qkv, gu, act;
+  PhaseTimer timer;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* p = &layers[l * 14];
+    const int64_t* k = &kinds[l * 4];
+    Weight wqkv = make_weight(p[1], p[2], k[0], H, p[3]);
+    Weight wo = make_weight(p[4], p[5], k[1], qsize, p[6]);
+    Weight wgu = make_weight(p[8], p[9], k[2], H, p[10]);
+    const int64_t I = wgu.rows / 2;
+    Weight wd = make_weight(p[11], p[12], k[3], I, p[13]);
+    TORCH_CHECK(wqkv.rows == qsize + 2 * kvsize && wo.rows == H && wd.rows == H, "layer ", l, " has unexpected shapes");
+    qkv.resize(T * wqkv.rows);
+    gu.resize(T * wgu.rows);
+    act.resize(T * I);
+    const int64_t ldqkv = wqkv.rows;
+    // attention block
+    timer.lap(kNorm);  // the buffers' sizing above counts as norm time (it is next to nothing)
+    rms_norm_rows(X, T, H, p[0].data_ptr<float>(), static_cast<float>(eps), h.data());
+    timer.lap(kNorm);
+    matmul(wqkv, h.data(), T, H, qkv.data(), ldqkv, false);
+    timer.lap(kQkv);
+    rope_rows(qkv.data(), T, ldqkv, NH + KVH, D, C, S);  // q and k heads are adjacent in each row
+    timer.lap(kRope);
+    float* kc = kv.data_ptr<float>() + (l * 2 + 0) * slots_total * kvsize;
+    float* vc = kv.data_ptr<float>() + (l * 2 + 1) * slots_total * kvsize;
+    for (int64_t t = 0; t < T; ++t)  // head-major: head h of slot s at (h * slots + s) * D
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* row = qkv.data() + t * ldqkv + qsize + h * D;
+        std::memcpy(kc + (h * slots_total + slot_map[t]) * D, row, D * sizeof(float));
+        std::memcpy(vc + (h * slots_total + slot_map[t]) * D, row + kvsize, D * sizeof(float));
+      }
+    timer.lap(kKvWrite);
+    at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<int64_t> slots;
+      for (int64_t item = begin; item < end; ++item) {
+        int64_t t = item / KVH, g = item % KVH;
+        attend(qkv.data() + t * ldqkv, attn.data() + t * qsize, t, g, kl, kc, vc, slots_total, D, group, scale, scores,
+               slots);
+      }
+    });
+    timer.lap(kAttention);
+    matmul(wo, attn.data(), T, qsize, X, H, true);
+    timer.lap(kOut);
+    // MLP block
+    rms_norm_rows(X, T, H, p[7].data_ptr<float>(), static_cast<float>(eps), h.data());
+    timer.lap(kNorm);
+    matmul(wgu, h.data(), T, H, gu.data(), wgu.rows, false);
+    timer.lap(kGateUp);
+    for (int64_t t = 0; t < T; ++t)
+      DISPATCH(silu_mul, gu.data() + t * wgu.rows, gu.data() + t * wgu.rows + I, act.data() + t * I, I);
+    timer.lap(kSiluMul);
+    matmul(wd, act.data(), T, I, X, H, true);
+    timer.lap(kDown);
+  }
+}
+
+std::string variant() { return use_avx512() ? "avx512" : "generic"; }
+
+// Turns the phase timers on (clearing them) or off; returns "phase seconds" lines of what they summed.
+std::string profile(bool on) {
+  std::string report;
+  for (int i = 0; i < kPhases; ++i) report += std::string(kPhaseNames[i]) + " " + std::to_string(g_phase_s[i]) + "\n";
+  if (on)
+    for (double& v : g_phase_s) v = 0;
+  g_profiling.store(on);
+  return report;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specserve_cpu, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor scales, int kind, int cols, Tensor? bias=None) -> Tensor", &linear);
+  m.def("embed(Tensor ids, Tensor weight, Tensor scales, int kind, int cols) -> Tensor", &embed);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("decoder_layers(Tensor(a!) x, Tensor[] layers, int[] kinds, Tensor cos, Tensor sin, Tensor(b!) kv, "
+        "Tensor slot_mapping, Tensor tables, Tensor seq, Tensor prefix, Tensor extra_off, Tensor extra_slots, "
+        "int block_size, int num_heads, int num_kv_heads, int head_dim, float eps) -> ()",
+        &decoder_layers);
+  m.def("variant() -> str", &variant);
+  m.def("profile(bool on) -> str", &profile);
+}

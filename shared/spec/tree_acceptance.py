@@ -1,0 +1,65 @@
+"""Lossless token-tree acceptance: every step yields accepted draft tokens plus one target token.
+
+Greedy: from the root, follow the target's argmax while it matches a child; at the first miss,
+emit the target's own token. Sampling: at each node draw from the target's distribution; if the
+draw is a child, move there, else emit it and stop. Either way each emitted token is exactly what
+the target alone would have produced (the draws are the target's own), so output is unchanged
+in distribution, and token for token under greedy or a fixed seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.shared.spec.sampling import SamplingParams, probabilities, sample
+from specserve.shared.spec.token_tree import children_by_token
+
+
+@dataclass(slots=True)
+class Acceptance:
+    path: list[int]  # accepted node indices, root first (the KV rows to commit)
+    tokens: list[int]  # emitted tokens: accepted draft tokens, then the target's token
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return len(self.path) - 1
+
+
+def accept_tree(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """logits [n_nodes, V]: the target's next-token logits at every node of the tree."""
+    children = children_by_token(tokens, parents)
+    if params.is_greedy:
+        choices: list[int] = logits.argmax(-1).tolist()
+
+        def draw(node: int) -> int:
+            return choices[node]
+    else:
+        probs = probabilities(logits, params)
+
+        def draw(node: int) -> int:
+            return sample(probs[node], generator)
+
+    return walk(children, draw)
+
+
+def walk(children: Sequence[dict[int, int]], draw: Callable[[int], int]) -> Acceptance:
+    """From the root, emit the target's token at each node (`draw`) and move to the child holding it;
+    stop after the first token no child holds."""
+    path, emitted, node = [0], [], 0
+    while True:
+        token = draw(node)
+        emitted.append(token)
+        child = children[node].get(token)
+        if child is None:
+            return Acceptance(path, emitted)
+        path.append(child)
+        node = child

@@ -1,0 +1,234 @@
+"""Typed messages between the gateway and the draft and target services.
+
+Every message is a msgspec Struct carried in a frame's header (see transport.py). Per-request
+token data does not travel in the header: each batch message names flat tensors in its payload
+(tokens of all entries concatenated in entry order) and every entry says how many are its own.
+Each entry carries its request id and step number: the step is the gateway's iteration counter for
+that request and must increase from call to call, so a replayed or reordered call is refused
+instead of corrupting a request.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+
+class ErrorInfo(Struct):
+    """Why one entry (or a whole call) was refused. Codes are stable strings clients can match."""
+
+    code: str  # e.g. unknown_request, out_of_sync, stale_step, invalid_tree, too_large, out_of_blocks
+    message: str  # human-readable detail
+
+
+# ---- common ----------------------------------------------------------------------------------
+class Error(Struct, tag=True):
+    """The reply to a call that could not be run at all (malformed frame, bad message, ...)."""
+
+    code: str  # malformed_frame, message_too_large, frame_timeout, bad_message, unauthenticated, unsupported,
+    #            internal
+    message: str
+
+
+class Health(Struct, tag=True):
+    """The one call a connection may make before it authenticates."""
+
+
+# ---- authentication (shared/wire/auth.py): the first calls on every connection --------------------
+class AuthHello(Struct, tag=True):
+    nonce: bytes  # the client's nonce: 32 random bytes
+
+
+class AuthChallenge(Struct, tag=True):
+    nonce: bytes  # the server's nonce: 32 random bytes, good for one AuthProof
+    proof: bytes  # HMAC-SHA256 (32 bytes) of the secret over "...server" + both nonces: the server holds it
+
+
+class AuthProof(Struct, tag=True):
+    proof: bytes  # HMAC-SHA256 (32 bytes) of the secret over "...client" + both nonces
+
+
+class AuthOk(Struct, tag=True):
+    """The connection is authenticated: every call is served from now on."""
+
+
+class HealthReply(Struct, tag=True):
+    service: str  # "draft" or "target"
+    status: str  # "ok", or "offloaded" for a draft whose weights are in host memory
+    model: str  # model directory
+    device: str  # e.g. "cpu", "cuda:0"
+    dtype: str  # e.g. "float32"
+    uptime_s: float  # seconds since the service started
+    fingerprint: str = ""  # what sets its pass latency (service_base.latency_fingerprint); profiles are keyed by it
+    reads_features: bool = False  # a draft that drafts from the target's features (Forward.features feeds it)
+    max_depth: int = 0  # a draft: the deepest tree it accepts (its --max-depth); 0 for a target
+    max_width: int = 0  # a draft: the widest beam it accepts (its --max-width)
+
+
+class Stats(Struct, tag=True):
+    pass
+
+
+class StatsReply(Struct, tag=True):
+    service: str
+    total_blocks: int  # KV pool size in blocks (0 while a draft is offloaded)
+    free_blocks: int
+    used_blocks: int
+    block_size: int  # tokens per KV block
+    resident_requests: int  # requests the service holds state for
+    calls: int  # calls served since start
+    entry_errors: int  # entries refused since start
+    offloaded: bool = False  # draft only: weights in host memory, KV pool freed
+    last_offload_s: float = 0.0  # draft only: seconds the last offload took
+    last_reload_s: float = 0.0  # draft only: seconds the last reload took
+    request_ids: list[str] = []  # the requests it holds state for (a gateway that (re)connects releases strays)
+
+
+class Release(Struct, tag=True):
+    rids: list[str]  # requests whose state and KV blocks are freed
+
+
+class ReleaseReply(Struct, tag=True):
+    released: list[str]
+    unknown: list[str]  # ids the service held nothing for (not an error: release is idempotent)
+    free_blocks: int
+
+
+# ---- draft service ---------------------------------------------------------------------------
+class SpeculateEntry(Struct):
+    rid: str
+    step: int  # the gateway's iteration number for this request; strictly increasing
+    num_new: int  # tokens of its slice of tensor "tokens": committed since its last call, then the assumed ones
+    num_committed: int  # all committed tokens of the request after this call (prompt + output), assumed excluded
+    depth: int  # beam steps d; 0 only appends the new tokens (keeps the draft KV in sync)
+    width: int  # beam width w (children kept per step)
+    num_assumed: int = 0  # drafting ahead: the last tokens of its slice are a guess, not committed; the tree
+    # grows from them, then the draft forgets them (tokens and KV)
+    feature_start: int = 0  # position of the first of its target features in tensor "features"
+    num_features: int = 0  # its rows of "features" (a feature-level draft's input; 0 for other drafts)
+
+
+class Speculate(Struct, tag=True):
+    """Payload: "tokens" int32 [sum num_new], the entries' new tokens concatenated in order; for a draft
+    that reads the target's features, "features" float32 [sum num_features, hidden] in the same order."""
+
+    entries: list[SpeculateEntry]
+
+
+class DraftTree(Struct):
+    rid: str
+    step: int
+    num_nodes: int  # 1 + d*w nodes, root (the newest committed token) first; 0 if refused
+    depth: int  # the depth actually searched (0 when speculation was skipped)
+    error: ErrorInfo | None = None
+
+
+class SpeculateReply(Struct, tag=True):
+    """Payload, nodes of all trees concatenated in entry order: "tokens" int32, "parents" int32
+    (index within the request's tree, -1 for the root), "path_prob" float32 (product of draft
+    probabilities from the root to the node; 1 for the root)."""
+
+    trees: list[DraftTree]
+    catchup_ms: float  # appending committed tokens to the draft KV (prefill chunks), milliseconds
+    beam_ms: float  # the d beam steps: forwards and top-w selection, milliseconds
+    total_ms: float  # the whole call inside the service, milliseconds
+    forwards: int  # model passes this call ran
+    free_blocks: int  # draft KV blocks free after the call
+    offloaded: bool = False  # the draft is offloaded: trees are root-only, tokens were recorded
+    warmup: bool = False  # a beam step captured a CUDA graph for a new shape: a one-off cost, not its time again
+
+
+class Offload(Struct, tag=True):
+    """Draft only: move the weights to host memory and free the KV pool."""
+
+
+class Reload(Struct, tag=True):
+    """Draft only: bring the weights back and rebuild an empty KV pool (requests catch up lazily)."""
+
+
+class TransitionReply(Struct, tag=True):
+    offloaded: bool  # the state after the call
+    seconds: float  # how long the transition took
+    weight_bytes: int  # bytes of weights moved
+    kv_bytes: int  # bytes of KV pool freed (offload) or allocated (reload)
+    cold_requests: int  # requests whose draft KV must be rebuilt from their committed tokens
+
+
+# ---- target service --------------------------------------------------------------------------
+class SamplingSpec(Struct):
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 = no limit
+    seed: int | None = None  # per-request seed for reproducible sampling
+
+
+class PrefillEntry(Struct):
+    rid: str
+    step: int  # strictly increasing per request
+    start: int  # prompt tokens already prefilled (0 for the first chunk)
+    num_tokens: int  # this chunk's prompt tokens (its slice of tensor "prefill_tokens")
+    last: bool  # the prompt's last chunk: sample and return the first output token
+    sampling: SamplingSpec | None = None  # required on the first chunk, ignored after
+    # a preempted request rebuilding its KV: the prompt here is prompt + output but its newest token,
+    # and that token (already emitted) becomes the root instead of a newly sampled one
+    resume_token: int | None = None
+
+
+class VerifyEntry(Struct):
+    rid: str
+    step: int  # strictly increasing per request
+    num_committed: int  # committed tokens (prompt + output) before this step; the root is the newest
+    num_nodes: int  # tree nodes, root first (its slice of "tree_tokens" and "tree_parents")
+
+
+class Forward(Struct, tag=True):
+    """Payload: "prefill_tokens" int32, "tree_tokens" int32, "tree_parents" int32 (-1 for roots)."""
+
+    prefill: list[PrefillEntry] = msgspec.field(default_factory=list)
+    verify: list[VerifyEntry] = msgspec.field(default_factory=list)
+    # Return the target's features: the final norm's output at every prefill chunk token and at each
+    # verified tree's accepted path (its root first), for a draft that reads them.
+    features: bool = False
+
+
+class StepResult(Struct):
+    rid: str
+    step: int
+    num_tokens: int  # tokens emitted (its slice of "tokens"): accepted drafts + 1, or the first token
+    num_accepted: int  # accepted draft nodes (tree steps only)
+    error: ErrorInfo | None = None
+    num_features: int = 0  # with Forward.features: its rows of "features" (every chunk token; the accepted path)
+
+
+class ForwardReply(Struct, tag=True):
+    """Payload: "tokens" int32, the emitted tokens of all results concatenated in order; with
+    Forward.features, "features" float32 [sum num_features, hidden] in the same order."""
+
+    results: list[StepResult]  # prefill entries first, then verify entries, in request order
+    forward_ms: float  # the model pass, milliseconds
+    accept_ms: float  # acceptance and KV commit, milliseconds
+    total_ms: float  # the whole call inside the service (checks, pass, acceptance, reply), milliseconds
+    free_blocks: int  # target KV blocks free after the step
+    warmup: bool = False  # the pass captured a CUDA graph for a new shape: a one-off cost, not its time again
+
+
+Message = (
+    Error
+    | Health
+    | AuthHello
+    | AuthChallenge
+    | AuthProof
+    | AuthOk
+    | HealthReply
+    | Stats
+    | StatsReply
+    | Release
+    | ReleaseReply
+    | Speculate
+    | SpeculateReply
+    | Offload
+    | Reload
+    | TransitionReply
+    | Forward
+    | ForwardReply
+)
