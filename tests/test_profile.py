@@ -8,7 +8,15 @@ import asyncio
 import pytest
 
 from specserve.cli.main import BUNDLED_TARGET
-from specserve.gateway.perf.profile import Profile, add_flags, default_profile_path, format_table, knee, measure
+from specserve.gateway.perf.profile import (
+    MIN_DECODE_PASSES,
+    Profile,
+    add_flags,
+    default_profile_path,
+    format_table,
+    knee,
+    measure,
+)
 from specserve.shared.host.launch import ServiceProcess
 from specserve.shared.runtime.model_config import ModelConfig
 from specserve.shared.wire.service_client import TargetClient
@@ -101,9 +109,17 @@ def test_measure_through_a_target_service(tmp_path):
                 raise ConnectionError("simulated failure")
             return await super().forward(*args, **kwargs)
 
+    class CountingClient(TargetClient):
+        calls = 0
+
+        async def forward(self, *args, **kwargs):
+            self.calls += 1
+            return await super().forward(*args, **kwargs)
+
     async def run():
         client = await TargetClient.connect(target.address)
         failing = await FailingClient.connect(target.address)
+        bounded = await CountingClient.connect(target.address)
         try:
             profile = await measure(client, output_tokens=16, tree_sizes=(1, 2, 4), repeats=3, vocab_size=vocab,
                                     progress=False)
@@ -113,6 +129,11 @@ def test_measure_through_a_target_service(tmp_path):
                                   progress=False)
             assert [n for n, _ in other.curve] == [24] and other.reference_ms > 0
             assert other.budget_tokens == knee(other.curve, other.reference_ms, 1.25)
+            # a zero time bound: the fewest decode passes, the warm-up and one timed round, counted as such
+            cut = await measure(bounded, output_tokens=40, tree_sizes=(1, 2), repeats=5, vocab_size=vocab,
+                                progress=False, time_budget_s=0.0)
+            assert cut.output_tokens == MIN_DECODE_PASSES
+            assert bounded.calls == 1 + MIN_DECODE_PASSES + 2 * 2  # prefill, decode passes, 2 rounds of 2 sizes
             with pytest.raises(ConnectionError):
                 await measure(failing, output_tokens=16, tree_sizes=(1, 2), repeats=2, vocab_size=vocab,
                               progress=False)
@@ -120,6 +141,7 @@ def test_measure_through_a_target_service(tmp_path):
         finally:
             await client.close()
             await failing.close()
+            await bounded.close()
 
     try:
         profile, stats, after_failure = asyncio.run(run())

@@ -47,6 +47,11 @@ MIN_BUDGET = 8  # B never goes below the batch-8 decode pass: 8 roots
 BATCH, INPUT_TOKENS, OUTPUT_TOKENS = 8, 32, 128  # AdaServe's baseline-latency setting
 DEFAULT_TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # nodes per request (a chain: root + k-1 drafts)
 QUICK = {"output_tokens": 16, "tree_sizes": (1, 2, 4, 8), "repeats": 3}  # --quick
+# The profile's wall-clock bound: on a slow machine (or pass) it measures fewer decode passes and rounds,
+# never fewer than MIN_DECODE_PASSES and one timed round, so that a first start takes minutes at most.
+TIME_BUDGET_S = 60.0
+MIN_DECODE_PASSES = 8
+DECODE_SHARE = 0.3  # of the time bound, at most this much goes to the decode passes
 
 
 @dataclass
@@ -178,7 +183,8 @@ class _Batch:
 async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int = INPUT_TOKENS,
                   output_tokens: int = OUTPUT_TOKENS,
                   tree_sizes: tuple[int, ...] = DEFAULT_TREE_SIZES, repeats: int = 7, knee_ratio: float = 1.25,
-                  vocab_size: int, progress: bool = True, seed: int = 0) -> Profile:
+                  vocab_size: int, progress: bool = True, seed: int = 0,
+                  time_budget_s: float = TIME_BUDGET_S) -> Profile:
     """Measure the baseline latency and the latency-vs-tokens curve on a running target; fit B.
 
     1. `batch` requests with random `input_tokens`-token prompts (seeded) are prefilled, greedy;
@@ -187,6 +193,10 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
        k = 1 if not listed) in which every request verifies a chain of k nodes (root + k-1 random
        tokens). Curve point: (batch*k, median ms over the rounds). The knee's reference is the
        median of the k = 1 passes (the batch-decode pass, measured beside the other points).
+    Bounded by `time_budget_s` of wall clock: the decode passes stop early (never before
+    MIN_DECODE_PASSES) once they have taken DECODE_SHARE of it, and the rounds stop early (never before
+    the first timed round) when the next round, as long as the last, would end past it; the profile
+    records the decode passes it measured (`output_tokens`) and says so on stderr.
     Every request is released at the end, also when a step fails.
     """
     from tqdm import tqdm
@@ -210,20 +220,29 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
     bar = tqdm(total=1 + output_tokens + len(sizes) * (repeats + 1), desc="profile", unit="pass",
                file=sys.stderr, disable=not progress, dynamic_ncols=True)
     finished = False
+    start = time.monotonic()
     try:
         await run.prefill(input_tokens)
         bar.update()
-        decode = []
-        for _ in range(output_tokens):
+        decode: list[float] = []
+        while len(decode) < output_tokens:
+            if len(decode) >= MIN_DECODE_PASSES and time.monotonic() - start > DECODE_SHARE * time_budget_s:
+                break
             decode.append(await run.verify_chains(1))
             bar.update()
         samples: dict[int, list[float]] = {k: [] for k in sizes}
+        rounds = 0
         for round_ in range(repeats + 1):  # round 0 is the warm-up (each shape's first pass)
+            began = time.monotonic()
             for k in sizes:
                 elapsed = await run.verify_chains(k)
                 if round_:
                     samples[k].append(elapsed)
                 bar.update()
+            rounds = round_
+            now = time.monotonic()
+            if round_ and round_ < repeats and now + (now - began) - start > time_budget_s:
+                break
         finished = True
     finally:
         bar.close()
@@ -234,6 +253,9 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
                 raise
             log.warning("could not release the profile's requests after a failure", exc_info=True)
 
+    if len(decode) < output_tokens or rounds < repeats:
+        print(f"profile: {len(decode)} of {output_tokens} decode passes and {rounds} of {repeats} rounds "
+              f"within its {time_budget_s:.0f} s bound ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     curve = [(batch * k, round(statistics.median(samples[k]), 3)) for k in sorted(set(tree_sizes))]
     reference = statistics.median(samples[1])
     return Profile(
@@ -248,7 +270,7 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         batch=batch,
         input_tokens=input_tokens,
-        output_tokens=output_tokens,
+        output_tokens=len(decode),
         reference_ms=round(reference, 3),
     )
 
@@ -270,13 +292,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: ~/.cache/specserve/profile-<model dir name>-<device>.json, where the gateway looks)")
     parser.add_argument("--knee-ratio", type=float, default=1.25,
                         help="B is the largest token count whose pass stays within this x the batch-8 decode pass")
+    parser.add_argument("--time-budget-s", type=float, default=TIME_BUDGET_S,
+                        help="wall-clock bound of the measurement: on a slow target it measures fewer passes")
     parser.add_argument("--quick", action="store_true",
                         help=f"fewer passes for a smoke run ({QUICK['output_tokens']} decode passes, "
                              f"sizes {QUICK['tree_sizes']}, {QUICK['repeats']} repeats)")
 
 
 def _settings(args: argparse.Namespace) -> dict:
-    settings = {"output_tokens": OUTPUT_TOKENS, "tree_sizes": DEFAULT_TREE_SIZES, "repeats": 7}
+    settings = {"output_tokens": OUTPUT_TOKENS, "tree_sizes": DEFAULT_TREE_SIZES, "repeats": 7,
+                "time_budget_s": getattr(args, "time_budget_s", TIME_BUDGET_S)}
     if args.quick:
         settings.update(QUICK)
     return settings
