@@ -25,7 +25,8 @@ from specserve.gateway.perf.cost import PassCost, PassSample
 from specserve.gateway.sched.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
 from specserve.gateway.sched.admission.budget_model import ReplicaBudget
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
-from specserve.gateway.sched.admission.slo import LOOKAHEAD, SloAdmission
+from specserve.gateway.sched.admission.slo import SloAdmission
+from specserve.gateway.sched.admission.slo_round import LOOKAHEAD
 from specserve.gateway.sched.plan import (
     DraftView,
     Limits,
@@ -577,7 +578,7 @@ def test_a_best_effort_prompt_never_lengthens_the_slo_decoders_batches(best_effo
     """A 1,500-token prompt due in 500 ms beside a critical decoder: with an SLO its chunks are raised
     past the decoder's room to meet its TTFT; in the best-effort tier (an SLO request the plan declined)
     it gets the room the decoder leaves, nothing more."""
-    from specserve.gateway.sched.admission.slo import BEST_EFFORT_TPOT_MS
+    from specserve.gateway.sched.admission.slo_round import BEST_EFFORT_TPOT_MS
 
     cost = PassCost(8, CPU_BASELINE_MS, list(CPU_CURVE))
     c = RequestView("c", "critical", CPU_BASELINE_MS, 1000.0, 5, 50.0, 100, [], 0, 0, 12)
