@@ -44,11 +44,11 @@ measured one (each tier's cost and gain as above, every pass priced with the dra
 depth) and plain decoding (one node and one token per request, no draft call), which the speculation
 policy can always fall back to (`joint` turns drafting off when it would push a request past its
 pace). The measured point alone can price a tier's small measured gain together with a draft call in
-every pass, and refuse a request that plain passes would serve. At the plain point prompts are prefilled first: while nothing
-decodes its batches are the engine's largest pass, so a critical request that arrives while a long
-prompt prefills is planned with both prompts in a few large passes and its decoding after, not in
-batches of its TPOT from the start. Prompt chunks come from whichever point's batches hold the
-replica's decoders with the most room.
+every pass, and refuse a request that plain passes would serve. At the plain point prompts are prefilled
+first: while nothing decodes its batches are the engine's largest pass, so a critical request that
+arrives while a long prompt prefills is planned with both prompts in a few large passes and its decoding
+after, not in batches of its TPOT from the start. Prompt chunks come from whichever point's batches hold
+the replica's decoders with the most room.
 """
 
 from __future__ import annotations
