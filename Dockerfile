@@ -2,9 +2,9 @@
 #   docker build -t specserve .                       CPU: torch 2.13.0 (CPU build), as scripts/_venv.sh installs it
 #   docker build -t specserve:cuda --build-arg VARIANT=cuda .   torch 2.13.0 (CUDA 12.8 build) + CuPy
 # Commands: `specserve gateway`, `specserve draft`, `specserve target` (compose.yaml), or `specserve up`.
-# Configuration: the SPECSERVE_* environment variables (README, "Serving"); the bundled demo pair is in
+# Configuration: the SPECSERVE_* environment variables (docs/flags.md, docs/usage.md); the bundled demo pair is in
 # /app/models, the default model directories. Your own models: mount them (e.g. at /models, read-only)
-# and set SPECSERVE_TARGET_MODEL, SPECSERVE_DRAFT_MODEL and SPECSERVE_GATEWAY_MODEL (README, "docker compose").
+# and set SPECSERVE_TARGET_MODEL, SPECSERVE_DRAFT_MODEL and SPECSERVE_GATEWAY_MODEL (docs/deployment.md).
 ARG PYTHON=3.11
 FROM python:${PYTHON}-slim
 

@@ -3,35 +3,15 @@ it, in the lab notes (docs/benchmarks/) and in the README lands on a file and he
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
+from tests.support.markdown import LINK, broken_links, links
+
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "docs" / "benchmarks.md"
 NOTES = ROOT / "docs" / "benchmarks"
-LINK = re.compile(r"!?\[([^\]]*)\]\(([^)\s]+)\)")
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def headings(path: Path) -> set[str]:
-    out, fenced = set(), False
-    for line in path.read_text().splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
-            out.add(slug(m.group(1)))
-    return out
-
-
-def links(path: Path) -> list[tuple[str, str]]:
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # no links inside code blocks
-    return LINK.findall(text)
 
 
 def test_report_is_short():
@@ -62,14 +42,5 @@ def test_simulated_figures_say_so_where_shown():
 @pytest.mark.parametrize("doc", [ROOT / "README.md", REPORT, *sorted(NOTES.glob("*.md"))],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc):
-    broken = []
-    for _, target in links(doc):
-        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
-            continue
-        file, _, anchor = target.partition("#")
-        dest = (doc.parent / file).resolve() if file else doc
-        if not dest.exists():
-            broken.append(target)
-        elif anchor and dest.suffix == ".md" and anchor not in headings(dest):
-            broken.append(target)
+    broken = broken_links(doc)
     assert not broken, f"{doc.relative_to(ROOT)}: broken links {broken}"

@@ -71,8 +71,8 @@ class UpConfig(Settings):
                                 "draft about 2.5x faster on CPU, docs/benchmarks/cpu_pass.md)", choices=list(WEIGHTS))
     kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),
                           choices=list(KERNELS))
-    threads: int = option(default_factory=default_threads, help="torch threads of each model service, "
-                          "half the cores by default")
+    threads: int = option(default_factory=default_threads, help="torch threads of each model service",
+                          default_text="half the cores")
     profile: str | None = option(None, "profile file (measured on first start if missing)",
                                  default_text="~/.cache/specserve/profile-<model>-<device>.json")
     log_level: str = option("WARNING", "log level of the three services")

@@ -17,7 +17,8 @@ class DraftConfig(ServiceConfig):
 
     env_prefix = "SPECSERVE_DRAFT_"
 
-    model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "draft"))
+    model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "draft"),
+                                  default_text="models/draft, the bundled demo draft")
     port: int = override_default(ServiceConfig, "port", DRAFT_PORT)
     prefill_chunk: int = option(512, "most committed tokens of one request appended per pass")
     max_batch_tokens: int = option(4096, "most tokens in one catch-up pass")

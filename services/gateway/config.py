@@ -35,7 +35,8 @@ class GatewayConfig(Settings):
     router: str = option("round-robin", "how new requests are spread over the target replicas",
                          choices=tuple(ROUTERS))
     model: str = option(default_factory=lambda: str(MODELS / "target"),
-                        help="the target's model directory (tokenizer, chat template, context length)")
+                        help="the target's model directory (tokenizer, chat template, context length)",
+                        default_text="models/target, the bundled demo target")
     served_model_name: str | None = option(None, "model id clients send as \"model\"",
                                            default_text="the model directory's name")
     host: str = option("127.0.0.1", "HTTP host")

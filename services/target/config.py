@@ -18,7 +18,8 @@ class TargetConfig(ServiceConfig):
 
     env_prefix = "SPECSERVE_TARGET_"
 
-    model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "target"))
+    model: str = override_default(ServiceConfig, "model", default_factory=lambda: str(MODELS / "target"),
+                                  default_text="models/target, the bundled demo target")
     port: int = override_default(ServiceConfig, "port", TARGET_PORT)
     cuda_graphs: bool = option(True, "run the passes eagerly on CUDA too, without CUDA graphs (they are captured "
                                "for the torch pass with Triton attention, at bucketed shapes)", negate=True)

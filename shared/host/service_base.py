@@ -65,7 +65,8 @@ class ServiceConfig(Settings):
     unix_socket: str | None = option(None, "listen on this Unix socket path instead of TCP")
     kv_blocks: int = option(4096, "KV pool size, blocks")
     block_size: int = option(16, "tokens per KV block")
-    threads: int = option(default_factory=default_threads, help="torch intra-op threads, half the cores by default")
+    threads: int = option(default_factory=default_threads, help="torch intra-op threads",
+                          default_text="half the cores")
     max_frame_mb: int = option(DEFAULT_MAX_FRAME_BYTES >> 20, "largest message accepted, MiB")
     frame_timeout_s: float = option(DEFAULT_FRAME_TIMEOUT_S, "a frame must be complete this long after its "
                                     "16-byte prefix, or the connection is dropped, seconds")

@@ -55,7 +55,8 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
-__all__ = ["Option", "Settings", "SettingsError", "add_flags", "from_args", "option", "override_default", "values"]
+__all__ = ["FlagDoc", "Option", "Settings", "SettingsError", "add_flags", "flag_doc", "from_args", "option",
+           "override_default", "values"]
 
 METADATA_KEY = "specserve.settings"
 _MISSING: Any = dataclasses.MISSING
@@ -98,12 +99,16 @@ def option(default: Any = _MISSING, help: str = "", *, default_factory: Callable
 
 
 def override_default(base: type, name: str, default: Any = _MISSING, *,
-                     default_factory: Callable[[], Any] = _MISSING) -> Any:
-    """Redeclare `base`'s field `name` in a subclass with its own default, keeping help and flag.
+                     default_factory: Callable[[], Any] = _MISSING, default_text: str | None = None) -> Any:
+    """Redeclare `base`'s field `name` in a subclass with its own default, keeping help and flag
+    (and `default_text`, unless a new one is given).
 
     `port: int = override_default(ServiceConfig, "port", 8101)`."""
     inherited = {f.name: f for f in dataclasses.fields(base)}[name]
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=inherited.metadata)
+    metadata: Mapping[str, Any] = inherited.metadata
+    if default_text is not None:
+        metadata = {**metadata, METADATA_KEY: dataclasses.replace(metadata[METADATA_KEY], default_text=default_text)}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -254,6 +259,34 @@ def _help(spec: _Spec, env_var: str | None) -> str:
     return text.replace("%", "%%")  # argparse %-formats help strings
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlagDoc:
+    """What `add_flags` declared for one argparse action, for generated documentation (docs/flags.md)."""
+
+    help: str  # the field's help, without the "(default: ...; env ...)" that --help appends
+    default: str | None  # as --help shows it ("off" for a switch); None: required (or a remainder positional)
+    env_var: str | None  # the environment variable, or None
+
+
+_FLAG_DOC = "specserve_flag_doc"  # the attribute of an argparse action that holds its FlagDoc
+
+
+def flag_doc(action: argparse.Action) -> FlagDoc | None:
+    """The FlagDoc of an action made by `add_flags`; None for an action added some other way."""
+    doc = getattr(action, _FLAG_DOC, None)
+    return doc if isinstance(doc, FlagDoc) else None
+
+
+def _flag_doc(spec: _Spec, env_var: str | None) -> FlagDoc:
+    if spec.option.remainder or not spec.has_default():
+        default = None
+    elif spec.kind is bool:  # a switch is off unless given; a --no-name one leaves its setting on
+        default = f"{spec.name.replace('_', ' ')} on" if spec.option.negate else "off"
+    else:
+        default = spec.option.default_text or _show(spec.default())
+    return FlagDoc(spec.option.help, default, env_var)
+
+
 def _metavar(spec: _Spec) -> str | None:
     if spec.option.choices is not None:
         return None  # argparse shows {a,b,c}
@@ -266,19 +299,22 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
 
     No environment variable is read here, and no default is put into the namespace: a flag that
     is not given leaves no attribute (argparse.SUPPRESS), so `from_args` can tell it was not given.
-    `env_prefix=None`: the settings have no environment variables."""
+    `env_prefix=None`: the settings have no environment variables. `flag_doc(action)` gives each
+    action's help, default and variable apart (docs/flags.md is generated from them)."""
     for spec in _specs(cls):
         opt = spec.option
         help_text = _help(spec, spec.env_var(env_prefix))
         if opt.remainder:
-            parser.add_argument(spec.name, nargs=argparse.REMAINDER, help=help_text)
+            action = parser.add_argument(spec.name, nargs=argparse.REMAINDER, help=help_text)
         elif spec.kind is bool:
-            parser.add_argument(spec.flag, *opt.aliases, dest=spec.name, action="store_const", const=not opt.negate,
-                                default=argparse.SUPPRESS, help=help_text)
+            action = parser.add_argument(spec.flag, *opt.aliases, dest=spec.name, action="store_const",
+                                         const=not opt.negate, default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(spec.flag, *opt.aliases, dest=spec.name, type=_flag_type(spec), choices=opt.choices,
-                                action="append" if spec.is_list else "store", default=argparse.SUPPRESS,
-                                metavar=opt.metavar or _metavar(spec), help=help_text)
+            action = parser.add_argument(spec.flag, *opt.aliases, dest=spec.name, type=_flag_type(spec),
+                                         choices=opt.choices, action="append" if spec.is_list else "store",
+                                         default=argparse.SUPPRESS, metavar=opt.metavar or _metavar(spec),
+                                         help=help_text)
+        setattr(action, _FLAG_DOC, _flag_doc(spec, spec.env_var(env_prefix)))
 
 
 def _from_env(spec: _Spec, var: str, text: str) -> Any:

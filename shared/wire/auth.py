@@ -20,8 +20,8 @@ HMAC is HMAC-SHA256, nonces are 32 random bytes each, proofs are compared with
 `hmac.compare_digest`. The two labels differ, so a proof can never be reflected back as the other
 side's; the server's nonce is fresh per challenge and used once, so a proof cannot be replayed.
 Until the handshake is done a connection gets answers to `Health` only (rpc.py enforces that).
-Frames are authenticated at connect time only, not encrypted: see README, "Running the services
-across hosts".
+Frames are authenticated at connect time only, not encrypted: see docs/deployment.md, "Running the
+services across hosts".
 """
 
 from __future__ import annotations
