@@ -45,16 +45,7 @@ async def send(session: aiohttp.ClientSession, url: str, req: BenchRequest, reco
             record.status = resp.status
             record.status_ms = (time.perf_counter() - sent) * 1e3
             if resp.status != 200:
-                retry = resp.headers.get("Retry-After")
-                try:
-                    record.retry_after_s = float(retry) if retry is not None else None
-                except ValueError:  # an HTTP date: kept as absent (the gateway sends seconds)
-                    record.retry_after_s = None
-                text = await resp.text()
-                try:
-                    record.error = _decode(text)["error"]["message"]
-                except Exception:  # not an OpenAI error body
-                    record.error = text[:200] or resp.reason
+                await _refusal(resp, record)
                 return record
             buffer = b""
             async for data in resp.content.iter_any():
@@ -62,36 +53,9 @@ async def send(session: aiohttp.ClientSession, url: str, req: BenchRequest, reco
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
                     for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            continue
-                        now = time.perf_counter()
-                        chunk = _decode(payload)
-                        if "error" in chunk:
-                            record.error = str(chunk["error"].get("message", chunk["error"]))
-                            continue
-                        for choice in chunk.get("choices") or ():
-                            if choice.get("text"):
-                                if record.ttft_ms is None:
-                                    record.ttft_ms = (now - sent) * 1e3
-                                elif last is not None:
-                                    record.itl_ms.append((now - last) * 1e3)
-                                last = now
-                            if choice.get("finish_reason"):
-                                record.finish_reason = choice["finish_reason"]
-                        if chunk.get("usage"):
-                            record.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                            record.completion_tokens = chunk["usage"]["completion_tokens"]
-                        ext = chunk.get("specserve")
-                        if ext:
-                            record.steps = len(ext["steps"])
-                            record.step_tokens = sum(1 + acc for _, _, acc in ext["steps"])
-                            record.server_tpot_ms = ext.get("tpot_ms")
-                            record.best_effort = bool(ext.get("best_effort"))
-                            record.slo_tpot_ms = ext["slo"]["tpot_ms"]
-                            record.slo_ttft_ms = ext["slo"]["ttft_ms"]
+                        payload = line[5:].strip() if line.startswith(b"data:") else b"[DONE]"
+                        if payload != b"[DONE]":
+                            last = _chunk(_decode(payload), record, sent, last)
     except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, KeyError, TypeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
@@ -101,3 +65,46 @@ async def send(session: aiohttp.ClientSession, url: str, req: BenchRequest, reco
         record.latency_ms = (last - sent) * 1e3
         record.tpot_ms = vllm_tpot_ms(record.ttft_ms, record.latency_ms, record.completion_tokens)
     return record
+
+
+async def _refusal(resp: aiohttp.ClientResponse, record: RequestRecord) -> None:
+    """A response other than 200: its Retry-After (seconds) and its OpenAI error message."""
+    retry = resp.headers.get("Retry-After")
+    try:
+        record.retry_after_s = float(retry) if retry is not None else None
+    except ValueError:  # an HTTP date: kept as absent (the gateway sends seconds)
+        record.retry_after_s = None
+    text = await resp.text()
+    try:
+        record.error = _decode(text)["error"]["message"]
+    except Exception:  # not an OpenAI error body
+        record.error = text[:200] or resp.reason
+
+
+def _chunk(chunk: dict, record: RequestRecord, sent: float, last: float | None) -> float | None:
+    """One streamed chunk into `record` (times from `sent`); returns the time of the latest text so far."""
+    now = time.perf_counter()
+    if "error" in chunk:
+        record.error = str(chunk["error"].get("message", chunk["error"]))
+        return last
+    for choice in chunk.get("choices") or ():
+        if choice.get("text"):
+            if record.ttft_ms is None:
+                record.ttft_ms = (now - sent) * 1e3
+            elif last is not None:
+                record.itl_ms.append((now - last) * 1e3)
+            last = now
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
+    if chunk.get("usage"):
+        record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        record.completion_tokens = chunk["usage"]["completion_tokens"]
+    ext = chunk.get("specserve")
+    if ext:
+        record.steps = len(ext["steps"])
+        record.step_tokens = sum(1 + acc for _, _, acc in ext["steps"])
+        record.server_tpot_ms = ext.get("tpot_ms")
+        record.best_effort = bool(ext.get("best_effort"))
+        record.slo_tpot_ms = ext["slo"]["tpot_ms"]
+        record.slo_ttft_ms = ext["slo"]["ttft_ms"]
+    return last

@@ -57,6 +57,7 @@ class _WithoutCreated:
 
 
 # Bucket bounds as vLLM (v1) sets them (prometheus_client adds the +Inf bucket).
+MODEL = ("model_name",)  # the label every metric has
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -199,22 +200,30 @@ class GatewayMetrics:
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.model_name = model_name
-        self.registry = r = registry if registry is not None else CollectorRegistry()
-        m = ("model_name",)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._vllm_metrics()
+        self._specserve_metrics()
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
+        self._exposed = _WithoutCreated(self.registry)
+        self._replicas: dict[str, tuple[Gauge, Gauge, Gauge]] = {}  # per replica: up, running, KV usage
 
-        # A metric labelled by model_name alone is kept as its one series (bound once here, so that
-        # the hot path does no label lookup; binding also creates the series, so dashboards see zeros).
-        def counter(name: str, doc: str, labels: tuple[str, ...] = m) -> Counter:
-            family = Counter(name.removesuffix("_total"), doc, labels, registry=r)  # the client adds _total
-            return family.labels(model_name=model_name) if labels == m else family
+    # A metric labelled by model_name alone is kept as its one series (bound once here, so that the hot
+    # path does no label lookup; binding also creates the series, so dashboards see zeros).
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = MODEL) -> Counter:
+        family = Counter(name.removesuffix("_total"), doc, labels, registry=self.registry)  # the client adds _total
+        return family.labels(model_name=self.model_name) if labels == MODEL else family
 
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = m) -> Gauge:
-            family = Gauge(name, doc, labels, registry=r)
-            return family.labels(model_name=model_name) if labels == m else family
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = MODEL) -> Gauge:
+        family = Gauge(name, doc, labels, registry=self.registry)
+        return family.labels(model_name=self.model_name) if labels == MODEL else family
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, m, registry=r, buckets=buckets).labels(model_name=model_name)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, MODEL, registry=self.registry, buckets=buckets).labels(model_name=self.model_name)
 
+    def _vllm_metrics(self) -> None:
+        """vLLM's metrics, under its names: scheduler state, token and request counters, latency histograms."""
+        counter, gauge, histogram = self._counter, self._gauge, self._histogram
         # ---- vLLM: scheduler state
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
@@ -223,14 +232,14 @@ class GatewayMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
         self.request_success = counter("vllm:request_success_total", "Count of successfully processed requests.",
-                                       (*m, "finished_reason"))
+                                       (*MODEL, "finished_reason"))
         self.preemptions = counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.")
         # ---- vLLM: histograms
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
         self.itl = _TokenHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                                   TOKEN_LATENCY_BUCKETS, model_name)
-        r.register(self.itl)
+                                   TOKEN_LATENCY_BUCKETS, self.model_name)
+        self.registry.register(self.itl)
         self.tpot = histogram("vllm:request_time_per_output_token_seconds",
                               "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
@@ -240,39 +249,38 @@ class GatewayMetrics:
         # a histogram whose name ends in _total, as vLLM's (only counters get _total appended)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+
+    def _specserve_metrics(self) -> None:
+        """specserve's own: the per-iteration counters, requests and SLOs by tier, admission, per replica."""
+        counter, gauge, r = self._counter, self._gauge, self.registry
         # ---- the counters every iteration adds to (vLLM's speculative decoding counters and specserve's
         # iteration split): plain numbers on the hot path, turned into samples when /metrics is read
-        self.per_iteration = _IterationCounters(model_name)
+        self.per_iteration = _IterationCounters(self.model_name)
         r.register(self.per_iteration)
         self.requests_received = counter("specserve:requests_received_total", "Requests received (queued).")
         self.slo = counter("specserve:request_slo_total",
-                           "Finished requests by SLO tier and whether the SLO was met.", (*m, "tier", "met"))
+                           "Finished requests by SLO tier and whether the SLO was met.", (*MODEL, "tier", "met"))
         # per SLO tier (the dashboard's p50/p99 per tier): observed when a request finishes
         self.tier_ttft = Histogram("specserve:request_ttft_seconds", "Time to first token of finished requests, "
-                                   "by SLO tier, seconds.", (*m, "tier"), registry=r, buckets=TTFT_BUCKETS)
+                                   "by SLO tier, seconds.", (*MODEL, "tier"), registry=r, buckets=TTFT_BUCKETS)
         self.tier_tpot = Histogram("specserve:request_tpot_seconds", "Time per output token of finished requests "
-                                   "(after the first), by SLO tier, seconds.", (*m, "tier"), registry=r,
+                                   "(after the first), by SLO tier, seconds.", (*MODEL, "tier"), registry=r,
                                    buckets=TOKEN_LATENCY_BUCKETS)
         self.budget = gauge("specserve:budget_tokens", "Token budget B of one target pass (roots included).")
         self.errors = counter("specserve:request_errors_total", "Requests that ended in an error, by code.",
-                              (*m, "code"))
+                              (*MODEL, "code"))
         self.admission = counter("specserve:admission_total",
                                  "SLO-aware admission outcomes by tier: declined (a replica's planner said no), "
                                  "best_effort (admitted without an SLO) and refused (503); "
                                  "zero under --admission fifo.",
-                                 (*m, "tier", "outcome"))
+                                 (*MODEL, "tier", "outcome"))
         # ---- specserve: per replica, for a gateway in front of several
         self.replica_up = gauge("specserve:replica_up", "Whether the replica is up (1) or not (0).",
-                                (*m, "replica"))
+                                (*MODEL, "replica"))
         self.replica_running = gauge("specserve:replica_running", "Requests running on the replica.",
-                                     (*m, "replica"))
+                                     (*MODEL, "replica"))
         self.replica_kv_usage = gauge("specserve:replica_kv_usage_perc",
-                                      "KV-cache usage of the replica. 1 means 100 percent usage.", (*m, "replica"))
-
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name=model_name, finished_reason=reason)
-        self._exposed = _WithoutCreated(r)
-        self._replicas: dict[str, tuple[Gauge, Gauge, Gauge]] = {}  # per replica: up, running, KV usage
+                                      "KV-cache usage of the replica. 1 means 100 percent usage.", (*MODEL, "replica"))
 
     # ---- request lifecycle -------------------------------------------------------------------
     def on_queued(self) -> None:

@@ -31,11 +31,12 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from specserve.shared.wire.messages import SamplingSpec
+from specserve.shared.wire.messages import HealthReply, SamplingSpec
 from specserve.shared.wire.service_client import PrefillItem, StepOutput, TargetClient, VerifyItem
 
 __all__ = ["DEFAULT_TREE_SIZES", "MIN_BUDGET", "Profile", "add_flags", "default_profile_path", "knee", "main",
@@ -201,17 +202,7 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
     """
     from tqdm import tqdm
 
-    if batch < 1 or input_tokens < 1 or output_tokens < 1 or repeats < 1:
-        raise ValueError("batch, input_tokens, output_tokens and repeats must be positive")
-    if not tree_sizes or min(tree_sizes) < 1:
-        raise ValueError(f"tree sizes must be positive, got {tree_sizes}")
-    health = await target.health()
-    stats = await target.stats()
-    need = kv_blocks_needed(batch, input_tokens, output_tokens, tuple(tree_sizes), repeats, stats.block_size,
-                            worst_case=False)
-    if need > stats.free_blocks:
-        raise ValueError(f"the profile needs about {need} free KV blocks on the target; it has {stats.free_blocks} "
-                         f"of {stats.total_blocks} (start it with more --kv-blocks)")
+    health = await _check(target, batch, input_tokens, output_tokens, tree_sizes, repeats)
 
     rng = random.Random(seed)
     tag = uuid.uuid4().hex[:8]
@@ -224,25 +215,8 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
     try:
         await run.prefill(input_tokens)
         bar.update()
-        decode: list[float] = []
-        while len(decode) < output_tokens:
-            if len(decode) >= MIN_DECODE_PASSES and time.monotonic() - start > DECODE_SHARE * time_budget_s:
-                break
-            decode.append(await run.verify_chains(1))
-            bar.update()
-        samples: dict[int, list[float]] = {k: [] for k in sizes}
-        rounds = 0
-        for round_ in range(repeats + 1):  # round 0 is the warm-up (each shape's first pass)
-            began = time.monotonic()
-            for k in sizes:
-                elapsed = await run.verify_chains(k)
-                if round_:
-                    samples[k].append(elapsed)
-                bar.update()
-            rounds = round_
-            now = time.monotonic()
-            if round_ and round_ < repeats and now + (now - began) - start > time_budget_s:
-                break
+        decode = await _decode_passes(run, output_tokens, start, time_budget_s, bar.update)
+        samples, rounds = await _rounds(run, sizes, repeats, start, time_budget_s, bar.update)
         finished = True
     finally:
         bar.close()
@@ -258,21 +232,61 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
               f"within its {time_budget_s:.0f} s bound ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     curve = [(batch * k, round(statistics.median(samples[k]), 3)) for k in sorted(set(tree_sizes))]
     reference = statistics.median(samples[1])
-    return Profile(
-        budget_tokens=knee(curve, reference, knee_ratio),
-        baseline_iteration_ms=round(min(decode), 3),
-        knee_ratio=knee_ratio,
-        curve=curve,
-        model=health.model,
-        device=health.device,
-        dtype=health.dtype,
-        fingerprint=health.fingerprint,
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
-        batch=batch,
-        input_tokens=input_tokens,
-        output_tokens=len(decode),
-        reference_ms=round(reference, 3),
-    )
+    return Profile(budget_tokens=knee(curve, reference, knee_ratio), baseline_iteration_ms=round(min(decode), 3),
+                   knee_ratio=knee_ratio, curve=curve, model=health.model, device=health.device, dtype=health.dtype,
+                   fingerprint=health.fingerprint, created=datetime.now(UTC).isoformat(timespec="seconds"),
+                   batch=batch, input_tokens=input_tokens, output_tokens=len(decode), reference_ms=round(reference, 3))
+
+
+async def _check(target: TargetClient, batch: int, input_tokens: int, output_tokens: int, tree_sizes: tuple[int, ...],
+                 repeats: int) -> HealthReply:
+    """The target's health, once the settings are valid and its free KV blocks hold the measurement."""
+    if batch < 1 or input_tokens < 1 or output_tokens < 1 or repeats < 1:
+        raise ValueError("batch, input_tokens, output_tokens and repeats must be positive")
+    if not tree_sizes or min(tree_sizes) < 1:
+        raise ValueError(f"tree sizes must be positive, got {tree_sizes}")
+    health = await target.health()
+    stats = await target.stats()
+    need = kv_blocks_needed(batch, input_tokens, output_tokens, tuple(tree_sizes), repeats, stats.block_size,
+                            worst_case=False)
+    if need > stats.free_blocks:
+        raise ValueError(f"the profile needs about {need} free KV blocks on the target; it has {stats.free_blocks} "
+                         f"of {stats.total_blocks} (start it with more --kv-blocks)")
+    return health
+
+
+async def _decode_passes(run: _Batch, count: int, start: float, time_budget_s: float,
+                         tick: Callable[[], object]) -> list[float]:
+    """Up to `count` root-only decode passes (ms each): never fewer than MIN_DECODE_PASSES, and none
+    started after DECODE_SHARE of the time bound."""
+    decode: list[float] = []
+    while len(decode) < count:
+        if len(decode) >= MIN_DECODE_PASSES and time.monotonic() - start > DECODE_SHARE * time_budget_s:
+            break
+        decode.append(await run.verify_chains(1))
+        tick()
+    return decode
+
+
+async def _rounds(run: _Batch, sizes: list[int], repeats: int, start: float, time_budget_s: float,
+                  tick: Callable[[], object]) -> tuple[dict[int, list[float]], int]:
+    """An untimed warm-up round, then up to `repeats` timed rounds of one pass per size (ms by size), the
+    last one begun only if, as long as the round before it, it ends within the time bound; and the
+    timed rounds run."""
+    samples: dict[int, list[float]] = {k: [] for k in sizes}
+    rounds = 0
+    for round_ in range(repeats + 1):  # round 0 is the warm-up (each shape's first pass)
+        began = time.monotonic()
+        for k in sizes:
+            elapsed = await run.verify_chains(k)
+            if round_:
+                samples[k].append(elapsed)
+            tick()
+        rounds = round_
+        now = time.monotonic()
+        if round_ and round_ < repeats and now + (now - began) - start > time_budget_s:
+            break
+    return samples, rounds
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

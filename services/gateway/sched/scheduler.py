@@ -28,9 +28,11 @@ from specserve.gateway.sched.plan import (
     Decision,
     IterationPlan,
     Proposal,
+    Reject,
     Residency,
     SchedulerView,
     Shape,
+    WaitingView,
 )
 from specserve.gateway.sched.policy.base import Policy
 from specserve.gateway.sched.routing import Ledger, Router
@@ -104,15 +106,43 @@ class Scheduler:
 
     # ---- 3. the hard limits --------------------------------------------------------------------
     def enforce(self, view: SchedulerView, decision: Decision, step: int) -> IterationPlan:
-        limits = view.limits
         waiting = {w.rid: w for w in view.waiting}
         asked = {a.rid for a in decision.admit}
         rejected = {rid: r for rid, r in view.proposal.reject.items() if rid in waiting and rid not in asked}
         rejected.update({rid: r for rid, r in decision.reject.items() if rid in waiting})
         deferred = {rid: why for rid, why in decision.defer.items() if rid in waiting and rid not in rejected}
-        ledgers = _ledgers(view) if decision.admit else []
         mine = {r.rid for r in view.decoding if view.stepping(r.replica)}
         preempt = [rid for rid in view.proposal.preempt if rid in mine]  # another replica's are its own
+        admitted = self._admit(view, decision, waiting, rejected, deferred, preempt)
+        proposal = view.proposal
+        if decision.chunks is None and [(a.rid, a.replica) for a in admitted] == \
+                [(a.rid, a.replica) for a in proposal.admit]:
+            chunks, prefill = dict(proposal.chunks), list(proposal.prefill_tokens)
+        elif decision.chunks is None:
+            chunks, prefill = self._fifo_chunks(view, admitted)
+        else:
+            chunks, prefill = self._clip_chunks(view, admitted, decision.chunks)
+        residency = decision.residency
+        if not view.draft.up or (residency is Residency.OFFLOAD) == view.draft.offloaded:
+            residency = Residency.KEEP
+        # an offload happens before this iteration's draft call: nobody speculates in it
+        draft_ok = view.draft.usable and self.policy.uses_draft and residency is not Residency.OFFLOAD
+        shapes = self._shapes(view, decision.shapes, mine, draft_ok)
+        sync = [r.rid for r in view.decoding if self.sync_draft and draft_ok and r.draft_lag > 0
+                and r.rid in mine and shapes[r.rid].depth == 0]
+        batches = view.batches(prefill)
+        for rid in preempt:
+            shapes.pop(rid)
+        return IterationPlan(step, admitted, deferred, rejected, chunks, shapes, batches, residency,
+                             sync, preempt)
+
+    def _admit(self, view: SchedulerView, decision: Decision, waiting: dict[str, WaitingView],
+               rejected: dict[str, Reject], deferred: dict[str, str], preempt: list[str]) -> list[Admit]:
+        """The decision's admissions that fit each replica's KV blocks and running limit (the router picks
+        another replica where the asked one is full); the rest are deferred (`deferred` is updated), all
+        behind the first that does not fit under `strict_order`."""
+        limits = view.limits
+        ledgers = _ledgers(view) if decision.admit else []
         if ledgers and preempt:  # what the preempted give back is there to admit with
             going = set(preempt)
             for r in view.decoding:
@@ -141,23 +171,14 @@ class Scheduler:
             self.router.picked(replica)
             admitted.append(Admit(a.rid, replica))
             deferred.pop(a.rid, None)
+        return admitted
 
-        proposal = view.proposal
-        if decision.chunks is None and [(a.rid, a.replica) for a in admitted] == \
-                [(a.rid, a.replica) for a in proposal.admit]:
-            chunks, prefill = dict(proposal.chunks), list(proposal.prefill_tokens)
-        elif decision.chunks is None:
-            chunks, prefill = self._fifo_chunks(view, admitted)
-        else:
-            chunks, prefill = self._clip_chunks(view, admitted, decision.chunks)
-
-        residency = decision.residency
-        if not view.draft.up or (residency is Residency.OFFLOAD) == view.draft.offloaded:
-            residency = Residency.KEEP
-        # an offload happens before this iteration's draft call: nobody speculates in it
-        draft_ok = view.draft.usable and self.policy.uses_draft and residency is not Residency.OFFLOAD
+    @staticmethod
+    def _shapes(view: SchedulerView, wanted: dict[str, Shape], mine: set[str], draft_ok: bool) -> dict[str, Shape]:
+        """Each of this loop's decoders' shape: the policy's, within the depth and width limits and its
+        remaining tokens; no draft where drafting is off this iteration or the policy gave none."""
+        limits = view.limits
         shapes: dict[str, Shape] = {}
-        wanted = decision.shapes
         for r in view.decoding:
             if r.rid not in mine:
                 continue
@@ -169,14 +190,7 @@ class Scheduler:
             if s.depth > cap or not 1 <= s.width <= limits.max_width:  # only then a new Shape
                 s = Shape(max(0, min(s.depth, cap)), max(1, min(s.width, limits.max_width)))
             shapes[r.rid] = s
-        sync = [r.rid for r in view.decoding if self.sync_draft and draft_ok and r.draft_lag > 0
-                and r.rid in mine and shapes[r.rid].depth == 0]
-
-        batches = view.batches(prefill)
-        for rid in preempt:
-            shapes.pop(rid)
-        return IterationPlan(step, admitted, deferred, rejected, chunks, shapes, batches, residency,
-                             sync, preempt)
+        return shapes
 
     def _clip_chunks(self, view: SchedulerView, admitted: list[Admit],
                      wanted: dict[str, int]) -> tuple[dict[str, int], list[int]]:

@@ -60,21 +60,37 @@ def plan(nodes: Sequence[Node], base: Sequence[int], free_memory: int, budget: B
     forced_ok = not moved
     if any(math.isinf(t) for t in moved.values()):  # a forced prompt can never finish: admit nothing
         return DpResult([], [nd.rid for nd in seq[1:] if not nd.forced], (0,) * tiers, False, moved)
-    # decoders per tier of the forced nodes up to and including each index (node 0 counts none)
+    forced_upto, last_forced, final_forced = _forced_prefix(seq, tiers)
+    fronts, relax = _relax(seq, base, forced_upto, last_forced, free_memory, budget)
+    chosen, counts = _best(seq, fronts, base, forced_upto, final_forced, budget, w)
+    picked = set(chosen)
+    declined = [nd.rid for nd in seq[1:] if not nd.forced and nd.rid not in picked]
+    return DpResult(chosen, declined, counts, forced_ok, moved, relax)
+
+
+def _forced_prefix(seq: list[Node], tiers: int) -> tuple[list[tuple[int, ...]], list[int], int]:
+    """Per index of `seq`: the forced nodes' decoders per tier up to and including it (node 0 counts
+    none), and the latest forced index strictly before it; and the last forced index of all."""
     forced_upto: list[tuple[int, ...]] = []
     acc = [0] * tiers
     for i, nd in enumerate(seq):
         if i > 0 and nd.forced:
             acc[nd.tier] += 1
         forced_upto.append(tuple(acc))
-    last_forced = [0] * len(seq)  # the latest forced index strictly before i
+    last_forced = [0] * len(seq)
     lf = 0
     for i, nd in enumerate(seq):
         last_forced[i] = lf
         if nd.forced:
             lf = i
-    final_forced = lf
+    return forced_upto, last_forced, lf
 
+
+def _relax(seq: list[Node], base: Sequence[int], forced_upto: list[tuple[int, ...]], last_forced: list[int],
+           free_memory: int, budget: Budget) -> tuple[list[dict[tuple[int, ...], list[_State]]], int]:
+    """The DP's Pareto fronts: per node and count of admitted new nodes per tier, the (memory, budget
+    left) states that reach it with every deadline met; and the transitions tried."""
+    tiers = len(base)
     fronts: list[dict[tuple[int, ...], list[_State]]] = [dict() for _ in seq]
     fronts[0][(0,) * tiers] = [(0, 0.0, -1, (), -1)]
     relax = 0
@@ -98,7 +114,14 @@ def plan(nodes: Sequence[Node], base: Sequence[int], free_memory: int, budget: B
                     if m > free_memory or left < 0:
                         continue
                     _insert(fronts[i].setdefault(new_cnt, []), (m, left, j, cnt, e))
+    return fronts, relax
 
+
+def _best(seq: list[Node], fronts: list[dict[tuple[int, ...], list[_State]]], base: Sequence[int],
+          forced_upto: list[tuple[int, ...]], final_forced: int, budget: Budget,
+          w: list[float]) -> tuple[list[str], tuple[int, ...]]:
+    """The best sustainable end state at or after the last forced node (largest Σ w·n, then the most
+    budget left), and the new nodes on its path, in deadline order, with their counts per tier."""
     best: tuple[float, float, int, tuple[int, ...], int] | None = None  # (value, budget, node, counts, entry)
     for i in range(final_forced, len(seq)):
         for cnt, states in fronts[i].items():
@@ -110,21 +133,17 @@ def plan(nodes: Sequence[Node], base: Sequence[int], free_memory: int, budget: B
                 key = (value, pb)
                 if best is None or key > best[:2]:
                     best = (value, pb, i, cnt, e)
+    if best is None:
+        return [], tuple(0 for _ in base)
     chosen: list[str] = []
-    if best is not None:
-        i, cnt, e = best[2], best[3], best[4]
-        while i > 0:
-            _m, _pb, j, pcnt, pe = fronts[i][cnt][e]
-            if not seq[i].forced:
-                chosen.append(seq[i].rid)
-            i, cnt, e = j, pcnt, pe
-        chosen.reverse()
-    counts = tuple(0 for _ in base)
-    if best is not None:
-        counts = best[3]
-    picked = set(chosen)
-    declined = [nd.rid for nd in seq[1:] if not nd.forced and nd.rid not in picked]
-    return DpResult(chosen, declined, counts, forced_ok, moved, relax)
+    i, cnt, e = best[2], best[3], best[4]
+    while i > 0:
+        _m, _pb, j, pcnt, pe = fronts[i][cnt][e]
+        if not seq[i].forced:
+            chosen.append(seq[i].rid)
+        i, cnt, e = j, pcnt, pe
+    chosen.reverse()
+    return chosen, best[3]
 
 
 def _insert(front: list[_State], s: _State) -> None:
