@@ -56,7 +56,7 @@ class Intake:
         req = self.table.requests.get(rid)
         if req is not None and req.finish_reason is None:
             replica = req.replica
-            self.table.finish(req, reason, notify=False)
+            self.table.finish(req, reason)
             self.wake(replica)
 
     def pool_tokens_short(self, prompt_tokens: int, max_tokens: int) -> int | None:

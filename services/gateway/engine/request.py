@@ -1,4 +1,9 @@
-"""One generation request as the engine tracks it, and the events it sends to its HTTP handler."""
+"""The messages between the HTTP side and the engine, and the engine's own state of a request.
+
+In: a `Submission` (what the HTTP side asks for). Out, on the queue `submit` returns: `Admitted` once
+(unless refused first), `Tokens` per step, `Finished` once, with the request's `specserve` report. The
+engine keeps its state in a `GenRequest`, which the HTTP side never sees.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +41,24 @@ class Finished:
     reason: str  # "stop", "length", "abort", "error" or "rejected" (refused before admission)
     error: str | None = None  # what went wrong, when reason is "error" or "rejected"
     retry_after_s: float | None = None  # "rejected": when to come back
+    report: dict | None = None  # the response's `specserve` object (GenRequest.report), as the engine ends it
+
+
+Event = Admitted | Tokens | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A request as the HTTP side hands it to the engine: tokenized and checked."""
+
+    rid: str
+    prompt: list[int]
+    sampling: SamplingSpec
+    max_tokens: int  # output tokens allowed (already capped by the context length)
+    slo: SloClass
+    stop_ids: frozenset[int]  # token ids that end the output (EOS); not streamed as text
+    best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it
+    trace: SpanContext | None = None  # the request span it was submitted under (a front end's), if any
 
 
 @dataclass(eq=False, slots=True)
@@ -68,7 +91,15 @@ class GenRequest:
     served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
     trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
-    reported: dict | None = None  # a front end's copy (--frontends): the report the engine process sent at its end
+
+    @classmethod
+    def of(cls, sub: Submission, events: asyncio.Queue | None = None) -> GenRequest:
+        """The engine's state of a submitted request; its events go to `events` (a new queue if None)."""
+        req = cls(sub.rid, list(sub.prompt), sub.sampling, sub.max_tokens, sub.slo, sub.stop_ids,
+                  best_effort_ok=sub.best_effort_ok, trace=sub.trace)
+        if events is not None:
+            req.events = events
+        return req
 
     @property
     def committed(self) -> int:
@@ -95,14 +126,15 @@ class GenRequest:
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
     def report(self) -> dict:
-        """The `specserve` extension object of a response: SLO and speculation per step."""
-        if self.reported is not None:
-            return self.reported
-        tpot = self.tpot_s()
+        """The `specserve` extension object of a response: SLO (and whether both its targets were met),
+        time to first token and per output token after it, and speculation per step."""
+        tpot, ttft = self.tpot_s(), self.ttft_s()
         return {"slo": {"tier": self.slo.name, "tpot_ms": self.slo.tpot_ms, "ttft_ms": self.slo.ttft_ms},
                 "replica": self.replica,
                 "best_effort": self.served_best_effort,
+                "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
                 "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
+                "slo_met": None if ttft is None else self.slo_met(),
                 "steps": [[step, nodes, acc] for (step, nodes), acc in zip(self.verified, self.accepted)]}
 
     def ttft_s(self) -> float | None:

@@ -75,10 +75,11 @@ class RequestTable:
             target.reserved_blocks -= r.kv_blocks
             target.owed_releases.add(r.rid)
 
-    def finish(self, r: GenRequest, reason: str, error: str | None = None, notify: bool = True,
+    def finish(self, r: GenRequest, reason: str, error: str | None = None,
                retry_after_s: float | None = None) -> None:
-        """End a request: out of the table (its KV and draft state owed back), its handler told, its
-        outcome counted. Ending one that has ended does nothing."""
+        """End a request: out of the table (its KV and draft state owed back), its handler told (with its
+        report; also when the handler asked for the end), its outcome counted. Ending one that has ended
+        does nothing."""
         if r.finish_reason is not None:
             return
         r.finish_reason = reason
@@ -90,8 +91,7 @@ class RequestTable:
             if self.pool.draft is not None and r.draft_seen:
                 self.pool.draft.owed_releases.add(r.rid)
         self.requests.pop(r.rid, None)
-        if notify:
-            r.events.put_nowait(Finished(reason, error, retry_after_s))
+        r.events.put_nowait(Finished(reason, error, retry_after_s, r.report()))
         served = reason in ("stop", "length")
         e2e = time.perf_counter() - r.arrival
         if served:

@@ -20,7 +20,7 @@ import logging
 import msgspec
 
 from specserve.gateway.engine.intake import ServiceUnavailable
-from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.engine.request import Admitted, Event, Submission, Tokens
 from specserve.gateway.frontend import wire
 from specserve.gateway.frontend.local import LocalEngine, kv_pool_error
 from specserve.gateway.obs import spans
@@ -57,12 +57,12 @@ class _Connection:
 class _Sink(asyncio.Queue):
     """A request's event queue that forwards every event to its front end's connection."""
 
-    def __init__(self, connection: _Connection, req: GenRequest):
+    def __init__(self, connection: _Connection, rid: str):
         super().__init__()
-        self.connection, self.req = connection, req
+        self.connection, self.rid = connection, rid
 
-    def put_nowait(self, item: Admitted | Tokens | Finished) -> None:
-        rid = self.req.rid
+    def put_nowait(self, item: Event) -> None:
+        rid = self.rid
         if isinstance(item, Tokens):
             self.connection.emit(wire.Event(rid, wire.TOKENS, item.tokens))
         elif isinstance(item, Admitted):
@@ -71,7 +71,7 @@ class _Sink(asyncio.Queue):
             self.connection.rids.discard(rid)
             self.connection.emit(wire.Event(rid, wire.FINISHED, reason=item.reason, error=item.error,
                                             retry_after_s=item.retry_after_s,
-                                            report=msgspec.json.encode(self.req.report())))
+                                            report=msgspec.json.encode(item.report) if item.report else b""))
 
 
 class FrontendLink:
@@ -144,12 +144,11 @@ class FrontendLink:
         if too_large is not None:
             conn.emit(wire.Event(m.rid, wire.FINISHED, reason="invalid", error=too_large))
             return
-        req = GenRequest(m.rid, m.prompt, m.sampling, m.max_tokens, SloClass(m.tier, m.tpot_ms, m.ttft_ms),
-                         frozenset(m.stop_ids), best_effort_ok=m.best_effort_ok)
-        req.events = _Sink(conn, req)
-        req.trace = spans.from_wire(m.trace)  # the iterations link to the front end's request span
+        # the iterations link to the front end's request span
+        sub = Submission(m.rid, m.prompt, m.sampling, m.max_tokens, SloClass(m.tier, m.tpot_ms, m.ttft_ms),
+                         frozenset(m.stop_ids), m.best_effort_ok, spans.from_wire(m.trace))
         try:
-            self.local.submit(req)
+            self.local.submit(sub, _Sink(conn, m.rid))
         except ServiceUnavailable as exc:
             conn.emit(wire.Event(m.rid, wire.FINISHED, reason="rejected", error=str(exc),
                                  retry_after_s=exc.retry_after_s))

@@ -5,23 +5,26 @@ questions the engine process answers through a `LocalEngine` (frontend/link.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Protocol
 
 from specserve.gateway.engine.loop import Engine
-from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.engine.request import Event, GenRequest, Submission
 from specserve.gateway.sched.slo_classes import SloClass
 
 
 class EngineApi(Protocol):
     classes: dict[str, SloClass]  # the SLO classes requests are resolved against
 
-    def submit(self, req: GenRequest) -> None:
-        """Queue the request; ServiceUnavailable (503) when it is refused at once. Its events arrive in
-        `req.events`."""
+    def submit(self, sub: Submission) -> asyncio.Queue[Event]:
+        """Queue the request; its events (engine/request.py: Admitted, Tokens, Finished) arrive on the queue
+        returned. ServiceUnavailable (503) when it is refused at once."""
 
-    def abort(self, rid: str, reason: str = "abort") -> None: ...
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """End the request (client gone, or a stop string the handler found); its Finished, with its
+        report, still arrives on its queue."""
 
     def count_error(self, code: str) -> None:
         """An error the front end answered itself (specserve:request_errors_total)."""
@@ -44,8 +47,11 @@ class LocalEngine:
     def __init__(self, engine: Engine, classes: dict[str, SloClass], profile_path: Path):
         self.engine, self.classes, self.profile_path = engine, classes, profile_path
 
-    def submit(self, req: GenRequest) -> None:
+    def submit(self, sub: Submission, events: asyncio.Queue | None = None) -> asyncio.Queue[Event]:
+        """events: the queue the request's events go to (a new one if None)."""
+        req = GenRequest.of(sub, events)
         self.engine.intake.submit(req)
+        return req.events
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         self.engine.intake.abort(rid, reason)

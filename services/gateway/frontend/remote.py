@@ -1,7 +1,7 @@
 """A front end's side: `RemoteEngine`, the engine as the HTTP handlers of a front-end process see it.
 
 It keeps one connection to the engine process. `submit` sends the tokenized request and keeps the
-handler's `GenRequest` by id; a reader task hands each `Events` frame's events to their requests'
+handler's event queue by id; a reader task hands each `Events` frame's events to their requests'
 queues (so a handler sees `Admitted`, `Tokens` and `Finished` as it would beside the engine), and
 each `Answer` to the query waiting for it. When the connection ends, every request still running
 ends with an error, and so does every later submit, until the process is stopped (the engine
@@ -20,7 +20,7 @@ import time
 import msgspec
 
 from specserve.gateway.engine.intake import ServiceUnavailable
-from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.engine.request import Admitted, Event, Finished, Submission, Tokens
 from specserve.gateway.frontend import wire
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo_classes import SloClass
@@ -34,7 +34,7 @@ ENGINE_GONE = "the engine process is gone"
 class RemoteEngine:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, classes: dict[str, SloClass]):
         self.reader, self.writer, self.classes = reader, writer, classes
-        self.requests: dict[str, GenRequest] = {}
+        self.requests: dict[str, asyncio.Queue[Event]] = {}  # by rid, until its Finished arrives
         self._answers: dict[int, asyncio.Future[wire.Answer]] = {}
         self._qids = itertools.count()
         self.closed = asyncio.Event()
@@ -86,16 +86,18 @@ class RemoteEngine:
         self.writer.close()
 
     # ---- EngineApi --------------------------------------------------------------------------------
-    def submit(self, req: GenRequest) -> None:
+    def submit(self, sub: Submission) -> asyncio.Queue[Event]:
         if self.closed.is_set():
             raise ServiceUnavailable(ENGINE_GONE, 1.0)
-        self.requests[req.rid] = req
-        self._send(wire.Submit(req.rid, req.prompt, req.sampling, req.max_tokens, req.slo.name, req.slo.tpot_ms,
-                               req.slo.ttft_ms, sorted(req.stop_ids), req.best_effort_ok,
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self.requests[sub.rid] = events
+        self._send(wire.Submit(sub.rid, sub.prompt, sub.sampling, sub.max_tokens, sub.slo.name, sub.slo.tpot_ms,
+                               sub.slo.ttft_ms, sorted(sub.stop_ids), sub.best_effort_ok,
                                spans.to_wire(spans.current()) if tracing.ENABLED else b""))
+        return events
 
     def abort(self, rid: str, reason: str = "abort") -> None:
-        if self.requests.pop(rid, None) is not None:
+        if rid in self.requests:  # (its Finished, with its report, still comes)
             self._send(wire.Abort(rid, reason))
 
     def count_error(self, code: str) -> None:
@@ -147,25 +149,22 @@ class RemoteEngine:
             log.error("the connection to the engine process ended (%s): its requests end", exc)
         finally:
             self.closed.set()
-            for req in self.requests.values():
-                req.events.put_nowait(Finished("error", ENGINE_GONE))
+            for events in self.requests.values():
+                events.put_nowait(Finished("error", ENGINE_GONE))
             self.requests.clear()
             for future in self._answers.values():
                 if not future.done():
                     future.set_exception(ServiceUnavailable(ENGINE_GONE, 1.0))
 
     def _deliver(self, event: wire.Event) -> None:
-        req = self.requests.get(event.rid)
-        if req is None:  # aborted here while its events were on the way
+        events = self.requests.get(event.rid)
+        if events is None:
             return
         if event.kind == wire.TOKENS:
-            req.output.extend(event.tokens)
-            req.events.put_nowait(Tokens(event.tokens))
+            events.put_nowait(Tokens(event.tokens))
         elif event.kind == wire.ADMITTED:
-            req.replica = event.replica
-            req.events.put_nowait(Admitted(event.replica))
+            events.put_nowait(Admitted(event.replica))
         else:
             del self.requests[event.rid]
-            if event.report:
-                req.reported = json.loads(event.report)
-            req.events.put_nowait(Finished(event.reason, event.error, event.retry_after_s))
+            events.put_nowait(Finished(event.reason, event.error, event.retry_after_s,
+                                       json.loads(event.report) if event.report else None))

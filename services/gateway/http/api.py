@@ -1,4 +1,4 @@
-"""Turning a parsed OpenAI request into a GenRequest, and engine events into response chunks.
+"""Turning a parsed OpenAI request into a Submission, and the engine's events into response pieces.
 
 `Generation` runs one request: it feeds emitted tokens through the incremental detokenizer and
 the stop-string matcher and yields (text, finish_reason) pieces; the HTTP layer (server.py) only
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from specserve.gateway.engine.intake import ServiceUnavailable
-from specserve.gateway.engine.request import Admitted, Finished, GenRequest, Tokens
+from specserve.gateway.engine.request import Admitted, Event, Finished, Submission
 from specserve.gateway.frontend.local import EngineApi, kv_pool_error
 from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
 from specserve.gateway.http.protocol import ApiError, Sampling, SloSpec
@@ -57,7 +57,7 @@ def allows_best_effort(tier: str | None, slo: SloSpec | None) -> bool:
 
 
 def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], sampling: Sampling, slo: SloClass,
-                  prefix: str) -> GenRequest:
+                  prefix: str, best_effort_ok: bool = False) -> Submission:
     """Check the prompt and limits against the model and the KV pool; 400 with a clear reason otherwise."""
     if not prompt:
         raise ApiError("the prompt is empty after tokenization", param="prompt")
@@ -78,35 +78,42 @@ def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], samplin
         raise ApiError(too_large, param="max_tokens")
     spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
                         None if sampling.seed is None else sampling.seed % 2**63)
-    return GenRequest(new_id(prefix), list(prompt), spec, max_tokens, slo,
-                      frozenset() if sampling.ignore_eos else info.stop_ids)
+    return Submission(new_id(prefix), list(prompt), spec, max_tokens, slo,
+                      frozenset() if sampling.ignore_eos else info.stop_ids, best_effort_ok)
 
 
 class Generation:
-    """One submitted request's output as text pieces; aborts the request if the consumer leaves."""
+    """One submitted request's output as text pieces, from its events; aborts the request if the
+    consumer leaves. Its times (arrival, admission, first token) are the handler's own."""
 
-    def __init__(self, engine: EngineApi, req: GenRequest, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]):
-        self.engine, self.req = engine, req
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt)
+    def __init__(self, engine: EngineApi, sub: Submission, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]):
+        self.engine, self.sub = engine, sub
+        self.arrival = time.perf_counter()
+        self.events = engine.submit(sub)  # ServiceUnavailable: refused at once
+        self.detok = IncrementalDetokenizer(tokenizer, sub.prompt)
         self.stop = StopMatcher(stops)
         self.completion_tokens = 0  # tokens consumed into the text (those after a stop string are not)
         self.created = int(time.time())
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.report: dict | None = None  # the engine's `specserve` report, from its Finished
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
         self._early: Finished | None = None  # the request ended before it was admitted
 
     async def admitted(self) -> None:
         """Wait until the engine admits the request (before any response byte is sent); a request
         refused or failed before admission raises ServiceUnavailable (503, with Retry-After)."""
         try:
-            event = await self.req.events.get()
+            event = await self.events.get()
         except asyncio.CancelledError:
-            self.engine.abort(self.req.rid)
+            self.engine.abort(self.sub.rid)
             raise
         if isinstance(event, Admitted):
+            self.admitted_at = time.perf_counter()
             return
         assert isinstance(event, Finished), event
-        self.finish_reason, self.error = event.reason, event.error
+        self.finish_reason, self.error, self.report = event.reason, event.error, event.report
         if event.reason == "invalid":  # refused by the engine process's own checks (--frontends)
             raise ApiError(event.error or "invalid request", param="max_tokens")
         if event.reason in ("rejected", "error"):
@@ -119,7 +126,7 @@ class Generation:
         `error`) are set when it ends."""
         if self._early is not None:
             return
-        events = self.req.events
+        events = self.events
         try:
             while self.finish_reason is None:
                 taken = [await events.get()]
@@ -128,11 +135,15 @@ class Generation:
                 text = "".join(self._text(taken))
                 if text:
                     yield text
+            while self.report is None and self.finish_reason == "stop":  # ended here: the engine's report follows
+                event = await events.get()
+                if isinstance(event, Finished):
+                    self.report = event.report or {}
         finally:
             if self.finish_reason is None:  # the consumer left (client disconnect)
-                self.engine.abort(self.req.rid)
+                self.engine.abort(self.sub.rid)
 
-    def _text(self, events: list[Admitted | Tokens | Finished]) -> Iterator[str]:
+    def _text(self, events: list[Event]) -> Iterator[str]:
         """The text of events in order, through the detokenizer and the stop matcher; sets
         finish_reason at a Finished event or a stop string (what follows is dropped)."""
         for event in events:
@@ -141,51 +152,52 @@ class Generation:
             if isinstance(event, Finished):
                 tail, _ = self.stop.feed(self.detok.flush())
                 yield tail + self.stop.flush()
-                self.finish_reason, self.error = event.reason, event.error
+                self.finish_reason, self.error, self.report = event.reason, event.error, event.report
                 return
+            if self.first_token_at is None and event.tokens:
+                self.first_token_at = time.perf_counter()
             for token in event.tokens:
                 self.completion_tokens += 1
                 piece, stopped = self.stop.feed(self.detok.add([token]))
                 yield piece
                 if stopped:
-                    self.engine.abort(self.req.rid, "stop")
+                    self.engine.abort(self.sub.rid, "stop")
                     self.finish_reason = "stop"
                     return
 
     def usage(self) -> dict:
-        p, c = len(self.req.prompt), self.completion_tokens
+        p, c = len(self.sub.prompt), self.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def span_attributes(self) -> dict[str, Any]:
-        """The request span's attributes (OpenTelemetry GenAI names, and specserve's), as of now."""
-        r = self.req
-        now = time.perf_counter()
+        """The request span's attributes (OpenTelemetry GenAI names, and specserve's), as of now: times as
+        this handler saw them, speculation and whether the SLO was met as the engine's report says."""
+        sub, report = self.sub, self.report or {}
+        steps = report.get("steps") or []
         out: dict[str, Any] = {
-            "gen_ai.request.id": r.rid,
-            "gen_ai.request.max_tokens": r.max_tokens,
-            "gen_ai.request.temperature": r.sampling.temperature,
-            "gen_ai.request.top_p": r.sampling.top_p,
-            "gen_ai.usage.prompt_tokens": len(r.prompt),
+            "gen_ai.request.id": sub.rid,
+            "gen_ai.request.max_tokens": sub.max_tokens,
+            "gen_ai.request.temperature": sub.sampling.temperature,
+            "gen_ai.request.top_p": sub.sampling.top_p,
+            "gen_ai.usage.prompt_tokens": len(sub.prompt),
             "gen_ai.usage.completion_tokens": self.completion_tokens,
-            "gen_ai.latency.e2e": now - r.arrival,
-            "specserve.slo.tier": r.slo.name,
-            "specserve.slo.tpot_target_ms": r.slo.tpot_ms,
-            "specserve.slo.ttft_target_ms": r.slo.ttft_ms,
-            "specserve.verify_steps": len(r.accepted),
+            "gen_ai.latency.e2e": time.perf_counter() - self.arrival,
+            "specserve.slo.tier": sub.slo.name,
+            "specserve.slo.tpot_target_ms": sub.slo.tpot_ms,
+            "specserve.slo.ttft_target_ms": sub.slo.ttft_ms,
+            "specserve.verify_steps": len(steps),
         }
-        if r.admitted_at is not None:
-            out["gen_ai.latency.time_in_queue"] = r.admitted_at - r.arrival
-        if r.token_times:
-            out["gen_ai.latency.time_to_first_token"] = r.ttft_s()
-        tpot = r.tpot_s()
-        if tpot is not None:
-            out["specserve.tpot_ms"] = tpot * 1e3
-            out["specserve.slo.met"] = r.slo_met()
-        if r.accepted:
-            out["specserve.tokens_per_step"] = (sum(r.accepted) + len(r.accepted)) / len(r.accepted)
-        if r.replica is not None:
-            out["specserve.replica"] = r.replica
+        if self.admitted_at is not None:
+            out["gen_ai.latency.time_in_queue"] = self.admitted_at - self.arrival
+        if self.first_token_at is not None:
+            out["gen_ai.latency.time_to_first_token"] = self.first_token_at - self.arrival
+        if report.get("tpot_ms") is not None:
+            out["specserve.tpot_ms"] = report["tpot_ms"]
+            out["specserve.slo.met"] = bool(report.get("slo_met"))
+        if steps:
+            out["specserve.tokens_per_step"] = sum(acc + 1 for _, _, acc in steps) / len(steps)
+        if report.get("replica") is not None:
+            out["specserve.replica"] = report["replica"]
         if self.finish_reason is not None:
             out["specserve.finish_reason"] = self.finish_reason
         return out
-

@@ -137,10 +137,9 @@ class Gateway:
                      prefix: str, chat: bool) -> web.StreamResponse:
         sampling = sampling_of(req)
         slo = resolve_slo(self.engine.classes, req.service_tier, req.slo)
-        gen_req = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix)
-        gen_req.best_effort_ok = allows_best_effort(req.service_tier, req.slo)
-        self.engine.submit(gen_req)
-        gen = Generation(self.engine, gen_req, self.tokenizer, sampling.stop)
+        sub = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix,
+                            allows_best_effort(req.service_tier, req.slo))
+        gen = Generation(self.engine, sub, self.tokenizer, sampling.stop)
         request[spans.ATTRIBUTES] = gen.span_attributes  # the request span's attributes at the end (tracing on)
         await gen.admitted()  # refused before admission: 503 before any response byte
         if req.stream:
@@ -154,15 +153,15 @@ class Gateway:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return web.json_response({"id": gen_req.rid, "object": "chat.completion" if chat else "text_completion",
+        return web.json_response({"id": sub.rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": gen.created, "model": self.info.name, "choices": [choice],
-                                  "usage": gen.usage(), "service_tier": slo.name, "specserve": gen_req.report()})
+                                  "usage": gen.usage(), "service_tier": slo.name, "specserve": gen.report})
 
     async def _stream(self, request: web.Request, gen: Generation, chat: bool, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=self.stream_headers)
         self._bound(request)
         await resp.prepare(request)
-        base = {"id": gen.req.rid, "object": "chat.completion.chunk" if chat else "text_completion",
+        base = {"id": gen.sub.rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": gen.created, "model": self.info.name}
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
@@ -190,7 +189,7 @@ class Gateway:
         else:
             end.append(chunk(None, gen.finish_reason))
         if usage:
-            last: dict[str, object] = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.req.report()}
+            last: dict[str, object] = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.report}
             end.append(b"data: " + _json.encode(last) + b"\n\n")
         end.append(b"data: [DONE]\n\n")
         try:
@@ -220,8 +219,8 @@ class Gateway:
         dropped with what it still holds."""
         self.engine.count_error("client_too_slow")
         log.warning("request %s: the client took no bytes for %g s with its buffers full (%d bytes each); "
-                    "cut after %d tokens", gen.req.rid, self.config.stream_stall_s, self.config.stream_buffer_bytes,
-                    len(gen.req.output))
+                    "cut after %d tokens", gen.sub.rid, self.config.stream_stall_s, self.config.stream_buffer_bytes,
+                    gen.completion_tokens)
         transport = request.transport
         if transport is not None:
             sock = transport.get_extra_info("socket")
