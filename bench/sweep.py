@@ -4,7 +4,7 @@
     .venv/bin/python bench/sweep.py --quick    # one run, two rates, no calibration (under 5 min)
     .venv/bin/python bench/sweep.py --replot bench/results/sweep-full/sweep.json   # figures and docs only
 
-Method (AdaServe §5 scaled to this machine, see docs/benchmarks/sweep.md):
+Method (AdaServe §5 scaled to this machine, see docs/lab/sweep.md):
 1. `specserve profile` measures the target once: budget B and the baseline latency (min per-iteration
    latency of batch-8 incremental decoding, input 32, output 128). Every gateway of the sweep reads
    that one profile, so every policy sees the same B and the same SLO classes (critical / search /
@@ -24,7 +24,7 @@ Method (AdaServe §5 scaled to this machine, see docs/benchmarks/sweep.md):
 4. The full sweep then runs bench/hf_peer.py once (transformers generate, assisted and batched), so
    the peer is measured on the same day as our servers.
 5. Medians over runs (min-max beside them) go to sweep.json, the PNG figures and a generated section
-   of docs/benchmarks/sweep.md, or docs/benchmarks/sweep_sim.md for a simulated sweep (between markers;
+   of docs/lab/sweep.md, or docs/lab/sweep_sim.md for a simulated sweep (between markers;
    text outside them is left alone; --docs names another file).
 
 Per-request JSONL records and per-point summaries stay in --out-dir (bench/results/sweep-<name>/).
@@ -617,7 +617,7 @@ def _num(v, scale: float = 1.0) -> str:
 
 def default_docs(results: dict) -> Path:
     """Where a sweep's generated section goes: the real CPU's sweeps and the simulated ones have a file each."""
-    return ROOT / "docs" / "benchmarks" / ("sweep_sim.md" if results["meta"].get("simulated") else "sweep.md")
+    return ROOT / "docs" / "lab" / ("sweep_sim.md" if results["meta"].get("simulated") else "sweep.md")
 
 
 def write_docs(results: dict, docs_path: Path, fig_dir: Path) -> None:
@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                     "concurrency-1 point keeps its own)")
     ap.add_argument("--out-dir", default=None, help="default bench/results/sweep-<name>")
     ap.add_argument("--docs", default=None, help="markdown file to update ('' : none; default "
-                    "docs/benchmarks/sweep.md, or docs/benchmarks/sweep_sim.md for a simulated sweep)")
+                    "docs/lab/sweep.md, or docs/lab/sweep_sim.md for a simulated sweep)")
     ap.add_argument("--fig-dir", default=str(ROOT / "docs" / "figures"))
     ap.add_argument("--replot", metavar="SWEEP_JSON", help="only redo the figures and docs from a sweep.json")
     args = ap.parse_args(argv)

@@ -110,8 +110,8 @@ def test_figures_are_pngs(sweep, tmp_path):
 def test_default_docs_file_per_kind(sweep):
     real, sim = _results(), _results("sim")
     sim["meta"]["simulated"] = "llama2-7b-a100,time_scale=4"
-    assert sweep.default_docs(real).parts[-2:] == ("benchmarks", "sweep.md")
-    assert sweep.default_docs(sim).parts[-2:] == ("benchmarks", "sweep_sim.md")
+    assert sweep.default_docs(real).parts[-2:] == ("lab", "sweep.md")
+    assert sweep.default_docs(sim).parts[-2:] == ("lab", "sweep_sim.md")
     for path in (sweep.default_docs(real), sweep.default_docs(sim)):  # the generated sections live there
         assert "<!-- sweep:" in path.read_text()
 
