@@ -565,7 +565,7 @@ def _knee_md(knee: dict | None) -> list[str]:
     if not knee:
         return []
     out = ["#### Target 1a: where FIFO admission falls below 90% attainment (one real CPU replica)", "",
-           f"`bench/admission.py knee`, {knee['meta']['date']}, commit {knee['meta']['commit']}; policy "
+           f"`bench/admission.py knee`, {knee['meta']['date']}; policy "
            f"`{knee['setting']['policy']}`, {knee['duration_s']:g} s of Poisson arrivals per rate, one run.", "",
            "| rate (req/s) | requests | attainment % | goodput tok/s | TPOT p50 ms | TTFT p50 ms |",
            "|---:|---:|---:|---:|---:|---:|"]
@@ -580,7 +580,7 @@ def _overload_md(over: dict | None) -> list[str]:
         return []
     by = {a: sorted((r for r in over["runs"] if r["admission"] == a), key=lambda r: r["run"]) for a in ("fifo", "slo")}
     out = [f"#### Target 1b: FIFO and SLO admission at {over['rate']:g} req/s (2x the knee), one real CPU replica",
-           "", f"`bench/admission.py overload`, {over['meta']['date']}, commit {over['meta']['commit']}; "
+           "", f"`bench/admission.py overload`, {over['meta']['date']}; "
            f"{len(by['fifo'])} runs, each {over['duration_s']:g} s of Poisson arrivals, the same seeds for both, "
            "fresh services per run, order alternating; median (min-max) over runs.", "",
            "| | FIFO | SLO admission |", "|---|---:|---:|"]
@@ -641,7 +641,7 @@ def _burst_md(burst: dict | None) -> list[str]:
         return []
     out = [f"#### Target 3: a burst ({burst['factor']:g}x the sustainable {burst['rate']:g} req/s), "
            f"{_sim_label(burst['setting'])}; SLO classes: {_classes(burst['setting'])}", "",
-           f"`bench/admission.py burst`, {burst['meta']['date']}, commit {burst['meta']['commit']}: rate "
+           f"`bench/admission.py burst`, {burst['meta']['date']}: rate "
            f"schedule `{burst['schedule']}` (SECONDS:RATE segments, gamma shape {burst['burstiness']:g}); the "
            "gateway's `vllm:num_requests_waiting` / `running` polled every 0.25 s. Drain: seconds after the "
            "burst's end until nothing waits (and, settled, no more run than before the burst).", "",
