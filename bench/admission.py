@@ -6,13 +6,13 @@
     python bench/admission.py capacity --admission slo --targets 4 --simulate llama2-7b-a100 --router slo
     python bench/admission.py burst      # target 3: 3x the sustainable rate for 10 s, then back down
     python bench/admission.py spike --requests 150   # issue 30's burst: N critical requests at once
-    python bench/admission.py report     # docs/benchmarks/admission.md's generated section from the results
+    python bench/admission.py report     # docs/lab/admission.md's generated section from the results
 
 Every subcommand writes bench/results/admission/<name>.json (per-request JSONL records stay in
 bench/results/admission/runs/, not committed); `report` regenerates the docs section from all of
 them. Stacks are started as bench/sweep.py starts them (its `Stack`: fresh target(s), draft and
 gateway processes per run), with the speculation policy `--policy` (default `none`: on this CPU plain
-batching has the best attainment of every policy, docs/benchmarks/sweep.md, so the comparison isolates
+batching has the best attainment of every policy, docs/lab/sweep.md, so the comparison isolates
 admission) and one shared profile (the same B and SLO classes for FIFO and SLO admission).
 
 The mix is AdaServe's (the bench default: 60% critical on short prompts, 20% search on long ones,
@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--admissions", type=lambda s: s.split(","), default=["fifo", "slo"],
                    help="which admissions to run, comma-separated (default fifo,slo)")
     p.set_defaults(fn=cmd_spike)
-    p = sub.add_parser("report", help="regenerate docs/benchmarks/admission.md's section from the results")
-    p.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks" / "admission.md"))
+    p = sub.add_parser("report", help="regenerate docs/lab/admission.md's section from the results")
+    p.add_argument("--docs", default=str(ROOT / "docs" / "lab" / "admission.md"))
     p.set_defaults(fn=cmd_report)
     args = ap.parse_args(argv)
     for name in ("targets", "runs", "fine"):
@@ -565,7 +565,7 @@ def _knee_md(knee: dict | None) -> list[str]:
     if not knee:
         return []
     out = ["#### Target 1a: where FIFO admission falls below 90% attainment (one real CPU replica)", "",
-           f"`bench/admission.py knee`, {knee['meta']['date']}, commit {knee['meta']['commit']}; policy "
+           f"`bench/admission.py knee`, {knee['meta']['date']}; policy "
            f"`{knee['setting']['policy']}`, {knee['duration_s']:g} s of Poisson arrivals per rate, one run.", "",
            "| rate (req/s) | requests | attainment % | goodput tok/s | TPOT p50 ms | TTFT p50 ms |",
            "|---:|---:|---:|---:|---:|---:|"]
@@ -580,7 +580,7 @@ def _overload_md(over: dict | None) -> list[str]:
         return []
     by = {a: sorted((r for r in over["runs"] if r["admission"] == a), key=lambda r: r["run"]) for a in ("fifo", "slo")}
     out = [f"#### Target 1b: FIFO and SLO admission at {over['rate']:g} req/s (2x the knee), one real CPU replica",
-           "", f"`bench/admission.py overload`, {over['meta']['date']}, commit {over['meta']['commit']}; "
+           "", f"`bench/admission.py overload`, {over['meta']['date']}; "
            f"{len(by['fifo'])} runs, each {over['duration_s']:g} s of Poisson arrivals, the same seeds for both, "
            "fresh services per run, order alternating; median (min-max) over runs.", "",
            "| | FIFO | SLO admission |", "|---|---:|---:|"]
@@ -641,7 +641,7 @@ def _burst_md(burst: dict | None) -> list[str]:
         return []
     out = [f"#### Target 3: a burst ({burst['factor']:g}x the sustainable {burst['rate']:g} req/s), "
            f"{_sim_label(burst['setting'])}; SLO classes: {_classes(burst['setting'])}", "",
-           f"`bench/admission.py burst`, {burst['meta']['date']}, commit {burst['meta']['commit']}: rate "
+           f"`bench/admission.py burst`, {burst['meta']['date']}: rate "
            f"schedule `{burst['schedule']}` (SECONDS:RATE segments, gamma shape {burst['burstiness']:g}); the "
            "gateway's `vllm:num_requests_waiting` / `running` polled every 0.25 s. Drain: seconds after the "
            "burst's end until nothing waits (and, settled, no more run than before the burst).", "",

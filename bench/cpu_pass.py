@@ -17,7 +17,7 @@ passes, with the min-max over rounds):
   matrix products, attention, norms, ..., and the time outside the operators (Python, inputs);
 - `draft`: one step (T = 1) of models/smollm2-draft in the compiled pass, float32 and quantized at
   load to q8_0 / q4_1, against the target's.
-Figures: docs/benchmarks/cpu_pass.md.
+Figures: docs/lab/cpu_pass.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Reported per model and mode: the median over rounds of each round's median ms pe
 min-max; and for `compiled` the largest |logit difference| from `eager` over the steps, and whether
 the greedy tokens were the same.
 
-Figures: docs/benchmarks/decode_floor.md, "A compiled decode (issue 32, part 4)".
+Figures: docs/lab/decode_floor.md, "A compiled decode".
 """
 
 from __future__ import annotations

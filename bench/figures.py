@@ -7,7 +7,7 @@ transformers `generate` at one request (left) and to transformers' batched `gene
 once (right), each ratio taken within a round and shown as the median over rounds with its min-max. From
 bench/results/peer_side_by_side_default.json (the bundled demo pair), smollm2_c1.json (SmolLM2-135M-Instruct,
 n-gram draft, chat and edit prompts, and llama.cpp on the same Q4_1 file) and smollm2_batch.json; the lab notes
-are docs/benchmarks/peer_side_by_side.md, smollm2_c1.md and smollm2_batch.md.
+are docs/lab/peer_side_by_side.md, smollm2_c1.md and smollm2_batch.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ checked equal to the same prompt's answer under transformers `generate` at batch
 before the rounds); a batched `generate` may differ from it (padding changes float32 sums), and is
 reported, not required, to be equal.
 
-Figures: docs/benchmarks/smollm2_batch.md, "SmolLM2-135M-Instruct, 16 at once".
+Figures: docs/lab/smollm2_batch.md, "SmolLM2-135M-Instruct, 16 at once".
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ responses' `specserve.steps`), and how many answers equal `hf_generate`'s (greed
 weights dequantized from the same file; llama.cpp also quantizes activations, so its answers need
 not).
 
-Figures: docs/benchmarks/smollm2_c1.md, "SmolLM2-135M-Instruct at concurrency 1".
+Figures: docs/lab/smollm2_c1.md, "SmolLM2-135M-Instruct at concurrency 1".
 """
 
 from __future__ import annotations

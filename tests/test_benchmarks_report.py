@@ -1,5 +1,5 @@
 """docs/benchmarks.md is a report: short, it links every bench and every lab-notes file, and every link in
-it, in the lab notes (docs/benchmarks/) and in the README lands on a file and heading that exist."""
+it, in the lab notes (docs/lab/) and in the README lands on a file and heading that exist."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.support.markdown import LINK, broken_links, links
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "docs" / "benchmarks.md"
-NOTES = ROOT / "docs" / "benchmarks"
+NOTES = ROOT / "docs" / "lab"
 
 
 def test_report_is_short():
@@ -26,7 +26,7 @@ def test_every_bench_is_linked_from_the_report():
 
 def test_every_lab_notes_file_is_linked_from_the_report():
     targets = {target.split("#")[0] for _, target in links(REPORT)}
-    missing = [p.name for p in sorted(NOTES.glob("*.md")) if f"benchmarks/{p.name}" not in targets]
+    missing = [p.name for p in sorted(NOTES.glob("*.md")) if f"lab/{p.name}" not in targets]
     assert not missing, f"lab notes not linked from docs/benchmarks.md: {missing}"
 
 

@@ -71,7 +71,7 @@ def test_markdown_tables(sweep, tmp_path):
     assert "| adaserve | 80 (70-100) | 50 (40-70) |" in text
     assert "| none | 60 (50-80) | 30 (20-50) |" in text
     assert "B = 16 tokens per pass" in text and "critical 15.0 ms" in text
-    assert "commit abc1234" in text
+    assert "abc1234" not in text  # the commit stays in the results' meta, not in the docs
     assert "![attainment](figures/sweep-full-attainment.png)" in text
     assert "SIMULATED" not in text
 
@@ -110,8 +110,8 @@ def test_figures_are_pngs(sweep, tmp_path):
 def test_default_docs_file_per_kind(sweep):
     real, sim = _results(), _results("sim")
     sim["meta"]["simulated"] = "llama2-7b-a100,time_scale=4"
-    assert sweep.default_docs(real).parts[-2:] == ("benchmarks", "sweep.md")
-    assert sweep.default_docs(sim).parts[-2:] == ("benchmarks", "sweep_sim.md")
+    assert sweep.default_docs(real).parts[-2:] == ("lab", "sweep.md")
+    assert sweep.default_docs(sim).parts[-2:] == ("lab", "sweep_sim.md")
     for path in (sweep.default_docs(real), sweep.default_docs(sim)):  # the generated sections live there
         assert "<!-- sweep:" in path.read_text()
 

@@ -2,7 +2,7 @@
 
 The draft and target listen on Unix sockets in a private temporary directory (mode 0700), removed
 when `up` exits (the services remove their own sockets, so a SIGKILLed `up` leaves it empty): on
-one host a call costs less through them than through loopback TCP (docs/benchmarks/call_cost.md).
+one host a call costs less through them than through loopback TCP (docs/lab/call_cost.md).
 `--tcp-services` gives them fixed free TCP ports instead. Either way the address is fixed, so that
 a service that crashes is restarted on the same address and the gateway reconnects to it. The
 gateway's HTTP API is TCP (`--host`, `--port`).
@@ -68,7 +68,7 @@ class UpConfig(Settings):
     weights: str = option("auto", "which weights the target runs: "
                           + "; ".join(f"{k}: {v}" for k, v in WEIGHTS.items()), choices=list(WEIGHTS))
     draft_weights: str = option("auto", "which weights the draft model runs (as --weights; q8_0 makes a float32 "
-                                "draft about 2.5x faster on CPU, docs/benchmarks/cpu_pass.md)", choices=list(WEIGHTS))
+                                "draft about 2.5x faster on CPU, docs/lab/cpu_pass.md)", choices=list(WEIGHTS))
     kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),
                           choices=list(KERNELS))
     threads: int = option(default_factory=default_threads, help="torch threads of each model service",

@@ -113,7 +113,7 @@ class ServiceHost:
     A model call runs on the one model thread, except a small one (`call_tokens(body)` at most
     `inline_tokens`) that arrives while that thread is idle: it runs at once on the event loop's
     thread. That saves the hop to the model thread and the hop back (two thread wake-ups, about a
-    third of a call's overhead at one request, docs/benchmarks/call_cost.md), and Health then waits at most
+    third of a call's overhead at one request, docs/lab/call_cost.md), and Health then waits at most
     one small pass. Calls never overlap: the inline path is taken only when every call handed to the
     model thread has finished. Only on CPU: on CUDA the engine's device and streams are the model
     thread's."""

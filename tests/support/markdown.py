@@ -55,3 +55,50 @@ def repo_paths(doc: Path) -> set[str]:
     alternatives = "|".join(map(re.escape, tops))
     pattern = re.compile(rf"(?<![\w/.~$<-])((?:{alternatives})/[\w./-]*)")
     return {m.rstrip(".,") for m in pattern.findall(doc.read_text())}
+
+
+PLACEHOLDER = "<{*…["  # a path cut short by one of these names a family: `sweep-<name>/`, `run-{a,b}.json`
+
+
+def missing_repo_paths(doc: Path) -> list[str]:
+    """The repository paths `doc` names that do not exist. A path that stops at a placeholder or a
+    wildcard (`bench/results/sweep-<name>/`, `history/kv-lad-tried-*.json`) is a prefix: it exists when
+    some entry of its folder begins with it."""
+    text = doc.read_text()
+    tops = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and (not p.name.startswith(".") or p.name == ".ci"))
+    pattern = re.compile(rf"(?<![\w/.~$<-])((?:{'|'.join(map(re.escape, tops))})/[\w./-]*)")
+    missing = set()
+    for m in pattern.finditer(text):
+        path = m.group(1).rstrip(".,")
+        if (ROOT / path).exists():
+            continue
+        after = text[m.end():m.end() + 1]
+        if after and after in PLACEHOLDER:
+            folder, _, stem = path.rpartition("/")
+            if (ROOT / folder).is_dir() and any(p.name.startswith(stem) for p in (ROOT / folder).iterdir()):
+                continue
+        missing.add(path)
+    return sorted(missing)
+
+
+# What a doc must not carry: the tracker's issue numbers and commit ids are history, not documentation.
+# A commit id is a word of 7 to 12 hex digits with at least one letter and one digit; repository paths
+# are taken out first, because result files are named after the commit that made them
+# (`bench/results/cost_error-a2ede53.json`).
+HISTORY_REF = re.compile(
+    r"(?i:\bissues? \d+|\bissues?-\d+\b|\(stop \d+\))"  # `issue 48`, a heading's anchor `...-issue-48-...`
+    r"|(?<![\w&#/])#\d+(?![\w-])"  # `#48` (not `&#39;`, not a link's `(#1-...` anchor)
+    r"|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b")
+HISTORY_ALLOWED: set[str] = set()  # exceptions, word for word, where a match is not an issue or a commit
+
+
+def history_refs(doc: Path) -> list[str]:
+    """`line: match` for every issue number or commit id in `doc` (outside repository paths)."""
+    tops = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and (not p.name.startswith(".") or p.name == ".ci"))
+    path = re.compile(rf"(?<![\w/.~$<-])(?:{'|'.join(map(re.escape, tops))})/[\w./*{{}},<>…-]*")
+    out = []
+    for n, line in enumerate(doc.read_text().splitlines(), 1):
+        for m in HISTORY_REF.finditer(path.sub("PATH", line)):
+            if m.group(0) not in HISTORY_ALLOWED:
+                out.append(f"{n}: {m.group(0)}")
+    return out

@@ -6,7 +6,7 @@ output 128. Both are measured here the way the gateway will see them: wall-clock
 call on the client (transport included) against a running target service.
 
 The knee rule. On a few CPU cores the one-token pass is anomalously cheap (a matrix-vector path; see
-docs/benchmarks/forward_latency.md), so "largest N within 1.25x the 1-token latency" gives B = 1.
+docs/lab/forward_latency.md), so "largest N within 1.25x the 1-token latency" gives B = 1.
 The reference here is the batch-8 decode pass instead (8 requests x 1 root token), and B is the
 largest measured token count, walking upward and stopping at the first failure, whose median pass
 latency stays within `knee_ratio` x that reference; never below 8 (the batch's roots).

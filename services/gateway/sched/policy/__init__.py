@@ -24,7 +24,7 @@ from specserve.gateway.sched.policy.turbospec import TurboSpec
 from specserve.shared.process.settings import Settings, option
 
 SPECINFER_TREE = [1, 1, 3, 1, 1, 1, 1, 1]
-# `--policy` of the gateway and of `specserve up` (docs/benchmarks/sweep_default.md, "The default: `joint`")
+# `--policy` of the gateway and of `specserve up` (docs/lab/sweep_default.md, "The default: `joint`")
 DEFAULT_POLICY = "joint"
 
 

@@ -8,7 +8,7 @@ acceptance MLE and the three-service step-time model, refitted online):
    time t it is
    - *lost* when not even a chain of K_max accepted whole every step could keep that pace: it
      never drafts (its root still runs). Only this best case condemns a request, never the
-     estimated acceptance rate (why: docs/benchmarks/sweep_default.md, "The default: `joint`");
+     estimated acceptance rate (why: docs/lab/sweep_default.md, "The default: `joint`");
    - *at risk* when its root alone cannot keep its pace (t > pace);
    - *slack* otherwise.
 2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
@@ -29,7 +29,7 @@ acceptance MLE and the three-service step-time model, refitted online):
    worth the side tokens measured, and beside each chain the target verifies the side nodes whose
    estimated acceptance beats the pass's goodput per ms of verification without making a request that
    keeps its pace late. Under SLO pressure the budget goes to chains (measured:
-   docs/benchmarks/sweep_default.md, "Side branches").
+   docs/lab/sweep_default.md, "Side branches").
 """
 
 from __future__ import annotations
