@@ -385,15 +385,16 @@ void tile(const Weight& w, int64_t r0, const float* X, int64_t ldx, float* Y, in
     }
 }
 
-// One token: 4 rows a tile (8 independent accumulators hide the FMA latency); more tokens: one row,
-// up to 4 tokens a tile (one dequantization serves them all). The tile shape does not change what
-// is computed for a (row, token).
+// One token: Q4_1 two rows a tile (four independent FMA chains), Q8_0 and float32 one row (more rows a
+// tile measured slower); more tokens: one row, up to 4 tokens a tile (one dequantization serves them
+// all). The tile shape does not change what is computed for a (row, token).
 template <int64_t KIND>
 void rows_of(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
              bool accumulate) {
   if (T == 1) {
+    constexpr int R = KIND == kQ4_1 ? 2 : 1;
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) tile<KIND, 4, 1>(w, r, X, ldx, Y, ldy, accumulate);
+    for (; r + R <= r1; r += R) tile<KIND, R, 1>(w, r, X, ldx, Y, ldy, accumulate);
     for (; r < r1; ++r) tile<KIND, 1, 1>(w, r, X, ldx, Y, ldy, accumulate);
     return;
   }
