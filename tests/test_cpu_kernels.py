@@ -156,6 +156,20 @@ def test_the_environment_picks_the_variant(tmp_path, env):
     assert ("SPECSERVE_CPU_KERNELS_VARIANT=" in out.stderr) == (expected != name), out.stderr[-2000:]
 
 
+def test_the_build_folder_is_keyed_by_the_cpu_where_the_build_targets_it(monkeypatch, tmp_path):
+    """On x86 one build serves every CPU (its variants are picked at run time): the folder says x86_64. Elsewhere
+    the build targets the building CPU (-mcpu=native): the folder names a hash of that CPU's description."""
+    monkeypatch.setenv("SPECSERVE_KERNELS_DIR", str(tmp_path))
+    if kernels.X86:
+        assert kernels.isa_tag() == "x86_64" and "-mcpu=native" not in kernels.CFLAGS
+        assert kernels.build_dir().name.endswith("-x86_64") and kernels.build_dir().parent == tmp_path
+    monkeypatch.setattr(kernels, "X86", False)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    tag = kernels.isa_tag()
+    assert tag.startswith("aarch64-") and len(tag) == len("aarch64-") + 10
+    assert kernels.build_dir().name.endswith(tag)
+
+
 def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
     """torch's lock file left by a killed build (every later build or load would wait on it for ever) is removed
     under our own lock, which a second process cannot take while the first holds it."""
