@@ -2,6 +2,7 @@
 torch's own int4 kernel, the weight-read floor, where the time goes, and the draft's step.
 
     .venv/bin/python bench/cpu_pass.py [--threads 1] [--rounds 3] [--context 100] [--out FILE]
+    .venv/bin/python bench/cpu_pass.py --variants avx512,avx2,generic [--rounds 3] [--out FILE]
 
 Measured in one process, in interleaved rounds (median over rounds of each round's median of 15
 passes, with the min-max over rounds):
@@ -17,6 +18,9 @@ passes, with the min-max over rounds):
   matrix products, attention, norms, ..., and the time outside the operators (Python, inputs);
 - `draft`: one step (T = 1) of models/smollm2-draft in the compiled pass, float32 and quantized at
   load to q8_0 / q4_1, against the target's.
+With --variants, only the compiled pass at T = 1 and 4 (a 4-node chain), for each listed code variant of
+the operators in turn within every round (switched in-process by kernels.set_variant; a variant the
+CPU cannot run is refused), into bench/results/cpu_pass_variants.json by default.
 Figures: docs/lab/cpu_pass.md.
 """
 
@@ -42,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=100, help="committed tokens before the measured tree")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_pass.json"))
+    ap.add_argument("--out", default=None, help="results JSON (default bench/results/cpu_pass.json, or "
+                    "cpu_pass_variants.json with --variants)")
+    ap.add_argument("--variants", default=None, help="comma-separated CPU kernel variants to compare "
+                    "(avx512, avx2, generic): the compiled pass alone at T = 1 and 4")
     args = ap.parse_args(argv)
+    if args.variants:
+        return _variants_main(args)
+    args.out = args.out or str(ROOT / "bench" / "results" / "cpu_pass.json")
 
     import torch
 
@@ -108,6 +118,64 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     _print_tables(summary, nbytes, args)
+    return 0
+
+
+def _variants_main(args: argparse.Namespace) -> int:
+    """The compiled pass at T = 1 and 4 for each of args.variants, interleaved over args.rounds rounds."""
+    import torch
+
+    from specserve.shared.runtime import kernels
+    from specserve.shared.runtime.batch import Chunk, Tree
+    from specserve.shared.runtime.model_store import resolve
+    from specserve.shared.runtime.runner import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    assert kernels.load(), kernels.error()
+    names = args.variants.split(",")
+    missing = [v for v in names if v not in kernels.variants()]
+    assert not missing, f"this CPU cannot run {missing} (it runs {kernels.variants()})"
+    runner = ModelRunner.from_dir(resolve("smollm2-135m-instruct"), num_blocks=256, kernels="cpu")
+    context = [(i * 7) % 4000 + 10 for i in range(args.context)]
+
+    def tree_ms(tokens: int, repeats: int) -> float:
+        """Median ms of a pass of a `tokens`-node chain over the context, after 3 warm-up passes."""
+        runner.forward([Chunk("ctx", context)])
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.forward([Tree("ctx", [5] * tokens, [-1, *range(tokens - 1)])])
+            runner.discard_tree("ctx")
+            times.append(time.perf_counter() - t0)
+        runner.release("ctx")
+        return statistics.median(times[3:]) * 1e3
+
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for name in names:
+            kernels.set_variant(name)
+            repeats = 8 if name == "generic" else 15  # generic: about 0.6 s a pass
+            for t in (1, 4):
+                row[f"{name}/{t}"] = tree_ms(t, repeats)
+        rounds.append(row)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()), flush=True)
+    summary = {key: spread([rd[key] for rd in rounds]) for key in rounds[0]}
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    out = {"meta": {"threads": args.threads, "rounds": args.rounds, "context": args.context, "cpu": cpu,
+                    "cpu_runs": kernels.variants(), "compiled_source": runner.model.source},
+           "rounds": rounds, "summary": summary}
+    path = Path(args.out or ROOT / "bench" / "results" / "cpu_pass_variants.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    fmt = lambda key: f"{summary[key]['median']:.2f} ({summary[key]['min']:.2f}-{summary[key]['max']:.2f})"  # noqa: E731
+    first = names[0]
+    print(f"\n| variant | one token, ms | 4-token tree, ms | one token : {first} |")
+    print("|---|---:|---:|---:|")
+    for name in names:
+        print(f"| {name} | {fmt(f'{name}/1')} | {fmt(f'{name}/4')} | "
+              f"{summary[f'{name}/1']['median'] / summary[f'{first}/1']['median']:.2f}x |")
     return 0
 
 

@@ -2,8 +2,11 @@
 
 - Q8_0 / Q4_1 blocks made by gguf-py's quantizer are split and dequantized exactly as gguf-py does it.
 - `linear` equals a float64 product over the dequantized weights (float32 rounding only), for every
-  weight kind, odd float32 widths included, with the AVX-512 code and with the plain C++ fallback.
-- Batch invariance: a row's result is bit-identical whatever other rows share the call.
+  weight kind, odd float32 widths included, with every code variant this CPU runs (avx512, avx2, generic;
+  switched within the process by `set_variant`).
+- Batch invariance: a row's result is bit-identical whatever other rows share the call, in each variant.
+- SPECSERVE_CPU_KERNELS_VARIANT picks the variant a process starts with (SPECSERVE_CPU_KERNELS_GENERIC=1:
+  generic); a name this CPU cannot run falls back to the best it has, with a warning.
 - A GGUF file written like llama.cpp's converter (q and k rows permuted) is read back under Hugging
   Face names with the permutation undone, and a model run from its blocks gives bit for bit the logits
   of the same model run from the dequantized float32 weights (the same sums, only the weights' storage
@@ -40,6 +43,15 @@ from specserve.shared.runtime.runner import ModelRunner
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU operators not built: {kernels.error()}")
 KINDS = {"float32": KIND_F32, "q8_0": KIND_Q8_0, "q4_1": KIND_Q4_1}
 QTYPES = {KIND_Q8_0: GGMLQuantizationType.Q8_0, KIND_Q4_1: GGMLQuantizationType.Q4_1}
+VARIANTS = kernels.variants() if kernels.load() else []
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request):
+    """Each code variant this CPU runs, in turn; the one the process started with afterwards."""
+    before = kernels.set_variant(request.param)
+    yield request.param
+    kernels.set_variant(before)
 
 
 def _linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,7 +70,7 @@ def test_blocks_dequantize_as_gguf_py_does(kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("cols", [64, 96, 200])
-def test_linear_equals_the_dequantized_product(kind, cols):
+def test_linear_equals_the_dequantized_product(kind, cols, variant):
     if kind != "float32" and cols % 32:
         pytest.skip("quantized rows are whole 32-wide blocks")
     gen = torch.Generator().manual_seed(cols)
@@ -74,24 +86,61 @@ def test_linear_equals_the_dequantized_product(kind, cols):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(kind):
+@pytest.mark.parametrize("cols", [128, 200])
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(kind, cols, variant):
+    """The same (token, row) bit for bit whatever tokens and rows share the call, and with 2 threads."""
+    if kind != "float32" and cols % 32:
+        pytest.skip("quantized rows are whole 32-wide blocks")
     gen = torch.Generator().manual_seed(5)
-    w = quantize(torch.randn(50, 128, generator=gen), KINDS[kind])
-    x = torch.randn(23, 128, generator=gen)
+    w = quantize(torch.randn(50, cols, generator=gen), KINDS[kind])
+    x = torch.randn(23, cols, generator=gen)
     whole = _linear(x, w)
     for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16)]:
         assert torch.equal(_linear(x[start:stop], w), whole[start:stop]), (start, stop)
+    for start, stop in [(0, 1), (5, 7), (13, 50)]:  # fewer rows: other row tiles
+        part = StoredWeight(w.data[start:stop].contiguous(), w.scales[start:stop].contiguous(), w.kind, stop - start,
+                            w.cols)
+        assert torch.equal(_linear(x, part), whole[:, start:stop]), (start, stop)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(_linear(x, w), whole)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_the_plain_cpp_fallback_agrees(tmp_path):
-    """SPECSERVE_CPU_KERNELS_GENERIC=1 runs the plain C++ code: the same products within float32
-    rounding, also batch invariant (checked in a process of its own: the choice is made once)."""
-    script = tmp_path / "generic.py"
+def test_the_variants_vector_helpers_agree_with_torch(variant):
+    """rms_norm (sum of squares) against torch in float64, odd widths included."""
+    gen = torch.Generator().manual_seed(2)
+    for width in (8, 13, 64, 100, 576):
+        x, weight = torch.randn(3, width, generator=gen), torch.randn(width, generator=gen)
+        ref = weight.double() * (x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+        torch.testing.assert_close(torch.ops.specserve_cpu.rms_norm(x, weight, 1e-5).double(), ref, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_set_variant_refuses_unknown_names():
+    with pytest.raises(RuntimeError, match="unknown CPU kernel variant"):
+        kernels.set_variant("sse9")
+    assert kernels.variant() in VARIANTS
+
+
+@pytest.mark.parametrize("env", [{"SPECSERVE_CPU_KERNELS_VARIANT": v} for v in ("avx512", "avx2", "generic")]
+                         + [{"SPECSERVE_CPU_KERNELS_GENERIC": "1"}, {"SPECSERVE_CPU_KERNELS_VARIANT": "sse9"}])
+def test_the_environment_picks_the_variant(tmp_path, env):
+    """SPECSERVE_CPU_KERNELS_VARIANT starts a process with that variant (SPECSERVE_CPU_KERNELS_GENERIC=1 with
+    generic): the same products within float32 rounding, batch invariant; a name this CPU cannot run (or
+    no variant at all) runs the best one it has, with a warning."""
+    name = env.get("SPECSERVE_CPU_KERNELS_VARIANT", "generic")
+    expected = name if name in VARIANTS else VARIANTS[-1]
+    script = tmp_path / "variant.py"
     script.write_text(
-        "import torch\n"
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
         "from specserve.shared.runtime import kernels\n"
         "from specserve.shared.runtime.quant import quantize, dequantize\n"
-        "assert kernels.load() and kernels.variant() == 'generic', kernels.variant()\n"
+        "assert kernels.load(), kernels.error()\n"
+        "print(kernels.variant())\n"
         "g = torch.Generator().manual_seed(0)\n"
         "for kind in (0, 1, 2):\n"
         "    w = quantize(torch.randn(19, 96, generator=g), kind)\n"
@@ -99,11 +148,26 @@ def test_the_plain_cpp_fallback_agrees(tmp_path):
         "    y = torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, None)\n"
         "    torch.testing.assert_close(y.double(), x.double() @ dequantize(w).double().T, rtol=1e-5, atol=1e-5)\n"
         "    one = torch.ops.specserve_cpu.linear(x[2:3], w.data, w.scales, w.kind, w.cols, None)\n"
-        "    assert torch.equal(one[0], y[2])\n"
-        "print('ok')\n")
-    env = {**os.environ, "SPECSERVE_CPU_KERNELS_GENERIC": "1"}
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+        "    assert torch.equal(one[0], y[2])\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_CPU_KERNELS_")}
+    out = subprocess.run([sys.executable, str(script)], env={**clean, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == expected, (out.stdout, out.stderr[-2000:])
+    assert ("SPECSERVE_CPU_KERNELS_VARIANT=" in out.stderr) == (expected != name), out.stderr[-2000:]
+
+
+def test_the_build_folder_is_keyed_by_the_cpu_where_the_build_targets_it(monkeypatch, tmp_path):
+    """On x86 one build serves every CPU (its variants are picked at run time): the folder says x86_64. Elsewhere
+    the build targets the building CPU (-mcpu=native): the folder names a hash of that CPU's description."""
+    monkeypatch.setenv("SPECSERVE_KERNELS_DIR", str(tmp_path))
+    if kernels.X86:
+        assert kernels.isa_tag() == "x86_64" and "-mcpu=native" not in kernels.CFLAGS
+        assert kernels.build_dir().name.endswith("-x86_64") and kernels.build_dir().parent == tmp_path
+    monkeypatch.setattr(kernels, "X86", False)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    tag = kernels.isa_tag()
+    assert tag.startswith("aarch64-") and len(tag) == len("aarch64-") + 10
+    assert kernels.build_dir().name.endswith(tag)
 
 
 def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
@@ -168,9 +232,11 @@ def _write_gguf_pair(model_dir: Path) -> None:
     save_file({k: v.contiguous() for k, v in dequantized.items()}, str(model_dir / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def gguf_model(tmp_path_factory) -> Path:
-    config = {**TINY_CONFIG, "hidden_size": 128, "intermediate_size": 256}  # rows of whole 32-wide blocks
+@pytest.fixture(scope="module", params=[(4, 2), (2, 1)], ids=["head_dim32", "head_dim64"])
+def gguf_model(tmp_path_factory, request) -> Path:
+    heads, kv_heads = request.param  # the attention code of head width 32 and 64 (SmolLM2's)
+    config = {**TINY_CONFIG, "hidden_size": 128, "intermediate_size": 256,  # rows of whole 32-wide blocks
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads}
     model_dir = write_random_model(tmp_path_factory.mktemp("gguf") / "m", config, seed=3, std=0.08)
     _write_gguf_pair(model_dir)
     return model_dir
@@ -192,7 +258,7 @@ def test_gguf_is_read_under_hugging_face_names_unpermuted(gguf_model):
     assert read.tensors["model.embed_tokens.weight"].kind == KIND_Q8_0
 
 
-def test_the_blocks_give_the_float32_models_logits_bit_for_bit(gguf_model):
+def test_the_blocks_give_the_float32_models_logits_bit_for_bit(gguf_model, variant):
     blocks = _runner(gguf_model)
     float32 = _runner(gguf_model, weights="float32")
     torch_pass = _runner(gguf_model, kernels="torch")
@@ -205,7 +271,7 @@ def test_the_blocks_give_the_float32_models_logits_bit_for_bit(gguf_model):
     torch.testing.assert_close(a, c, rtol=1e-4, atol=2e-5)
 
 
-def test_a_tree_verifies_exactly_what_decoding_one_token_at_a_time_gives(gguf_model):
+def test_a_tree_verifies_exactly_what_decoding_one_token_at_a_time_gives(gguf_model, variant):
     gen = torch.Generator().manual_seed(11)
     context = torch.randint(0, TINY_CONFIG["vocab_size"], (30,), generator=gen).tolist()
     path = torch.randint(0, TINY_CONFIG["vocab_size"], (5,), generator=gen).tolist()

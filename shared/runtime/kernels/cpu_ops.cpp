@@ -12,22 +12,38 @@
 //   added in block order and reduced in one fixed order. Attention visits a token's visible keys in
 //   one order (its committed context, then its own tree ancestors), so a tree node's logits equal
 //   those of the same token decoded alone.
-// Two variants: AVX-512 intrinsics, chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and F16C,
-// and plain C++ otherwise (same accumulation structure, not bit-identical to the AVX-512 one).
+// Three variants, each batch invariant by itself (they are not bit-identical to one another):
+// - "avx512": AVX-512 intrinsics, where the CPU has AVX-512 F/BW/DQ/VL, FMA and F16C;
+// - "avx2": AVX2 + FMA intrinsics, where the CPU has AVX2, FMA and F16C (and not AVX-512). 8-lane
+//   vectors: the two accumulators of a (row, token) are 8 lanes wide, each taking two 8-wide chunks of
+//   its 16 elements of every block in order, and are reduced in one fixed order;
+// - "generic": plain C++ with the same accumulation structure as AVX-512, which the compiler vectorizes
+//   for the machine it is built on where the build targets it (-mcpu=native on aarch64: NEON); on x86
+//   it is the last-resort fallback (built for baseline x86-64).
+// The best one this CPU runs is chosen when the library loads; SPECSERVE_CPU_KERNELS_VARIANT=avx512|avx2|
+// generic forces one (one this CPU lacks: the best it has; SPECSERVE_CPU_KERNELS_GENERIC=1 is an alias of
+// =generic), and the `set_variant` operator switches within a process (an error for one the CPU lacks).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#define SPECSERVE_X86 1
 #include <immintrin.h>
+#else
+#define SPECSERVE_X86 0
+#endif
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -136,6 +152,8 @@ void rows(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, in
 }
 
 }  // namespace generic
+
+#if SPECSERVE_X86
 
 // ---- AVX-512 variant ---------------------------------------------------------------------------
 
@@ -281,17 +299,153 @@ inline __m512 exp16(__m512 x) {
 
 #pragma GCC pop_options
 
-bool use_avx512() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-           __builtin_cpu_supports("fma") && std::getenv("SPECSERVE_CPU_KERNELS_GENERIC") == nullptr;
-  }();
-  return ok;
+// ---- AVX2 variant (AVX2 + FMA) ------------------------------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace avx2 {
+
+// The sum of 8 lanes in one fixed order: (0+4, 1+5, 2+6, 3+7), then pairs 2 apart, then the last two.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
-// ---- vector helpers over float arrays (each has both variants) ---------------------------------
+// Lanes i < valid set (all 8 where valid >= 8, none where valid <= 0), for maskload / maskstore / and.
+inline __m256i mask_of(int64_t valid) {
+  const int v = static_cast<int>(std::min<int64_t>(8, std::max<int64_t>(0, valid)));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Elements [b*32 + c*8, b*32 + c*8 + 8) of row `r`, dequantized (c = 0..3); PARTIAL (float32 only): the
+// block runs past the row's end, lanes past it read as 0. Q4_1: the nibbles widened to int32, converted
+// (exactly) and d * q + m computed with a multiply and an add (two roundings, as gguf-py does).
+template <int64_t KIND, bool PARTIAL>
+inline __m256 dequant_chunk(const Weight& w, int64_t r, int64_t b, int c) {
+  const int64_t nb = w.cols / QK;
+  if constexpr (KIND == kQ4_1) {
+    const float* s = w.scales + (r * nb + b) * 2;
+    const uint8_t* q = w.data + (r * nb + b) * 16 + (c & 1) * 8;
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    v = c < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(v, 4);
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(v)), _mm256_set1_ps(s[1]));
+  } else if constexpr (KIND == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.data) + r * w.cols + b * QK + c * 8;
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_mul_ps(_mm256_set1_ps(w.scales[r * nb + b]), _mm256_cvtepi32_ps(v));
+  } else {
+    const float* src = reinterpret_cast<const float*>(w.data) + r * w.cols + b * QK + c * 8;
+    if constexpr (PARTIAL) return _mm256_maskload_ps(src, mask_of(w.cols - b * QK - c * 8));
+    return _mm256_loadu_ps(src);
+  }
+}
+
+// One block of an R rows x TB tokens tile: chunks 0-1 (elements 0-15) into alo, 2-3 (16-31) into ahi.
+template <int64_t KIND, int R, int TB, bool PARTIAL>
+inline void tile_block(const Weight& w, int64_t r0, int64_t b, const float* X, int64_t ldx, __m256 (&alo)[R][TB],
+                       __m256 (&ahi)[R][TB]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    __m256 wc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wc[r] = dequant_chunk<KIND, PARTIAL>(w, r0 + r, b, c);
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; ++t) {
+      const float* x = X + t * ldx + b * QK + c * 8;
+      __m256 xc;
+      if constexpr (PARTIAL) xc = _mm256_maskload_ps(x, mask_of(w.cols - b * QK - c * 8));
+      else xc = _mm256_loadu_ps(x);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (c < 2) alo[r][t] = _mm256_fmadd_ps(wc[r], xc, alo[r][t]);
+        else ahi[r][t] = _mm256_fmadd_ps(wc[r], xc, ahi[r][t]);
+      }
+    }
+  }
+}
+
+// R rows x TB tokens: Y[t, r0 + r] (+)= sum_k W[r0 + r, k] * X[t, k] (+ bias).
+template <int64_t KIND, int R, int TB>
+void tile(const Weight& w, int64_t r0, const float* X, int64_t ldx, float* Y, int64_t ldy, bool accumulate) {
+  __m256 alo[R][TB], ahi[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) alo[r][t] = ahi[r][t] = _mm256_setzero_ps();
+  const int64_t full = w.cols / QK;
+  for (int64_t b = 0; b < full; ++b) tile_block<KIND, R, TB, false>(w, r0, b, X, ldx, alo, ahi);
+  if (full * QK < w.cols) tile_block<KIND, R, TB, true>(w, r0, full, X, ldx, alo, ahi);  // float32 only
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) {
+      float s = hsum(_mm256_add_ps(alo[r][t], ahi[r][t]));
+      if (w.bias) s += w.bias[r0 + r];
+      float* y = Y + t * ldy + r0 + r;
+      *y = accumulate ? *y + s : s;
+    }
+}
+
+// One token: Q4_1 two rows a tile (four independent FMA chains), Q8_0 and float32 one row (more rows a
+// tile measured slower); more tokens: one row, up to 4 tokens a tile (one dequantization serves them
+// all). The tile shape does not change what is computed for a (row, token).
+template <int64_t KIND>
+void rows_of(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
+             bool accumulate) {
+  if (T == 1) {
+    constexpr int R = KIND == kQ4_1 ? 2 : 1;
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) tile<KIND, R, 1>(w, r, X, ldx, Y, ldy, accumulate);
+    for (; r < r1; ++r) tile<KIND, 1, 1>(w, r, X, ldx, Y, ldy, accumulate);
+    return;
+  }
+  for (int64_t t0 = 0; t0 < T; t0 += 4) {
+    const int64_t tb = std::min<int64_t>(4, T - t0);
+    const float* x = X + t0 * ldx;
+    float* y = Y + t0 * ldy;
+    for (int64_t r = r0; r < r1; ++r) switch (tb) {
+        case 1: tile<KIND, 1, 1>(w, r, x, ldx, y, ldy, accumulate); break;
+        case 2: tile<KIND, 1, 2>(w, r, x, ldx, y, ldy, accumulate); break;
+        case 3: tile<KIND, 1, 3>(w, r, x, ldx, y, ldy, accumulate); break;
+        default: tile<KIND, 1, 4>(w, r, x, ldx, y, ldy, accumulate); break;
+      }
+  }
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
+          bool accumulate) {
+  switch (w.kind) {
+    case kQ4_1: rows_of<kQ4_1>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+    case kQ8_0: rows_of<kQ8_0>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+    default: rows_of<kF32>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+  }
+}
+
+// exp(x) for float32 lanes: exp16's polynomial, 2^n built in the exponent bits; inputs below -87.3 give 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // n is in [-126, 127] after the clamp: 2^n is a normal float, so the product rounds once, as scalef does.
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+}  // namespace avx2
+
+#pragma GCC pop_options
+
+// ---- vector helpers over float arrays (each variant has them) ----------------------------------
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
@@ -353,6 +507,75 @@ float sum_squares(const float* x, int64_t n) {
 }  // namespace avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+// out[i] = exp(x[i] - shift) for i < n; returns their sum (8 lanes in index order, then reduced).
+float exp_shift_sum(const float* x, float shift, float* out, int64_t n) {
+  __m256 acc = _mm256_setzero_ps(), s = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+    _mm256_storeu_ps(out + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (i < n) {
+    __m256i m = mask_of(n - i);
+    __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, m), s)), _mm256_castsi256_ps(m));
+    _mm256_maskstore_ps(out + i, m, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum(acc);
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  if (i < n) {
+    __m256i m = mask_of(n - i);
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), acc);
+  }
+  return hsum(acc);
+}
+
+// y[i] += a * x[i]
+void axpy(float a, const float* x, float* y, int64_t n) {
+  __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  if (i < n) {
+    __m256i m = mask_of(n - i);
+    _mm256_maskstore_ps(y + i, m, _mm256_fmadd_ps(va, _mm256_maskload_ps(x + i, m), _mm256_maskload_ps(y + i, m)));
+  }
+}
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256i m = mask_of(n - i);
+    __m256 vg = _mm256_maskload_ps(g + i, m);
+    __m256 s = _mm256_div_ps(vg, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), vg))));
+    _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(s, _mm256_maskload_ps(u + i, m)));
+  }
+}
+
+float sum_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 v = _mm256_maskload_ps(x + i, mask_of(n - i));
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  return hsum(acc);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#endif  // SPECSERVE_X86
+
 namespace generic {
 
 float exp_shift_sum(const float* x, float shift, float* out, int64_t n) {
@@ -392,7 +615,51 @@ float sum_squares(const float* x, int64_t n) {
 
 }  // namespace generic
 
-#define DISPATCH(fn, ...) (use_avx512() ? avx512::fn(__VA_ARGS__) : generic::fn(__VA_ARGS__))
+// ---- the variant in use ------------------------------------------------------------------------
+
+enum Variant : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kVariants };
+const char* const kVariantNames[kVariants] = {"generic", "avx2", "avx512"};
+
+// Whether this CPU runs variant `v`.
+bool cpu_runs(int v) {
+#if SPECSERVE_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (v == kAvx2) return avx2;
+  if (v == kAvx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#endif
+  return v == kGeneric;
+}
+
+int best_variant() { return cpu_runs(kAvx512) ? kAvx512 : cpu_runs(kAvx2) ? kAvx2 : kGeneric; }
+
+// The variant at load: SPECSERVE_CPU_KERNELS_VARIANT where this CPU runs it (another value: the best),
+// else generic where SPECSERVE_CPU_KERNELS_GENERIC is set (and not "0"), else the best.
+int initial_variant() {
+  const char* name = std::getenv("SPECSERVE_CPU_KERNELS_VARIANT");
+  if (name != nullptr && *name != '\0') {
+    for (int v = 0; v < kVariants; ++v)
+      if (std::strcmp(name, kVariantNames[v]) == 0 && cpu_runs(v)) return v;
+    return best_variant();  // the Python loader logs the fallback
+  }
+  const char* generic = std::getenv("SPECSERVE_CPU_KERNELS_GENERIC");
+  if (generic != nullptr && *generic != '\0' && std::strcmp(generic, "0") != 0) return kGeneric;
+  return best_variant();
+}
+
+std::atomic<int> g_variant{initial_variant()};
+
+inline int current_variant() { return g_variant.load(std::memory_order_relaxed); }
+
+#if SPECSERVE_X86
+#define DISPATCH(fn, ...)                                                         \
+  (current_variant() == kAvx512 ? avx512::fn(__VA_ARGS__)                         \
+   : current_variant() == kAvx2 ? avx2::fn(__VA_ARGS__) : generic::fn(__VA_ARGS__))
+#else
+#define DISPATCH(fn, ...) generic::fn(__VA_ARGS__)
+#endif
 
 // ---- phase timers (the `profile` operator) ------------------------------------------------------
 
@@ -462,6 +729,8 @@ struct KeyLayout {
   const int32_t* extra_off;  // [T + 1] CSR offsets into extra_slots
   const int32_t* extra_slots;  // physical slots of tree ancestors (and the node itself), root first
 };
+
+#if SPECSERVE_X86
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
@@ -541,6 +810,77 @@ bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const f
 }  // namespace avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+// Softmax attention of G query heads (D = 8 * ND wide) over the n keys at `slots` of one kv head, as
+// avx512::attend_group with 8-lane vectors: a score is one 8-lane accumulator over the head's chunks,
+// reduced by hsum.
+template <int ND, int G>
+void attend_group(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, float scale, float* scores) {
+  __m256 qv[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) qv[i][d] = _mm256_loadu_ps(q + i * ND * 8 + d * 8);
+  float mx[G];
+  for (int i = 0; i < G; ++i) mx[i] = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + slots[j] * row;
+    for (int i = 0; i < G; ++i) {
+      __m256 acc = _mm256_mul_ps(qv[i][0], _mm256_loadu_ps(kj));
+      for (int d = 1; d < ND; ++d) acc = _mm256_fmadd_ps(qv[i][d], _mm256_loadu_ps(kj + d * 8), acc);
+      float sc = hsum(acc) * scale;
+      scores[i * n + j] = sc;
+      mx[i] = std::max(mx[i], sc);
+    }
+  }
+  __m256 inv[G];
+  for (int i = 0; i < G; ++i) inv[i] = _mm256_set1_ps(1.0f / exp_shift_sum(scores + i * n, mx[i], scores + i * n, n));
+  __m256 o[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) o[i][d] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row;
+    for (int i = 0; i < G; ++i) {
+      __m256 p = _mm256_set1_ps(scores[i * n + j]);
+      for (int d = 0; d < ND; ++d) o[i][d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + d * 8), o[i][d]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) _mm256_storeu_ps(out + i * ND * 8 + d * 8, _mm256_mul_ps(o[i][d], inv[i]));
+}
+
+// The heads in chunks of up to 2 where a head is 4 vectors or fewer wide, else one at a time (the q and
+// output accumulators of a chunk stay in the 16 registers).
+template <int ND>
+void attend_heads(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, int64_t group, float scale, float* scores) {
+  constexpr int kMax = ND <= 4 ? 2 : 1;
+  for (int64_t i = 0; i < group;) {
+    const int64_t g = std::min<int64_t>(kMax, group - i);
+    if (g == 2) attend_group<ND, (kMax >= 2 ? 2 : 1)>(q + i * ND * 8, out + i * ND * 8, slots, n, k, v, row, scale, scores);
+    else attend_group<ND, 1>(q + i * ND * 8, out + i * ND * 8, slots, n, k, v, row, scale, scores);
+    i += g;
+  }
+}
+
+bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
+            int64_t D, int64_t group, float scale, float* scores) {
+  switch (D) {
+    case 64: attend_heads<8>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 128: attend_heads<16>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 32: attend_heads<4>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 96: attend_heads<12>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    default: return false;
+  }
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#endif  // SPECSERVE_X86
+
 namespace generic {
 
 bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
@@ -584,8 +924,13 @@ void attend(const float* q, float* out, int64_t t, int64_t g, const KeyLayout& k
   float* og = out + g * group * D;
   const float* k = kcache + g * slots_total * D;
   const float* v = vcache + g * slots_total * D;
-  if (!(use_avx512() && avx512::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data())))
-    generic::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
+  bool done = false;
+#if SPECSERVE_X86
+  const int variant = current_variant();
+  if (variant == kAvx512) done = avx512::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
+  else if (variant == kAvx2) done = avx2::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
+#endif
+  if (!done) generic::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
 }
 
 // ---- operators ---------------------------------------------------------------------------------
@@ -718,7 +1063,27 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
   }
 }
 
-std::string variant() { return use_avx512() ? "avx512" : "generic"; }
+std::string variant() { return kVariantNames[current_variant()]; }
+
+// The variants this CPU runs, best last.
+std::vector<std::string> variants() {
+  std::vector<std::string> names;
+  for (int v = 0; v < kVariants; ++v)
+    if (cpu_runs(v)) names.emplace_back(kVariantNames[v]);
+  return names;
+}
+
+// Runs `name` from now on in this process (an error where it is unknown or this CPU lacks it); returns the
+// variant that ran before.
+std::string set_variant(const std::string& name) {
+  for (int v = 0; v < kVariants; ++v)
+    if (name == kVariantNames[v]) {
+      TORCH_CHECK(cpu_runs(v), "this CPU cannot run the ", name, " CPU kernels");
+      return kVariantNames[g_variant.exchange(v)];
+    }
+  TORCH_CHECK(false, "unknown CPU kernel variant '", name, "' (avx512, avx2 or generic)");
+  return {};
+}
 
 // Turns the phase timers on (clearing them) or off; returns "phase seconds" lines of what they summed.
 std::string profile(bool on) {
@@ -741,5 +1106,7 @@ TORCH_LIBRARY(specserve_cpu, m) {
         "int block_size, int num_heads, int num_kv_heads, int head_dim, float eps) -> ()",
         &decoder_layers);
   m.def("variant() -> str", &variant);
+  m.def("variants() -> str[]", &variants);
+  m.def("set_variant(str name) -> str", &set_variant);
   m.def("profile(bool on) -> str", &profile);
 }
