@@ -7,11 +7,15 @@ be built (no compiler, a build error), `load()` returns False once with the reas
 the model runs its torch pass instead.
 
 The operators (see cpu_ops.cpp for their exactness rules):
-- `linear(x, weight, kind, cols, bias)`: x [T, cols] float32 times a weight as stored (KIND_*);
+- `linear(x, weight, kind, cols, bias, activations)`: x [T, cols] float32 times a weight as stored (KIND_*);
+  activations ACT_INT8 multiplies Q4_1 / Q8_0 weights on x quantized to int8 per token per 32-wide block
+  (ACT_F32, the default: float32 products);
 - `embed(ids, weight, kind, cols)`: rows of an embedding as stored, dequantized;
 - `rms_norm(x, weight, eps)`;
-- `decoder_layers(...)`: every decoder layer of a Llama-family model over one pass, in one call;
-- `variant()`: "avx512" or "generic" (the plain C++ fallback; forced by SPECSERVE_CPU_KERNELS_GENERIC=1).
+- `decoder_layers(..., activations)`: every decoder layer of a Llama-family model over one pass, in one call;
+- `variant()`: "avx512" or "generic" (the plain C++ fallback; forced by SPECSERVE_CPU_KERNELS_GENERIC=1);
+- `int8_variant()`: the int8 products' code: "avx512_vnni", "avx2" or "generic"
+  (SPECSERVE_CPU_INT8_VARIANT=avx2 / generic picks a lesser one).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 KIND_F32, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
+ACT_F32, ACT_INT8 = 0, 1  # activation modes of `linear` and `decoder_layers`
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 NAME = "specserve_cpu"
 # -ffp-contract=off: no mul+add is fused behind our back (dequantization must round as gguf-py does).
