@@ -6,8 +6,9 @@ head on the rows whose logits are wanted. Weights are `StoredWeight`s: a GGUF fi
 blocks as stored, weights quantized at load, or float32.
 
 `activations` ("int8" or "float32") picks how the products with Q4_1 / Q8_0 weights run: on activations
-quantized to int8 per token per 32-wide block (exact int32 sums per block; faster, within about 1% of
-float32) or in float32 (equal to a float32 matmul over the dequantized weights up to summation order).
+quantized to int8 per token per 32-wide block (exact int32 sums per block; faster, close to float32
+but not equal) or in float32 (equal to a float32 matmul over the dequantized weights up to summation
+order).
 Float32 weights always run in float32.
 
 Every operator is batch invariant (cpu_ops.cpp), so a token's logits do not depend on what else
