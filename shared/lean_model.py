@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.kernels import ACT_F32, ACT_INT8, KIND_F32
+from specserve.shared.kernels import ACT_F32, ACT_INT8, KIND_F32, int8_by_default
 from specserve.shared.kv_cache import KVCache
 from specserve.shared.lean_inputs import LeanInputs
 from specserve.shared.model_config import ModelConfig, ModelLoadError
@@ -92,14 +92,15 @@ class LeanModel(torch.nn.Module):
     @property
     def activations(self) -> str:
         """How the products with Q4_1 / Q8_0 weights run: "int8" or "float32" (set "auto": int8 where any
-        projection or the head is quantized, else float32)."""
+        projection or the head is quantized and the CPU has AVX-512 VNNI, else float32)."""
         return self._activations
 
     @activations.setter
     def activations(self, mode: str) -> None:
         if mode == "auto":
             weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            mode = "int8" if any(w.kind != KIND_F32 for w in [*weights, self.head]) else "float32"
+            quantized = any(w.kind != KIND_F32 for w in [*weights, self.head])
+            mode = "int8" if quantized and int8_by_default() else "float32"
         if mode not in ACTIVATION_MODES:
             raise ValueError(f"activations must be auto, int8 or float32, not {mode!r}")
         self._activations, self._act = mode, ACTIVATION_MODES[mode]

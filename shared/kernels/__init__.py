@@ -105,6 +105,13 @@ def variant() -> str:
     return str(torch.ops.specserve_cpu.variant())
 
 
+def int8_by_default() -> bool:
+    """Whether int8 activations are the faster mode here (load() must have succeeded): with AVX-512 VNNI
+    (measured 0.6-0.7x the float32 pass at 1-16 tokens). The AVX2 int8 code on an AVX-512 CPU measured 0.9x
+    at one token but 1.5x at 4-8, so float32 stays the default elsewhere (docs/benchmarks/cpu_pass.md)."""
+    return bool(torch.ops.specserve_cpu.int8_variant() == "avx512_vnni")
+
+
 def main() -> int:
     """`specserve kernels build`: build now, saying so, and exit 0 even where it fails (a fallback exists)."""
     if not (build_dir() / f"{NAME}.so").is_file():
