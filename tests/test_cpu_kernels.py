@@ -14,6 +14,11 @@
 - A tree verified in one pass gives each node exactly the logits of its path decoded token by token,
   and a request's logits do not change when other requests share its pass.
 - Without the operators (SPECSERVE_CPU_KERNELS=off) the loader falls back to the torch pass, saying so.
+- int8 activations: Q4_1 / Q8_0 products on activations quantized as llama.cpp's Q8_1 equal a float64
+  reference that quantizes the same way (the integers exact; float32 rounding only); a token's result is
+  bit-identical alone and inside a call of 1..16 tokens, under 1 and 2 threads; the AVX-512 VNNI, AVX2 and
+  plain C++ code agree bit for bit; float32 weights stay float32; `activations` "auto" picks int8 for
+  quantized weights only, and int8 logits stay within a stated tolerance of the float32 ones.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from safetensors.torch import load_file, save_file
 
 from specserve.shared.runtime import kernels
 from specserve.shared.runtime.batch import Chunk, Tree
-from specserve.shared.runtime.kernels import KIND_F32, KIND_Q4_1, KIND_Q8_0
+from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, KIND_Q4_1, KIND_Q8_0
 from specserve.shared.runtime.lean_model import LeanModel
+from specserve.shared.runtime.loader import describe
+from specserve.shared.runtime.model_config import ModelLoadError
 from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, quantize, read_gguf
 from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
 from specserve.shared.runtime.runner import ModelRunner
@@ -54,8 +61,8 @@ def variant(request):
     kernels.set_variant(before)
 
 
-def _linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, bias)
+def _linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None, act: int = ACT_F32) -> torch.Tensor:
+    return torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, bias, act)
 
 
 @pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
@@ -170,6 +177,119 @@ def test_the_build_folder_is_keyed_by_the_cpu_where_the_build_targets_it(monkeyp
     assert kernels.build_dir().name.endswith(tag)
 
 
+# ---- int8 activations ------------------------------------------------------------------------------
+
+
+def _q8_1(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's Q8_1 of each token's 32-wide blocks, in float32 as the operators do it: d = max|x| / 127,
+    q = x * (1 / d) rounded half to even, s = d * sum(q). Returns q [T, nb, 32], d and s [T, nb]."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inverse[..., None]), -127, 127)
+    return q, d, (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+
+
+def _int8_reference(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Per block the exact integer dot product of the stored integers with the Q8_1 activations, scaled
+    (Q4_1: d_w * d_x * sum + m_w * s_x; Q8_0: d_w * d_x * sum) and summed, in float64."""
+    q, d, s = _q8_1(x)
+    nb = w.cols // 32
+    if w.kind == KIND_Q4_1:
+        packed = w.data.numpy().reshape(w.rows, nb, 16)
+        ints = np.concatenate([packed & 15, packed >> 4], -1).astype(np.float64)
+        scales = w.scales.numpy().reshape(w.rows, nb, 2).astype(np.float64)
+        sums = np.einsum("rbe,tbe->trb", ints, q.astype(np.float64))
+        out = (sums * scales[None, :, :, 0] * d[:, None, :] + scales[None, :, :, 1] * s[:, None, :]).sum(-1)
+    else:
+        ints = w.data.numpy().view(np.int8).reshape(w.rows, nb, 32).astype(np.float64)
+        scales = w.scales.numpy().reshape(w.rows, nb).astype(np.float64)
+        out = (np.einsum("rbe,tbe->trb", ints, q.astype(np.float64)) * scales[None] * d[:, None, :]).sum(-1)
+    return torch.from_numpy(out) + (0 if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
+@pytest.mark.parametrize("cols", [32, 96, 128, 576, 1536])
+def test_int8_products_equal_the_q8_1_reference(kind, cols):
+    """Widths of 1 to 48 blocks, whole groups of 4 and not: within float32 rounding of the exact sums (a
+    single activation rounded otherwise than the reference would be off by about 1e-3 of the scale)."""
+    gen = torch.Generator().manual_seed(cols + kind)
+    w = quantize(torch.randn(37, cols, generator=gen) * 0.1, kind)
+    bias = torch.randn(37, generator=gen)
+    for tokens in (1, 3, 9):
+        x = torch.randn(tokens, cols, generator=gen) * 3
+        got, ref = _linear(x, w, bias, ACT_INT8), _int8_reference(x, w, bias)
+        assert got.dtype == torch.float32 and got.shape == (tokens, 37)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        # and within int8 quantization of the float32 product
+        exact = x.double() @ dequantize(w).double().T + bias.double()
+        assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_int8_keeps_zero_blocks_and_float32_weights_exact():
+    """An all-zero activation block (d = 0) contributes nothing; float32 weights take the float32 path."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 96, generator=gen)
+    x[:, 32:64] = 0
+    for kind in (KIND_Q8_0, KIND_Q4_1):
+        w = quantize(torch.randn(10, 96, generator=gen), kind)
+        torch.testing.assert_close(_linear(x, w, act=ACT_INT8).double(), _int8_reference(x, w), rtol=1e-5,
+                                   atol=1e-5)
+    w = quantize(torch.randn(10, 96, generator=gen), KIND_F32)
+    assert torch.equal(_linear(x, w, act=ACT_INT8), _linear(x, w, act=ACT_F32))
+    with pytest.raises(RuntimeError, match="unknown activation mode"):
+        _linear(x, quantize(torch.randn(10, 96, generator=gen), KIND_Q8_0), act=7)
+
+
+@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_rows_do_not_depend_on_the_rest_of_the_call(kind, threads):
+    gen = torch.Generator().manual_seed(6)
+    w = quantize(torch.randn(70, 576, generator=gen), kind)
+    x = torch.randn(23, 576, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = _linear(x, w, act=ACT_INT8)
+        for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16), (5, 14)]:
+            assert torch.equal(_linear(x[start:stop], w, act=ACT_INT8), whole[start:stop]), (start, stop)
+        assert torch.equal(_linear(x, quantize(dequantize(w)[5:40], kind), act=ACT_INT8), whole[:, 5:40])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_int8_variants_agree_bit_for_bit(tmp_path):
+    """SPECSERVE_CPU_INT8_VARIANT=avx2 / generic (each in a process of its own: the choice is made once)
+    give exactly this process's products."""
+    script = tmp_path / "variant.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from specserve.shared.runtime import kernels\n"
+        "from specserve.shared.runtime.quant import quantize\n"
+        "assert kernels.load()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "out = {}\n"
+        "for kind in (1, 2):\n"
+        "    for cols in (32, 96, 576, 1536):\n"
+        "        w = quantize(torch.randn(37, cols, generator=g) * 0.1, kind)\n"
+        "        x = torch.randn(9, cols, generator=g)\n"
+        "        out[f'{kind}/{cols}'] = torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, None, 1)\n"
+        "torch.save(out, sys.argv[1])\n"
+        "print(torch.ops.specserve_cpu.int8_variant())\n")
+    results = {}
+    for variant in ("", "avx2", "generic"):
+        env = {**os.environ, "SPECSERVE_CPU_INT8_VARIANT": variant}
+        path = tmp_path / f"{variant or 'default'}.pt"
+        out = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[out.stdout.strip()] = torch.load(path)
+    assert {"avx2", "generic"} <= set(results), results.keys()
+    first, *others = results.values()
+    for other in others:
+        assert all(torch.equal(first[k], other[k]) for k in first)
+
+
 def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
     """torch's lock file left by a killed build (every later build or load would wait on it for ever) is removed
     under our own lock, which a second process cannot take while the first holds it."""
@@ -259,7 +379,7 @@ def test_gguf_is_read_under_hugging_face_names_unpermuted(gguf_model):
 
 
 def test_the_blocks_give_the_float32_models_logits_bit_for_bit(gguf_model, variant):
-    blocks = _runner(gguf_model)
+    blocks = _runner(gguf_model, activations="float32")
     float32 = _runner(gguf_model, weights="float32")
     torch_pass = _runner(gguf_model, kernels="torch")
     assert isinstance(blocks.model, LeanModel) and "q4_1" in blocks.model.source
@@ -271,24 +391,79 @@ def test_the_blocks_give_the_float32_models_logits_bit_for_bit(gguf_model, varia
     torch.testing.assert_close(a, c, rtol=1e-4, atol=2e-5)
 
 
-def test_a_tree_verifies_exactly_what_decoding_one_token_at_a_time_gives(gguf_model, variant):
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+def test_a_tree_verifies_exactly_what_decoding_one_token_at_a_time_gives(gguf_model, variant, activations):
     gen = torch.Generator().manual_seed(11)
     context = torch.randint(0, TINY_CONFIG["vocab_size"], (30,), generator=gen).tolist()
     path = torch.randint(0, TINY_CONFIG["vocab_size"], (5,), generator=gen).tolist()
-    alone = _runner(gguf_model)
+    alone = _runner(gguf_model, activations=activations)
+    assert alone.model.activations == activations
     alone.forward([Chunk("r", context)])
     decoded = [alone.forward([Chunk("r", [t], logits_at=[0])])[0][0] for t in path]
-    shared = _runner(gguf_model)
+    shared = _runner(gguf_model, activations=activations)
     shared.forward([Chunk("r", context), Chunk("other", context[:7])])
     tokens = path + [path[1], path[2]]  # a chain and a side branch under node 0
     parents = [-1, 0, 1, 2, 3, 0, 5]
     (tree, prefill) = shared.forward([Tree("r", tokens, parents), Chunk("other", context[7:19], logits_at=[0, 3])])
     for node in range(5):
         assert torch.equal(tree[node], decoded[node]), node
-    lone = _runner(gguf_model)
+    lone = _runner(gguf_model, activations=activations)
     lone.forward([Chunk("other", context[:7])])
     (ref,) = lone.forward([Chunk("other", context[7:19], logits_at=[0, 3])])
     assert torch.equal(prefill, ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_a_token_in_a_tree_of_1_to_16_equals_it_decoded_alone(gguf_model, threads):
+    """Under int8 activations, node i of a chain of n = 1..16 nodes gets bit for bit the logits of its path
+    decoded one token at a time (decoded under 1 thread, verified under `threads`)."""
+    gen = torch.Generator().manual_seed(12)
+    context = torch.randint(0, TINY_CONFIG["vocab_size"], (9,), generator=gen).tolist()
+    path = torch.randint(0, TINY_CONFIG["vocab_size"], (16,), generator=gen).tolist()
+    runner = _runner(gguf_model, activations="int8")
+    runner.forward([Chunk("r", context)])
+    decoded = [runner.forward([Chunk("r", [t], logits_at=[0])])[0][0] for t in path]
+    runner.release("r")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in range(1, 17):
+            runner.forward([Chunk("r", context)])
+            (tree,) = runner.forward([Tree("r", path[:n], [-1, *range(n - 1)])])
+            runner.discard_tree("r")
+            runner.release("r")
+            for node in range(n):
+                assert torch.equal(tree[node], decoded[node]), (n, node)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_activation_mode_switch(gguf_model):
+    """auto: int8 on a GGUF file's blocks (and on weights quantized at load) where the CPU has AVX-512 VNNI,
+    float32 on float32 weights; int8 logits within 5% of the logits' scale of the float32 ones, with mostly
+    the same argmax; int8 with the torch pass is refused."""
+    by_default = "int8" if kernels.int8_by_default() else "float32"
+    assert _runner(gguf_model).model.activations == by_default
+    assert _runner(gguf_model, weights="q8_0").model.activations == by_default
+    auto = _runner(gguf_model, activations="int8")
+    assert "int8 activations" in describe(auto.model)
+    assert _runner(gguf_model, weights="float32").model.activations == "float32"
+    assert _runner(gguf_model, weights="float32", activations="int8").model.activations == "int8"
+    prompt = torch.randint(0, TINY_CONFIG["vocab_size"], (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    entry = [Chunk("r", prompt, logits_at=range(len(prompt)))]
+    (int8,) = auto.forward(entry)
+    float32 = _runner(gguf_model, activations="float32")
+    (exact,) = float32.forward(entry)
+    assert not torch.equal(int8, exact)
+    assert (int8 - exact).abs().max() <= 0.05 * exact.abs().max()
+    assert (int8.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+    auto.model.activations = "float32"  # switched on a loaded model
+    auto.release("r")
+    assert torch.equal(auto.forward(entry)[0], exact)
+    with pytest.raises(ValueError, match="activations must be"):
+        auto.model.activations = "int4"
+    with pytest.raises(ModelLoadError, match="cannot run this model"):
+        _runner(gguf_model, kernels="torch", activations="int8")
 
 
 def test_without_the_operators_the_torch_pass_runs(gguf_model, tmp_path):

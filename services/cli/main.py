@@ -30,7 +30,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     runner = exit_on_load_error(lambda: ModelRunner.from_dir(
         model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device, weights=args.weights,
-        kernels=args.kernels))
+        kernels=args.kernels, activations=args.activations))
     load_s = time.perf_counter() - t0
     cfg = runner.config
     print(
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from specserve.shared.runtime.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
+    from specserve.shared.runtime.loader import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
 
     smoke = sub.add_parser("smoke", help="load a model and generate (checks the install)")
     smoke.add_argument("--model", help="Hugging Face model directory or a named model (default: bundled demo target)")
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                          WEIGHTS.items()))
     smoke.add_argument("--kernels", default="auto", choices=list(KERNELS), help="; ".join(f"{k}: {v}" for k, v in
                                                                                          KERNELS.items()))
+    smoke.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                       help="; ".join(f"{k}: {v}" for k, v in ACTIVATIONS.items()))
     smoke.set_defaults(func=cmd_smoke)
 
     kernels = sub.add_parser("kernels", help="build the compiled CPU operators now (once; otherwise on first use)")

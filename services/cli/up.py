@@ -37,7 +37,7 @@ from specserve.shared.host.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.host.service_base import default_threads
 from specserve.shared.process.ports import GATEWAY_PORT, check_port_free
 from specserve.shared.process.settings import Settings, option
-from specserve.shared.runtime.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
+from specserve.shared.runtime.loader import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
 from specserve.shared.runtime.model_store import DEFAULT_MODEL, DEMO, MODELS, NAMED, resolve_or_exit
 from specserve.shared.wire.auth import ensure_secret
 
@@ -71,6 +71,8 @@ class UpConfig(Settings):
                                 "draft about 2.5x faster on CPU, docs/lab/cpu_pass.md)", choices=list(WEIGHTS))
     kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),
                           choices=list(KERNELS))
+    activations: str = option("auto", "the compiled CPU pass's activations, for both model services: "
+                              + "; ".join(f"{k}: {v}" for k, v in ACTIVATIONS.items()), choices=list(ACTIVATIONS))
     threads: int = option(default_factory=default_threads, help="torch threads of each model service",
                           default_text="half the cores")
     profile: str | None = option(None, "profile file (measured on first start if missing)",
@@ -189,7 +191,8 @@ def main(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    common = ["--device", config.device, "--dtype", config.dtype, "--kernels", config.kernels, "--host", SERVICE_HOST]
+    common = ["--device", config.device, "--dtype", config.dtype, "--kernels", config.kernels,
+              "--activations", config.activations, "--host", SERVICE_HOST]
     sockets = None if config.tcp_services else SocketDir()
 
     def listen(name: str) -> list[str]:  # the same addresses on every (re)start

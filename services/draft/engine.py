@@ -62,7 +62,7 @@ class DraftEngine:
     def __init__(self, config: DraftConfig):
         self._init_state(config)
         self.model = load_model(config.model, parse_dtype(config.dtype, self.device), self.device,
-                                config.weights, config.kernels)
+                                config.weights, config.kernels, config.activations)
         self._new_pool()
         self.vocab_size = self.model.config.vocab_size
 

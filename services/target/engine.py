@@ -67,7 +67,7 @@ class TargetEngine:
         self.device = parse_device(config.device)
         if runner is None:
             model = load_model(config.model, parse_dtype(config.dtype, self.device), self.device,
-                               config.weights, config.kernels)
+                               config.weights, config.kernels, config.activations)
             runner = ModelRunner(model, config.kv_blocks, config.block_size)
             if self.device.type == "cuda" and config.cuda_graphs and runner.inputs_for == "triton":
                 runner.use_graphs()  # decode and verification replayed as CUDA graphs (one KV block for padding)

@@ -7,12 +7,16 @@ be built (no compiler, a build error), `load()` returns False once with the reas
 the model runs its torch pass instead.
 
 The operators (see cpu_ops.cpp for their exactness rules):
-- `linear(x, weight, kind, cols, bias)`: x [T, cols] float32 times a weight as stored (KIND_*);
+- `linear(x, weight, kind, cols, bias, activations)`: x [T, cols] float32 times a weight as stored (KIND_*);
+  activations ACT_INT8 multiplies Q4_1 / Q8_0 weights on x quantized to int8 per token per 32-wide block
+  (ACT_F32, the default: float32 products);
 - `embed(ids, weight, kind, cols)`: rows of an embedding as stored, dequantized;
 - `rms_norm(x, weight, eps)`;
-- `decoder_layers(...)`: every decoder layer of a Llama-family model over one pass, in one call;
+- `decoder_layers(..., activations)`: every decoder layer of a Llama-family model over one pass, in one call;
 - `variant()`: the code the operators run, "avx512", "avx2" (AVX2 + FMA + F16C) or "generic" (plain C++);
-  `variants()`: those this CPU runs; `set_variant(name)`: switch within this process (tests).
+  `variants()`: those this CPU runs; `set_variant(name)`: switch within this process (tests);
+- `int8_variant()`: the int8 products' code: "avx512_vnni", "avx2" or "generic"
+  (SPECSERVE_CPU_INT8_VARIANT=avx2 / generic picks a lesser one).
 
 The best variant the CPU runs is chosen when the library loads. SPECSERVE_CPU_KERNELS_VARIANT=avx512|avx2|generic
 forces one (SPECSERVE_CPU_KERNELS_GENERIC=1 is an alias of =generic); one this CPU lacks, or an unknown name,
@@ -42,6 +46,7 @@ import torch
 log = logging.getLogger(__name__)
 
 KIND_F32, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
+ACT_F32, ACT_INT8 = 0, 1  # activation modes of `linear` and `decoder_layers`
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 NAME = "specserve_cpu"
 VARIANTS = ("avx512", "avx2", "generic")
@@ -144,6 +149,13 @@ def set_variant(name: str) -> str:
     """Run variant `name` from now on in this process; returns the one that ran before. RuntimeError where
     `name` is unknown or this CPU cannot run it."""
     return str(torch.ops.specserve_cpu.set_variant(name))
+
+
+def int8_by_default() -> bool:
+    """Whether int8 activations are the faster mode here (load() must have succeeded): with AVX-512 VNNI
+    (measured 0.6-0.7x the float32 pass at 1-16 tokens). The AVX2 int8 code on an AVX-512 CPU measured 0.9x
+    at one token but 1.5x at 4-8, so float32 stays the default elsewhere (docs/lab/cpu_pass.md)."""
+    return bool(torch.ops.specserve_cpu.int8_variant() == "avx512_vnni")
 
 
 def main() -> int:

@@ -23,6 +23,8 @@
 // The best one this CPU runs is chosen when the library loads; SPECSERVE_CPU_KERNELS_VARIANT=avx512|avx2|
 // generic forces one (one this CPU lacks: the best it has; SPECSERVE_CPU_KERNELS_GENERIC=1 is an alias of
 // =generic), and the `set_variant` operator switches within a process (an error for one the CPU lacks).
+// Products on int8 activations (section "int8 activations"): Q4_1 / Q8_0 weights times activations
+// quantized per token per 32-wide block, exact int32 sums per block; batch invariant by the same rule.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -933,16 +935,476 @@ void attend(const float* q, float* out, int64_t t, int64_t g, const KeyLayout& k
   if (!done) generic::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
 }
 
+// ==== int8 activations ==========================================================================
+//
+// In int8 mode a product with Q4_1 / Q8_0 blocks quantizes each token's activations per 32-wide block
+// as llama.cpp's Q8_1 does: d = max|x| / 127, q = x * (1 / d) rounded half to even, s = d * sum(q);
+// a token's values depend on that token alone. Per block it then takes an exact int32 dot product of
+// the stored integers with q:  Q4_1: d_w * d_x * sum(nibble * q) + m_w * s_x;  Q8_0: d_w * d_x * sum(w * q).
+// Float32 weights keep the float32 path.
+//
+// The float32 operations behind one (row, token) are fixed, whatever shares the call (batch invariance):
+// blocks go in groups of 4 (padded with zero blocks). Q4_1: a group's int32 sums sit in 16 lanes, lane
+// 4j + k holding bytes 4k..4k+3 of block j's low and of its high nibbles; p = (d_w, m_w) * (d_x, s_x)
+// pairwise (8 floats); lane L gets acc[L] = fma(float(sum[L]), p[2 * (L / 4)], acc[L]) and an 8-lane
+// mac += p. Q8_0: two sets of 16 lanes (lane L: bytes 4L..4L+3 of blocks 0-1, then of blocks 2-3);
+// p = d_w * d_x (4 floats); acc[L] = fma(float(sumA[L]), p[L / 8], acc[L]), then with sumB and p[2 + L / 8].
+// At the end the 16 lanes are reduced as halves (i + 8, i + 4, i + 2, i + 1), and Q4_1 adds
+// (mac[1] + mac[3]) + (mac[5] + mac[7]). The AVX-512 VNNI, AVX2 and plain C++ variants do exactly these
+// float32 operations on the same exact integers, so they agree bit for bit.
+
+enum Activations : int64_t { kActF32 = 0, kActInt8 = 1 };
+
+namespace q8 {
+
+constexpr int64_t kGroup = 4;  // blocks a group
+
+// One product's activations, quantized in the layout its weight kind reads (per token, per group):
+// - q: 128 int8. Q4_1: bytes 16j + e = q of element e of block j, 64 + 16j + e = element 16 + e;
+//   Q8_0: the group's elements in order.
+// - s: Q4_1: (d, s) of each block (8 floats); Q8_0: d of each block (4 floats).
+// - c (Q8_0): per 4-byte lane, -128 * the lane's sum of q (AVX-512's unsigned x signed product reads
+//   w + 128; this takes the 128 * sum back off).
+struct Acts {
+  int64_t groups = 0, s_width = 0;
+  std::vector<int8_t> q;
+  std::vector<float> s;
+  std::vector<int32_t> c;
+  const int8_t* qt(int64_t t) const { return q.data() + t * groups * 128; }
+  const float* st(int64_t t) const { return s.data() + t * groups * s_width; }
+  const int32_t* ct(int64_t t) const { return c.data() + t * groups * 32; }
+};
+
+void quantize(const float* X, int64_t T, int64_t ldx, int64_t cols, int64_t kind, Acts& a) {
+  const int64_t nb = cols / QK;
+  a.groups = (nb + kGroup - 1) / kGroup;
+  a.s_width = kind == kQ4_1 ? 8 : 4;
+  a.q.assign(T * a.groups * 128, 0);
+  a.s.assign(T * a.groups * a.s_width, 0.0f);
+  if (kind == kQ8_0) a.c.assign(T * a.groups * 32, 0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* x = X + t * ldx + b * QK;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t q[QK];
+      int32_t sum = 0;
+      for (int64_t i = 0; i < QK; ++i) {
+        float v = std::nearbyint(x[i] * id);  // half to even (the default rounding mode)
+        q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+        sum += q[i];
+      }
+      const int64_t g = b / kGroup, j = b % kGroup;
+      int8_t* dst = a.q.data() + (t * a.groups + g) * 128;
+      float* s = a.s.data() + (t * a.groups + g) * a.s_width;
+      if (kind == kQ4_1) {
+        std::memcpy(dst + 16 * j, q, 16);
+        std::memcpy(dst + 64 + 16 * j, q + 16, 16);
+        s[2 * j] = d;
+        s[2 * j + 1] = d * static_cast<float>(sum);
+      } else {
+        std::memcpy(dst + 32 * j, q, 32);
+        s[j] = d;
+        int32_t* c = a.c.data() + (t * a.groups + g) * 32 + 8 * j;
+        for (int i = 0; i < 8; ++i) c[i] = -128 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+      }
+    }
+}
+
+// The lanes' reduction and Q4_1's min term, in the fixed order above.
+inline float finish(const float* acc, const float* mac, bool q4_1) {
+  float s[16];
+  std::memcpy(s, acc, sizeof(s));
+  for (int width = 8; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) s[i] = s[i] + s[i + width];
+  return q4_1 ? s[0] + ((mac[1] + mac[3]) + (mac[5] + mac[7])) : s[0];
+}
+
+// Blocks of group g present in a row of nb blocks.
+inline int64_t valid_blocks(int64_t nb, int64_t g) { return std::min<int64_t>(kGroup, nb - g * kGroup); }
+
+// Plain C++: one (row, token) at a time.
+float dot_row(const Weight& w, int64_t r, const Acts& a, int64_t t) {
+  const int64_t nb = w.cols / QK;
+  const int8_t* xq = a.qt(t);
+  const float* xs = a.st(t);
+  float acc[16] = {0}, mac[8] = {0};
+  for (int64_t g = 0; g < a.groups; ++g, xq += 128, xs += a.s_width) {
+    const int64_t nbv = valid_blocks(nb, g);
+    if (w.kind == kQ4_1) {
+      int32_t lane[16] = {0};
+      for (int64_t j = 0; j < nbv; ++j) {
+        const uint8_t* wq = w.data + (r * nb + g * kGroup + j) * 16;
+        for (int e = 0; e < 16; ++e)
+          lane[4 * j + e / 4] += (wq[e] & 0xF) * xq[16 * j + e] + (wq[e] >> 4) * xq[64 + 16 * j + e];
+      }
+      float p[8];
+      const float* ws = w.scales + (r * nb + g * kGroup) * 2;
+      for (int i = 0; i < 8; ++i) {
+        p[i] = (i < 2 * nbv ? ws[i] : 0.0f) * xs[i];
+        mac[i] = mac[i] + p[i];
+      }
+      for (int L = 0; L < 16; ++L) acc[L] = std::fma(static_cast<float>(lane[L]), p[2 * (L / 4)], acc[L]);
+    } else {
+      int32_t lane[32] = {0};
+      for (int64_t j = 0; j < nbv; ++j) {
+        const int8_t* wq = reinterpret_cast<const int8_t*>(w.data) + r * w.cols + (g * kGroup + j) * QK;
+        for (int e = 0; e < 32; ++e) lane[8 * j + e / 4] += wq[e] * xq[32 * j + e];
+      }
+      float p[4];
+      const float* ws = w.scales + r * nb + g * kGroup;
+      for (int i = 0; i < 4; ++i) p[i] = (i < nbv ? ws[i] : 0.0f) * xs[i];
+      for (int L = 0; L < 16; ++L) acc[L] = std::fma(static_cast<float>(lane[L]), p[L / 8], acc[L]);
+      for (int L = 0; L < 16; ++L) acc[L] = std::fma(static_cast<float>(lane[16 + L]), p[2 + L / 8], acc[L]);
+    }
+  }
+  return finish(acc, mac, w.kind == kQ4_1);
+}
+
+inline void store(const Weight& w, int64_t r, float s, float* Y, int64_t t, int64_t ldy, bool accumulate) {
+  if (w.bias) s += w.bias[r];
+  float* y = Y + t * ldy + r;
+  *y = accumulate ? *y + s : s;
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy, bool accumulate) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = r0; r < r1; ++r) store(w, r, dot_row(w, r, a, t), Y, t, ldy, accumulate);
+}
+
+}  // namespace q8
+
+#if SPECSERVE_X86
+
+// ---- int8 x blocks, AVX-512 with VNNI (vpdpbusd) -----------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
+namespace avx512_q8 {
+
+using q8::Acts;
+
+inline float finish(__m512 acc, __m256 mac, bool q4_1) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  float s = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+  if (!q4_1) return s;
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mac);
+  return s + ((m[1] + m[3]) + (m[5] + m[7]));
+}
+
+// R rows x TB tokens (tokens t0.., rows r0..) of a Q4_1 weight.
+template <int R, int TB>
+void tile_q4_1(const Weight& w, int64_t r0, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m512 acc[R][TB];
+  __m256 mac[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) {
+      acc[r][t] = _mm512_setzero_ps();
+      mac[r][t] = _mm256_setzero_ps();
+    }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t nbv = q8::valid_blocks(nb, g);
+    const __mmask64 mq = nbv == 4 ? ~0ULL : (1ULL << (16 * nbv)) - 1;
+    const __mmask8 ms = static_cast<__mmask8>((1u << (2 * nbv)) - 1);
+    __m512i lo[R], hi[R];
+    __m256 ws[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t blk = (r0 + r) * nb + g * q8::kGroup;
+      __m512i z = _mm512_maskz_loadu_epi8(mq, w.data + blk * 16);
+      lo[r] = _mm512_and_si512(z, low);
+      hi[r] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+      ws[r] = _mm256_maskz_loadu_ps(ms, w.scales + blk * 2);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = a.qt(t0 + t) + g * 128;
+      const __m512i xl = _mm512_loadu_si512(xq), xh = _mm512_loadu_si512(xq + 64);
+      const __m256 xs = _mm256_loadu_ps(a.st(t0 + t) + g * 8);
+      for (int r = 0; r < R; ++r) {
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xl);
+        s = _mm512_dpbusd_epi32(s, hi[r], xh);
+        const __m256 p = _mm256_mul_ps(ws[r], xs);
+        mac[r][t] = _mm256_add_ps(mac[r][t], p);
+        const __m512 dd = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(p));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) q8::store(w, r0 + r, finish(acc[r][t], mac[r][t], true), Y, t0 + t, ldy, accumulate);
+}
+
+// R rows x TB tokens of a Q8_0 weight: (w + 128) x q by vpdpbusd, from the lanes' -128 * sum(q).
+template <int R, int TB>
+void tile_q8_0(const Weight& w, int64_t r0, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i spread_a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i spread_b = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t nbv = q8::valid_blocks(nb, g);
+    const __mmask64 ma = nbv >= 2 ? ~0ULL : 0xFFFFFFFFULL;
+    const __mmask64 mb = nbv >= 4 ? ~0ULL : nbv == 3 ? 0xFFFFFFFFULL : 0ULL;
+    const __mmask8 ms = static_cast<__mmask8>((1u << nbv) - 1);
+    __m512i wa[R], wb[R];
+    __m128 ws[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* src = reinterpret_cast<const int8_t*>(w.data) + (r0 + r) * w.cols + g * 128;
+      const float* sc = w.scales + (r0 + r) * nb + g * q8::kGroup;
+      if (nbv == q8::kGroup) {
+        wa[r] = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
+        wb[r] = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
+        ws[r] = _mm_loadu_ps(sc);
+      } else {
+        wa[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(ma, src), flip);
+        wb[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mb, src + 64), flip);
+        ws[r] = _mm_maskz_loadu_ps(ms, sc);
+      }
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = a.qt(t0 + t) + g * 128;
+      const int32_t* c = a.ct(t0 + t) + g * 32;
+      const __m512i xa = _mm512_loadu_si512(xq), xb = _mm512_loadu_si512(xq + 64);
+      const __m512i ca = _mm512_loadu_si512(c), cb = _mm512_loadu_si512(c + 16);
+      const __m128 xd = _mm_loadu_ps(a.st(t0 + t) + g * 4);
+      for (int r = 0; r < R; ++r) {
+        const __m512i sa = _mm512_dpbusd_epi32(ca, wa[r], xa);
+        const __m512i sb = _mm512_dpbusd_epi32(cb, wb[r], xb);
+        const __m512 p = _mm512_castps128_ps512(_mm_mul_ps(ws[r], xd));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa), _mm512_permutexvar_ps(spread_a, p), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb), _mm512_permutexvar_ps(spread_b, p), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) q8::store(w, r0 + r, finish(acc[r][t], _mm256_setzero_ps(), false), Y, t0 + t, ldy, accumulate);
+}
+
+template <int R, int TB>
+void tile(const Weight& w, int64_t r0, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  if (w.kind == kQ4_1)
+    tile_q4_1<R, TB>(w, r0, a, t0, Y, ldy, accumulate);
+  else
+    tile_q8_0<R, TB>(w, r0, a, t0, Y, ldy, accumulate);
+}
+
+template <int R>
+void tile_tokens(const Weight& w, int64_t r0, const Acts& a, int64_t t0, int64_t tb, float* Y, int64_t ldy,
+                 bool accumulate) {
+  switch (tb) {
+    case 1: tile<R, 1>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 2: tile<R, 2>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 3: tile<R, 3>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 4: tile<R, 4>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 5: tile<R, 5>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 6: tile<R, 6>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 7: tile<R, 7>(w, r0, a, t0, Y, ldy, accumulate); break;
+    default: tile<R, 8>(w, r0, a, t0, Y, ldy, accumulate); break;
+  }
+}
+
+// Tokens in tiles of up to 8 (a weight group's unpacking serves the whole tile), one row at a time
+// (two rows at a time measured up to 1.8x slower where the weights stream from memory).
+void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy, bool accumulate) {
+  constexpr int64_t kTile = 8;
+  for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+    const int64_t tb = std::min<int64_t>(kTile, T - t0);
+    for (int64_t r = r0; r < r1; ++r) tile_tokens<1>(w, r, a, t0, tb, Y, ldy, accumulate);
+  }
+}
+
+}  // namespace avx512_q8
+#pragma GCC pop_options
+
+// ---- int8 x blocks, AVX2 (vpmaddubsw + vpmaddwd) -----------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2_q8 {
+
+using q8::Acts;
+
+inline float finish(__m256 acc0, __m256 acc1, __m256 mac, bool q4_1) {
+  __m256 a = _mm256_add_ps(acc0, acc1);
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  float s = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+  if (!q4_1) return s;
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mac);
+  return s + ((m[1] + m[3]) + (m[5] + m[7]));
+}
+
+// int32 sums of 4-byte lanes of u8 x s8 (no int16 saturation for these ranges: |pair| <= 2 * 255 * 127
+// never occurs; Q4_1 pairs reach 2 * 15 * 127, Q8_0's sign trick 2 * 128 * 127).
+inline __m256i lanes(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+
+// One (row, token) of a Q4_1 or Q8_0 weight; a group past the row's end is read from a zero-padded copy.
+float dot_row(const Weight& w, int64_t r, const Acts& a, int64_t t) {
+  const int64_t nb = w.cols / QK;
+  const bool q4_1 = w.kind == kQ4_1;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mac = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) uint8_t pad[128];
+  alignas(32) float pad_s[8];
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t nbv = q8::valid_blocks(nb, g);
+    const int8_t* xq = a.qt(t) + g * 128;
+    const float* xs = a.st(t) + g * a.s_width;
+    if (q4_1) {
+      const uint8_t* wq = w.data + (r * nb + g * q8::kGroup) * 16;
+      const float* ws = w.scales + (r * nb + g * q8::kGroup) * 2;
+      if (nbv < q8::kGroup) {
+        std::memset(pad, 0, 64);
+        std::memcpy(pad, wq, nbv * 16);
+        std::memset(pad_s, 0, sizeof(pad_s));
+        std::memcpy(pad_s, ws, nbv * 2 * sizeof(float));
+        wq = pad;
+        ws = pad_s;
+      }
+      const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+      const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32));
+      auto x = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)); };
+      const __m256i s0 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(z0, low), x(0)),
+                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z0, 4), low), x(2))),
+          _mm256_set1_epi16(1));
+      const __m256i s1 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(z1, low), x(1)),
+                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z1, 4), low), x(3))),
+          _mm256_set1_epi16(1));
+      const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_loadu_ps(xs));
+      mac = _mm256_add_ps(mac, p);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
+                             _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                             _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), acc1);
+    } else {
+      const uint8_t* wq = w.data + r * w.cols + g * 128;
+      const float* ws = w.scales + r * nb + g * q8::kGroup;
+      if (nbv < q8::kGroup) {
+        std::memset(pad, 0, 128);
+        std::memcpy(pad, wq, nbv * 32);
+        std::memset(pad_s, 0, sizeof(pad_s));
+        std::memcpy(pad_s, ws, nbv * sizeof(float));
+        wq = pad;
+        ws = pad_s;
+      }
+      __m256i s[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * j));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+        s[j] = lanes(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      }
+      const __m128 p = _mm_mul_ps(_mm_loadu_ps(ws), _mm_loadu_ps(xs));
+      const __m256 pp = _mm256_castps128_ps256(p);
+      auto bcast = [&](int i) { return _mm256_permutevar8x32_ps(pp, _mm256_set1_epi32(i)); };
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), bcast(0), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), bcast(1), acc1);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[2]), bcast(2), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[3]), bcast(3), acc1);
+    }
+  }
+  return finish(acc0, acc1, mac, q4_1);
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy, bool accumulate) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = r0; r < r1; ++r) q8::store(w, r, avx2_q8::dot_row(w, r, a, t), Y, t, ldy, accumulate);
+}
+
+}  // namespace avx2_q8
+#pragma GCC pop_options
+
+#endif  // SPECSERVE_X86
+
+namespace q8 {
+
+enum class Variant { kGeneric, kAvx2, kAvx512Vnni };
+
+// The int8 code in use, following the operators' variant: with "avx512", AVX-512 VNNI where the CPU has it
+// (else the AVX2 code); with "avx2", AVX2; with "generic", plain C++. SPECSERVE_CPU_INT8_VARIANT=avx2 /
+// generic picks a lesser one (tests, measurements).
+Variant variant() {
+#if SPECSERVE_X86
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  static const std::string want = [] {
+    const char* env = std::getenv("SPECSERVE_CPU_INT8_VARIANT");
+    return std::string(env ? env : "");
+  }();
+  const int ops = current_variant();
+  if (ops == kGeneric || want == "generic") return Variant::kGeneric;
+  return ops == kAvx512 && vnni && want != "avx2" ? Variant::kAvx512Vnni : Variant::kAvx2;
+#else
+  return Variant::kGeneric;
+#endif
+}
+
+std::string variant_name() {
+  switch (variant()) {
+    case Variant::kAvx512Vnni: return "avx512_vnni";
+    case Variant::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+// Y[T, rows] (+)= X[T, cols] @ W^T with X quantized per token per block (scratch: `a`); rows split over
+// torch's intra-op threads as matmul splits them.
+void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate, Acts& a) {
+  quantize(X, T, ldx, w.cols, w.kind, a);
+  const int64_t chunk = 32;
+  const int64_t tasks = (w.rows + chunk - 1) / chunk;
+  const Variant v = variant();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t r0 = begin * chunk, r1 = std::min(w.rows, end * chunk);
+#if SPECSERVE_X86
+    if (v == Variant::kAvx512Vnni)
+      avx512_q8::rows(w, r0, r1, a, T, Y, ldy, accumulate);
+    else if (v == Variant::kAvx2)
+      avx2_q8::rows(w, r0, r1, a, T, Y, ldy, accumulate);
+    else
+#endif
+      rows(w, r0, r1, a, T, Y, ldy, accumulate);
+  });
+}
+
+}  // namespace q8
+
+// A product under activation mode `act`: int8 for Q4_1 / Q8_0 weights in kActInt8, else float32.
+void matmul_as(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate,
+               int64_t act, q8::Acts& scratch) {
+  TORCH_CHECK(act == kActF32 || act == kActInt8, "unknown activation mode ", act, " (0: float32, 1: int8)");
+  if (act == kActInt8 && w.kind != kF32)
+    q8::matmul(w, X, T, ldx, Y, ldy, accumulate, scratch);
+  else
+    matmul(w, X, T, ldx, Y, ldy, accumulate);
+}
+
+// ==== end of int8 activations ===================================================================
+
 // ---- operators ---------------------------------------------------------------------------------
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t kind, int64_t cols,
-                  const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& bias, int64_t activations) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.scalar_type() == at::kFloat, "x must be float32 [T, cols]");
   at::Tensor xc = x.contiguous();
   Weight w = make_weight(weight, scales, kind, cols, bias);
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   PhaseTimer timer;
-  matmul(w, xc.data_ptr<float>(), x.size(0), cols, y.data_ptr<float>(), w.rows, false);
+  q8::Acts scratch;
+  matmul_as(w, xc.data_ptr<float>(), x.size(0), cols, y.data_ptr<float>(), w.rows, false, activations, scratch);
   timer.lap(kHead);  // the model calls `linear` for its head only
   return y;
 }
@@ -976,7 +1438,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// The decoder layers of a Llama-family model over one pass, x [T, H] updated in place.
+// The decoder layers of a Llama-family model over one pass, x [T, H] updated in place; activations:
+// kActF32 or kActInt8 (the products with Q4_1 / Q8_0 weights on int8 activations).
 // layers: per layer 14 tensors: input norm, then (data, scales, bias) of qkv and o, post norm, then
 // (data, scales, bias) of gate_up and down; an empty tensor: no scales (float32) or no bias.
 // kinds: per layer 4 weight kinds (qkv, o, gate_up, down).
@@ -984,7 +1447,7 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
                     const at::Tensor& sin, const at::Tensor& kv, const at::Tensor& slot_mapping,
                     const at::Tensor& tables, const at::Tensor& seq, const at::Tensor& prefix,
                     const at::Tensor& extra_off, const at::Tensor& extra_slots, int64_t block_size,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t activations) {
   const int64_t L = static_cast<int64_t>(layers.size()) / 14;
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * 14 && static_cast<int64_t>(kinds.size()) == L * 4,
               "decoder_layers takes 14 tensors and 4 kinds per layer");
@@ -1007,6 +1470,7 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
   const float* S = sin.data_ptr<float>();
   std::vector<float> h(T * H), attn(T * qsize);
   std::vector<float> qkv, gu, act;
+  q8::Acts scratch;
   PhaseTimer timer;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* p = &layers[l * 14];
@@ -1025,7 +1489,7 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
     timer.lap(kNorm);  // the buffers' sizing above counts as norm time (it is next to nothing)
     rms_norm_rows(X, T, H, p[0].data_ptr<float>(), static_cast<float>(eps), h.data());
     timer.lap(kNorm);
-    matmul(wqkv, h.data(), T, H, qkv.data(), ldqkv, false);
+    matmul_as(wqkv, h.data(), T, H, qkv.data(), ldqkv, false, activations, scratch);
     timer.lap(kQkv);
     rope_rows(qkv.data(), T, ldqkv, NH + KVH, D, C, S);  // q and k heads are adjacent in each row
     timer.lap(kRope);
@@ -1048,17 +1512,17 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
       }
     });
     timer.lap(kAttention);
-    matmul(wo, attn.data(), T, qsize, X, H, true);
+    matmul_as(wo, attn.data(), T, qsize, X, H, true, activations, scratch);
     timer.lap(kOut);
     // MLP block
     rms_norm_rows(X, T, H, p[7].data_ptr<float>(), static_cast<float>(eps), h.data());
     timer.lap(kNorm);
-    matmul(wgu, h.data(), T, H, gu.data(), wgu.rows, false);
+    matmul_as(wgu, h.data(), T, H, gu.data(), wgu.rows, false, activations, scratch);
     timer.lap(kGateUp);
     for (int64_t t = 0; t < T; ++t)
       DISPATCH(silu_mul, gu.data() + t * wgu.rows, gu.data() + t * wgu.rows + I, act.data() + t * I, I);
     timer.lap(kSiluMul);
-    matmul(wd, act.data(), T, I, X, H, true);
+    matmul_as(wd, act.data(), T, I, X, H, true, activations, scratch);
     timer.lap(kDown);
   }
 }
@@ -1098,15 +1562,17 @@ std::string profile(bool on) {
 }  // namespace
 
 TORCH_LIBRARY(specserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor scales, int kind, int cols, Tensor? bias=None) -> Tensor", &linear);
+  m.def("linear(Tensor x, Tensor weight, Tensor scales, int kind, int cols, Tensor? bias=None, int activations=0) "
+        "-> Tensor", &linear);
   m.def("embed(Tensor ids, Tensor weight, Tensor scales, int kind, int cols) -> Tensor", &embed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("decoder_layers(Tensor(a!) x, Tensor[] layers, int[] kinds, Tensor cos, Tensor sin, Tensor(b!) kv, "
         "Tensor slot_mapping, Tensor tables, Tensor seq, Tensor prefix, Tensor extra_off, Tensor extra_slots, "
-        "int block_size, int num_heads, int num_kv_heads, int head_dim, float eps) -> ()",
+        "int block_size, int num_heads, int num_kv_heads, int head_dim, float eps, int activations=0) -> ()",
         &decoder_layers);
   m.def("variant() -> str", &variant);
   m.def("variants() -> str[]", &variants);
   m.def("set_variant(str name) -> str", &set_variant);
   m.def("profile(bool on) -> str", &profile);
+  m.def("int8_variant() -> str", &q8::variant_name);
 }
