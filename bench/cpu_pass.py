@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -63,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specserve.shared.runtime import kernels
-    from specserve.shared.runtime.batch import Chunk, Tree
     from specserve.shared.runtime.model_store import resolve
     from specserve.shared.runtime.runner import ModelRunner
 
@@ -78,46 +78,32 @@ def main(argv: list[str] | None = None) -> int:
     int4 = _int4_products(compiled.model, torch)
     nbytes = compiled.model.weight_bytes
 
-    def tree_ms(runner: ModelRunner, tokens: int, repeats: int = 15, profile: bool = False) -> float:
-        """Median ms of a pass of a `tokens`-node chain over the context (after 3 warm-up passes); with
-        `profile`, the operators' phase timers run over the timed passes only."""
-        runner.forward([Chunk("ctx", context)])
-        times = []
-        for i in range(repeats):
-            if profile and i == 3:
-                torch.ops.specserve_cpu.profile(True)
-            t0 = time.perf_counter()
-            runner.forward([Tree("ctx", [5] * tokens, [-1, *range(tokens - 1)])])
-            runner.discard_tree("ctx")
-            times.append(time.perf_counter() - t0)
-        runner.release("ctx")
-        return statistics.median(times[3:]) * 1e3
-
     rounds = []
     for r in range(args.rounds):
         row: dict = {"floor_ms": nbytes / _bandwidth(torch) * 1e3}
         for t in TOKENS:
             compiled.model.activations = "float32"
-            row[f"compiled/{t}"] = tree_ms(compiled, t)
+            row[f"compiled/{t}"] = tree_ms(compiled, context, t)
             compiled.model.activations = "int8"
-            row[f"int8/{t}"] = tree_ms(compiled, t)
-            row[f"torch/{t}"] = tree_ms(torch_pass, t)
+            row[f"int8/{t}"] = tree_ms(compiled, context, t)
+            row[f"torch/{t}"] = tree_ms(torch_pass, context, t)
             row[f"int4_bf16/{t}"] = _time_ms(lambda t=t: int4(t))
         for t in TOKENS[1:]:
             row[f"int8_extra/{t}"] = (row[f"int8/{t}"] - row["int8/1"]) / (t - 1) / row["int8/1"]
         for mode, key in (("float32", "phases"), ("int8", "phases_int8")):
             compiled.model.activations = mode
             for t in (1, 16):
-                total = tree_ms(compiled, t, repeats=13, profile=True)  # 10 profiled passes after 3 warm-up ones
+                # 10 profiled passes after 3 warm-up ones
+                total = tree_ms(compiled, context, t, repeats=13, profile=True)
                 phases = {line.split()[0]: float(line.split()[1]) * 1e3 / 10
                           for line in torch.ops.specserve_cpu.profile(False).strip().splitlines()}
                 phases["outside the operators"] = total - sum(phases.values())
                 row[f"{key}/{t}"] = phases
         for weights, runner in drafts.items():
-            row[f"draft_{weights}/1"] = tree_ms(runner, 1)
+            row[f"draft_{weights}/1"] = tree_ms(runner, context, 1)
             if weights != "float32":
                 runner.model.activations = "int8"
-                row[f"draft_{weights}_int8/1"] = tree_ms(runner, 1)
+                row[f"draft_{weights}_int8/1"] = tree_ms(runner, context, 1)
                 runner.model.activations = "float32"
         rounds.append(row)
         print(f"round {r + 1}: floor {row['floor_ms']:.2f} ms; compiled T=1 {row['compiled/1']:.2f} ms, "
@@ -140,12 +126,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def tree_ms(runner: Any, context: list[int], tokens: int, repeats: int = 15,
+            profile: bool = False) -> float:
+    """Median ms of a pass of a `tokens`-node chain over the context (after 3 warm-up passes); with
+    `profile`, the operators' phase timers run over the timed passes only."""
+    import torch
+
+    from specserve.shared.runtime.batch import Chunk, Tree
+
+    runner.forward([Chunk("ctx", context)])
+    times = []
+    for i in range(repeats):
+        if profile and i == 3:
+            torch.ops.specserve_cpu.profile(True)
+        t0 = time.perf_counter()
+        runner.forward([Tree("ctx", [5] * tokens, [-1, *range(tokens - 1)])])
+        runner.discard_tree("ctx")
+        times.append(time.perf_counter() - t0)
+    runner.release("ctx")
+    return statistics.median(times[3:]) * 1e3
+
+
 def _variants_main(args: argparse.Namespace) -> int:
     """The compiled pass at T = 1 and 4 for each of args.variants, interleaved over args.rounds rounds."""
     import torch
 
     from specserve.shared.runtime import kernels
-    from specserve.shared.runtime.batch import Chunk, Tree
     from specserve.shared.runtime.model_store import resolve
     from specserve.shared.runtime.runner import ModelRunner
 
@@ -157,18 +163,6 @@ def _variants_main(args: argparse.Namespace) -> int:
     runner = ModelRunner.from_dir(resolve("smollm2-135m-instruct"), num_blocks=256, kernels="cpu")
     context = [(i * 7) % 4000 + 10 for i in range(args.context)]
 
-    def tree_ms(tokens: int, repeats: int) -> float:
-        """Median ms of a pass of a `tokens`-node chain over the context, after 3 warm-up passes."""
-        runner.forward([Chunk("ctx", context)])
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.forward([Tree("ctx", [5] * tokens, [-1, *range(tokens - 1)])])
-            runner.discard_tree("ctx")
-            times.append(time.perf_counter() - t0)
-        runner.release("ctx")
-        return statistics.median(times[3:]) * 1e3
-
     rounds = []
     for r in range(args.rounds):
         row = {}
@@ -176,7 +170,7 @@ def _variants_main(args: argparse.Namespace) -> int:
             kernels.set_variant(name)
             repeats = 8 if name == "generic" else 15  # generic: about 0.6 s a pass
             for t in (1, 4):
-                row[f"{name}/{t}"] = tree_ms(t, repeats)
+                row[f"{name}/{t}"] = tree_ms(runner, context, t, repeats)
         rounds.append(row)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()), flush=True)
     summary = {key: spread([rd[key] for rd in rounds]) for key in rounds[0]}
