@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -154,7 +153,8 @@ def test_tcp_services_puts_them_on_loopback_ports():
         assert up.interrupt() == 0
 
 
-# A parent that starts a draft from a worker thread, reports the draft's pid, and waits to be killed.
+# A parent that starts a draft from a worker thread, reports the draft's pid and address once that
+# thread has exited, and waits to be killed (its sleep is the scenario: a parent that lives on).
 _THREAD_PARENT = """
 import threading, time
 from specserve.shared.host.launch import ServiceProcess
@@ -162,21 +162,42 @@ started = []
 worker = threading.Thread(target=lambda: started.append(ServiceProcess("draft", "--kv-blocks", "16")))
 worker.start()
 worker.join()
-print(started[0].proc.pid, flush=True)
+print(started[0].proc.pid, started[0].address, flush=True)
 time.sleep(600)
 """
+
+
+def _health_twice(address: str) -> str:
+    """Two Health calls on a new connection: the service's name from the second reply."""
+    from specserve.shared.wire.messages import Health, HealthReply
+    from specserve.shared.wire.rpc import RpcClient
+
+    async def main() -> str:
+        client = await RpcClient.connect(address)
+        try:
+            for _ in range(2):
+                reply, _ = await client.call(Health(), HealthReply)
+            return reply.service
+        finally:
+            await client.close()
+
+    return asyncio.run(asyncio.wait_for(main(), 30))
 
 
 @pytest.mark.slow
 def test_a_child_started_from_a_worker_thread_outlives_the_thread_and_follows_the_parent_by_its_watchdog():
     """Linux's parent-death signal fires when the starting *thread* exits, so it must not be armed
-    there; the watchdog alone then takes the child down when the parent process dies."""
+    there; the watchdog alone then takes the child down when the parent process dies. The thread has
+    exited before the parent reports the child; a child given the signal then would stop serving (it
+    stops as on Ctrl-C: connections closed), so a connection opened afterwards that is answered twice
+    shows it was not given the signal."""
     parent = subprocess.Popen([sys.executable, "-c", _THREAD_PARENT], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     child = None
     try:
-        child = int(parent.stdout.readline())
-        time.sleep(1.5)
+        pid, address = parent.stdout.readline().split()
+        child = int(pid)
+        assert _health_twice(address) == "draft", "the child stopped serving after the thread that started it exited"
         assert _alive(child), "the child died with the thread that started it"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
