@@ -12,11 +12,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from specserve.shared.host.service_base import ServiceHost
 from specserve.shared.wire.messages import Forward, ForwardReply, Health, HealthReply, Message, VerifyEntry
 from specserve.shared.wire.rpc import RpcClient, RpcServer
 from specserve.target.server import call_tokens
+from tests.support import poll
+
+T = TypeVar("T")
 
 
 def forward(nodes: int, rid: str = "r") -> Forward:
@@ -46,6 +51,13 @@ def host(recorder: Recorder, inline_tokens: int) -> ServiceHost:
     h = ServiceHost("target", "m", "cpu", "float32", {Forward: recorder}, lambda: Health(), call_tokens=call_tokens)
     h.inline_tokens = inline_tokens
     return h
+
+
+def _now(probe: Callable[[], T]) -> Callable[[], Awaitable[T]]:
+    """A probe for poll.until_async from a plain function."""
+    async def probe_now() -> T:
+        return probe()
+    return probe_now
 
 
 async def serve(h: ServiceHost, path: str) -> tuple[RpcServer, str]:
@@ -92,10 +104,13 @@ def test_a_small_call_waits_for_the_call_on_the_model_thread_and_health_does_not
         try:
             slow = asyncio.ensure_future(a.call(forward(64, "slow"), ForwardReply))
             await asyncio.get_running_loop().run_in_executor(None, recorder.slow_started.wait, 10)
+            slow_call = h._last  # the slow call's place on the model thread
             small = asyncio.ensure_future(b.call(forward(1, "small"), ForwardReply))
             reply, _ = await asyncio.wait_for(c.call(Health(), HealthReply), 5)  # not behind the slow call
             assert reply.service == "target"
-            await asyncio.sleep(0.2)
+            # the host has taken the small call: queued behind the slow one, or (wrongly) run beside it
+            await poll.until_async(_now(lambda: small.done() or h._last is not slow_call), 10,
+                                   "the host to take the small call")
             assert not small.done()  # it waits for the slow call instead of running beside it
             recorder.release.set()
             await asyncio.wait_for(asyncio.gather(slow, small), 10)
