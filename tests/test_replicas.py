@@ -224,6 +224,26 @@ def test_executor_tells_remote_errors_from_dead_services_and_deadlines():
         target.stop()
 
 
+def watch_draft_calls(executor: Executor) -> tuple[asyncio.Event, asyncio.Event]:
+    """(sent, held): set when the executor sends a draft call, and when its sender waits in the draft
+    window for the other replicas."""
+    sent, held = asyncio.Event(), asyncio.Event()
+    speculate_now = executor._speculate_now
+
+    async def sending(items):
+        sent.set()
+        return await speculate_now(items)
+
+    class Held(asyncio.Event):
+        async def wait(self):
+            held.set()
+            return await super().wait()
+
+    executor._speculate_now = sending
+    executor._all_queued = Held()
+    return sent, held
+
+
 def test_the_draft_window_batches_a_replica_that_comes_later():
     """Replica 1's entries are queued a few event-loop turns after replica 0's. With a window that
     waits for both replicas, one draft call serves both (the same reply), and it goes as soon as the
@@ -241,9 +261,16 @@ def test_the_draft_window_batches_a_replica_that_comes_later():
             def entry(rid: str) -> list[SpeculateItem]:
                 return [SpeculateItem(rid, 1, prompt, len(prompt), depth=2, width=1)]
 
+            sent, held = watch_draft_calls(executor)
             t0 = time.perf_counter()
             first = asyncio.ensure_future(executor.speculate(entry(f"a{window_ms}"), 0))
-            await asyncio.sleep(0.01)  # replica 0's call has been sent by now, unless the window holds it
+            # replica 0's entries are past the same-turn join: sent in a call of their own, or held by the window
+            done, pending = await asyncio.wait([asyncio.ensure_future(e.wait()) for e in (sent, held)], timeout=10,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for waiter in pending:
+                waiter.cancel()
+            assert done, "replica 0's entries were neither sent nor held by the window within 10 s"
+            assert held.is_set() == (window_ms > 0) and sent.is_set() == (window_ms == 0), (held, sent)
             second = await executor.speculate(entry(f"b{window_ms}"), 1)
             first_result = await first
             assert first_result.value is not None and second.value is not None
