@@ -9,6 +9,7 @@ bytes), so NaN payloads and signed zeros must survive too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import warnings
 
@@ -615,7 +616,10 @@ def test_a_peer_that_resets_right_after_accepting_is_a_transport_error_under_uvl
             accepted, _ = listener.accept()
             accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             accepted.close()  # RST
-            await asyncio.sleep(0.2)  # the client's loop sees the reset and closes its transport
+            # the client's loop sees the reset and closes its transport
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(writer.wait_closed(), 5)
+            assert writer.transport.is_closing()
             client = RpcClient(reader, writer, f"{host}:{port}")
             try:
                 with pytest.raises(TRANSPORT_ERRORS):
@@ -658,8 +662,8 @@ def test_a_call_writes_its_frame_before_it_first_yields():
             sent = peer.recv(65536)  # BlockingIOError if nothing was written yet
             assert sent == frame_bytes(1, Health())
             peer.sendall(frame_bytes(1, HEALTHY))
-            while not pending.done():  # the reply task reads the reply; then the call can finish
-                await asyncio.sleep(0.01)
+            await asyncio.wait([pending], timeout=5)  # the reply task reads the reply; then the call can finish
+            assert pending.done(), "the reply was not read within 5 s"
             with pytest.raises(StopIteration) as done:
                 call.send(None)
             assert done.value.value == (HEALTHY, {})
