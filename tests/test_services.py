@@ -27,6 +27,7 @@ from specserve.shared.wire.messages import Error, Forward, Health, HealthReply, 
 from specserve.shared.wire.rpc import RpcClient
 from specserve.shared.wire.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
 from specserve.shared.wire.transport import MAGIC, PREFIX, frame_bytes, read_frame
+from tests.support import poll
 from tests.support.drive import Req, drive
 from tests.support.fixtures import start_services
 
@@ -303,8 +304,11 @@ def test_a_client_that_vanishes_mid_call_disturbs_no_one(services, prompts):
         outs, _ = await tc.forward([PrefillItem("other", 1, 0, prompts["tiny"], True, SamplingSpec())])
         assert outs[0].error is None
         assert (await dc.health()).status == "ok"
-        await asyncio.sleep(0.5)
-        # The vanished client's request did run (calls are atomic); releasing it frees everything.
+        # The vanished client's request did run (calls are atomic): "gone" is resident beside "other" in
+        # the target and alone in the draft; releasing it frees everything.
+        await poll.until_async(lambda: asyncio.gather(tc.stats(), dc.stats()), 30,
+                               "the vanished client's calls to run (2 requests in the target, 1 in the draft)",
+                               ok=lambda s: (s[0].resident_requests, s[1].resident_requests) == (2, 1))
         await tc.release(["gone", "other"])
         await dc.release(["gone"])
         await _assert_pools_empty(dc, tc)
