@@ -323,7 +323,7 @@ def test_an_unauthenticated_connection_is_dropped_after_the_handshake_timeout(se
             while True:
                 assert isinstance(await _call(reader, writer, healthy + 1, Health()), HealthReply)
                 healthy += 1
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(0.25)  # its pace: a Health every quarter second (the scenario, not a wait)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         return idle_s, healthy, time.monotonic() - t0
