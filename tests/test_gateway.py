@@ -1,10 +1,15 @@
 """The gateway end to end: `specserve up` as real processes, driven over HTTP by the official openai client.
 
-One `specserve up --policy adaserve` serves the module (its tests read AdaServe's trees); other
-policies, the default `joint` among them, run as extra gateways on the same draft and target
-services, started the way `up` starts its own. The first `up` finds no profile
-and measures one (profile on first start); `--budget 24` then pins B so the tests do not depend
-on this machine's timing.
+The API, bad-input, losslessness and crash tests run twice, through the module's `stack` fixture:
+against `specserve up --policy adaserve` on the demo pair ("real"), whose reference output is
+transformers' greedy text, and against `specserve up --simulate cpu-demo` ("simulated"), whose
+reference is the simulation's true continuation of each prompt (any policy must emit it exactly,
+greedy). The other tests use the stack they are about: `real_up` or `simulated_up`.
+
+Each stack's first `up` finds no profile and measures one (profile on first start); `--budget 24`
+then pins B so the tests do not depend on this machine's timing. Other policies, the default `joint`
+among them, run as extra gateways on the real stack's draft and target services, started the way
+`up` starts its own.
 """
 
 from __future__ import annotations
@@ -18,24 +23,31 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from specserve.shared.simulate.preset import load_preset
+from specserve.shared.simulate.text import load_corpus
 from tests.support.fixtures import fresh_profile, start_up
 from tests.support.gateway import (
     MAX_TOKENS,
     POLICIES,
     PROMPTS,
+    TARGET,
     aclient,
     client,
     complete_all,
     every_policy_is_lossless,
+    transformers_greedy,
     up_profile,
     wait_all_free,
 )
 from tests.support.procs import Up, gateway, service_pid, wait_health
 
+PRESET = "cpu-demo"  # the simulated stack's preset
+
 
 @pytest.fixture(scope="module")
-def up(request, tmp_path_factory):
+def real_up(request, tmp_path_factory):
     profile = fresh_profile(tmp_path_factory)
     server = start_up(request, "--policy", "adaserve", profile=profile)
     assert profile.is_file(), "the gateway did not profile on first start"
@@ -43,19 +55,62 @@ def up(request, tmp_path_factory):
     return server
 
 
+@pytest.fixture(scope="module")
+def simulated_up(request, tmp_path_factory):
+    profile = fresh_profile(tmp_path_factory, "simulated-profile")
+    server = start_up(request, "--simulate", PRESET, "--policy", "adaserve", profile=profile)
+    assert profile.is_file(), "the gateway did not profile the simulated target on first start"
+    return server
+
+
+@pytest.fixture(scope="module")
+def real_reference() -> list[str]:
+    return transformers_greedy()
+
+
+@pytest.fixture(scope="module")
+def simulated_reference() -> list[str]:
+    return simulated_greedy(PROMPTS, MAX_TOKENS)
+
+
+def simulated_greedy(prompts: list[str], max_tokens: int) -> list[str]:
+    """The simulated target's output: the true continuation of each prompt (no EOS in the corpus)."""
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    preset = load_preset(PRESET)
+    truth = load_corpus(preset.corpus, preset.tokenizer, preset.seed)
+    return [tok.decode(truth.continuation(tok(p)["input_ids"], max_tokens), skip_special_tokens=True)
+            for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["real", "simulated"])
+def stack(request) -> str:
+    """Which stack the shared tests run against; `up` and `reference` follow it."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def up(request, stack) -> Up:
+    return request.getfixturevalue(f"{stack}_up")
+
+
+@pytest.fixture(scope="module")
+def reference(request, stack) -> list[str]:
+    return request.getfixturevalue(f"{stack}_reference")
+
+
 # ---- the fast tier's end-to-end request -------------------------------------------------------------
 @pytest.mark.fast
-def test_one_request_through_the_three_services(up, reference):
+def test_one_request_through_the_three_services(real_up, real_reference):
     """One streamed chat request and one completion through gateway, draft and target (the official
     client): the completion equals transformers' greedy text, its tokens were drafted and verified
     (trees of more than the root), and both services hold nothing afterwards."""
-    stream = client(up.url).chat.completions.create(model="target", messages=[{"role": "user", "content": "def f(x):"}],
-                                                    max_tokens=8, temperature=0, stream=True)
+    stream = client(real_up.url).chat.completions.create(
+        model="target", messages=[{"role": "user", "content": "def f(x):"}], max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    r = client(up.url).completions.create(model="target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == reference[0]
+    r = client(real_up.url).completions.create(model="target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == real_reference[0]
     assert any(nodes > 1 for _, nodes, _ in r.model_extra["specserve"]["steps"]), r.model_extra["specserve"]
-    wait_all_free(up)
+    wait_all_free(real_up)
 
 
 # ---- API shape -------------------------------------------------------------------------------------
@@ -142,15 +197,15 @@ def test_greedy_identical_across_policies(up, reference):
     every_policy_is_lossless(up, reference)
 
 
-def test_greedy_identical_across_policies_with_overlap(up, reference):
+def test_greedy_identical_across_policies_with_overlap(real_up, real_reference):
     """The same with drafting ahead (--overlap): every policy that drafts, and adaserve."""
     for policy in ["adaserve", *POLICIES[1:]]:
-        g = gateway(up, policy, "--budget", "24", "--overlap")
+        g = gateway(real_up, policy, "--budget", "24", "--overlap")
         try:
-            assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
+            assert asyncio.run(complete_all(g.address, PROMPTS)) == real_reference, policy
         finally:
             g.stop()
-    wait_all_free(up)
+    wait_all_free(real_up)
 
 
 # ---- load and isolation --------------------------------------------------------------------------
@@ -238,15 +293,16 @@ BAD = [
 
 
 def test_bad_requests_get_400_while_others_continue(up, reference):
+    """Every kind of bad request is answered 400 while a stream is in flight (it has sent text and not
+    finished when they are sent); the stream still ends with the reference text."""
     async def run():
         c = aclient(up.url)
-        good = asyncio.ensure_future(c.completions.create(model="target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
-                                                          temperature=0, stream=True))
-        await asyncio.sleep(0.3)
+        good = await Stream.start(c, PROMPTS[0])
+        assert good.started and not good.finished, "the stream was not in flight when the bad requests went"
         async with httpx.AsyncClient(base_url=up.url, timeout=60) as h:
             bad = [await h.post("/v1/completions", content=body, headers={"content-type": "application/json"})
                    for body, _ in BAD]
-        text = "".join([ch.choices[0].text async for ch in await good if ch.choices])
+        text = await good.rest()
         await c.close()
         return bad, text
 
@@ -262,17 +318,61 @@ def test_bad_requests_get_400_while_others_continue(up, reference):
     wait_all_free(up)
 
 
+class Stream:
+    """A greedy streamed completion of one prompt (MAX_TOKENS), read up to its first text by `start`
+    and to its end by `rest`."""
+
+    def __init__(self, chunks) -> None:
+        self.chunks = chunks.__aiter__()
+        self.pieces: list[str] = []
+        self.finished = False
+
+    @classmethod
+    async def start(cls, c: openai.AsyncOpenAI, prompt: str, timeout_s: float = 60) -> Stream:
+        """Waits (at most `timeout_s`) for the stream's first text, or its end if it ends first."""
+        stream = cls(await c.completions.create(model="target", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True))
+        await asyncio.wait_for(stream._read(until_text=True), timeout_s)
+        return stream
+
+    @property
+    def started(self) -> bool:
+        return any(self.pieces)
+
+    async def _read(self, until_text: bool) -> None:
+        async for ch in self.chunks:
+            if not ch.choices:
+                continue
+            self.pieces.append(ch.choices[0].text)
+            self.finished = ch.choices[0].finish_reason is not None
+            if self.finished or (until_text and self.started):
+                return
+
+    async def rest(self) -> str:
+        if not self.finished:
+            await self._read(until_text=False)
+        return "".join(self.pieces)
+
+
+def requests_running(url: str) -> float:
+    """The gateway's vllm:num_requests_running, summed over its label sets."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:num_requests_running"))
+
+
 # ---- crashes and Ctrl-C ----------------------------------------------------------------------------
 def test_draft_crash_is_survived_losslessly(up, reference):
-    """Kill the draft mid-run: requests still finish with the target's greedy output, `up` restarts
-    the draft on its address, and the gateway speculates again."""
+    """Kill the draft mid-run (three streams have sent text and none has finished, and the gateway counts
+    them running, when the kill goes): the requests still finish with the reference output, `up`
+    restarts the draft on its address, and the gateway speculates again."""
     async def run():
         c = aclient(up.url)
-        tasks = [asyncio.ensure_future(c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
-                                                            temperature=0)) for p in PROMPTS[:3]]
-        await asyncio.sleep(0.5)
+        streams = await asyncio.gather(*[Stream.start(c, p) for p in PROMPTS[:3]])
+        in_flight = [s.started and not s.finished for s in streams]
+        running = requests_running(up.url)
         os.kill(service_pid("draft", up.draft), signal.SIGKILL)
-        out = [r.choices[0].text for r in await asyncio.gather(*tasks)]
+        assert all(in_flight) and running == 3, f"not mid-run at the kill: in flight {in_flight}, running {running}"
+        out = [await s.rest() for s in streams]
         await c.close()
         return out
 
@@ -284,8 +384,8 @@ def test_draft_crash_is_survived_losslessly(up, reference):
     wait_all_free(up)
 
 
-def test_up_stops_cleanly_on_ctrl_c(up):
-    server = Up("--policy", "none", "--profile", up_profile(up))
+def test_up_stops_cleanly_on_ctrl_c(real_up):
+    server = Up("--policy", "none", "--profile", up_profile(real_up))
     pids = [service_pid(k, server.addresses[k]) for k in ("draft", "target")]
     assert client(server.url).completions.create(model="target", prompt="x", max_tokens=3).choices
     assert server.interrupt() == 0
@@ -294,3 +394,24 @@ def test_up_stops_cleanly_on_ctrl_c(up):
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")
 
+
+
+# ---- the simulated stack alone ----------------------------------------------------------------------
+def test_n_simulated_replicas_start_and_serve(simulated_up, simulated_reference):
+    """Three simulated target replicas behind one gateway: every one serves, output is the truth."""
+    server = Up("--simulate", PRESET, "--targets", "3", "--profile", up_profile(simulated_up), "--", "--budget", "24")
+    try:
+        assert [r["up"] for r in httpx.get(f"{server.url}/health").json()["replicas"]] == [True] * 3
+
+        async def run():
+            c = aclient(server.url)
+            out = await asyncio.gather(*[c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS,
+                                                              temperature=0) for p in PROMPTS * 2])
+            await c.close()
+            return out
+
+        results = asyncio.run(run())
+        assert [r.choices[0].text for r in results] == simulated_reference * 2
+        assert {r.model_extra["specserve"]["replica"] for r in results} == {0, 1, 2}
+    finally:
+        assert server.interrupt() == 0
