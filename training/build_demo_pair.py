@@ -66,14 +66,20 @@ def llama_config(tok: Tokenizer, shape: dict) -> LlamaConfig:
 
 def save_model(model: LlamaForCausalLM, out: Path, tok: Tokenizer) -> None:
     """A standard Hugging Face directory: bfloat16 safetensors, config, generation config, tokenizer.
-    Casts `model` to bfloat16 in place; it is not trained further."""
+    Casts `model` to bfloat16 in place; it is not trained further. The tokenizer files are the target's:
+    copied into models/target, and in any other directory (the draft) relative links to those, so the
+    repository holds one copy and each directory still loads on its own."""
     if out.exists():
         shutil.rmtree(out)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     eot, end = tok.token_to_id(tokenizer.EOT), tok.token_to_id(tokenizer.END)
     GenerationConfig(bos_token_id=eot, eos_token_id=[eot, end], pad_token_id=eot, do_sample=False).save_pretrained(out)
+    target = MODELS / "target"
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BUILD / "tokenizer" / name, out / name)
+        if out.resolve() == target.resolve():
+            shutil.copy(BUILD / "tokenizer" / name, out / name)
+        else:
+            (out / name).symlink_to(Path(os.path.relpath(target / name, out)))
 
 
 def load_model(path: Path) -> LlamaForCausalLM:

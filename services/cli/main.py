@@ -30,7 +30,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     runner = exit_on_load_error(lambda: ModelRunner.from_dir(
         model_dir, num_blocks=args.num_blocks, dtype=args.dtype, device=args.device, weights=args.weights,
-        kernels=args.kernels))
+        kernels=args.kernels, activations=args.activations))
     load_s = time.perf_counter() - t0
     cfg = runner.config
     print(
@@ -104,23 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from specserve.shared.runtime.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
-
-    smoke = sub.add_parser("smoke", help="load a model and generate (checks the install)")
-    smoke.add_argument("--model", help="Hugging Face model directory or a named model (default: bundled demo target)")
-    smoke.add_argument("--device", default=os.environ.get("SPECSERVE_DEVICE", "cpu"), help="cpu or cuda")
-    smoke.add_argument("--dtype", default=os.environ.get("SPECSERVE_DTYPE", "auto"), choices=DTYPE_CHOICES,
-                       help=DTYPE_HELP)
-    smoke.add_argument("--prompt", default="import os\nimport sys\n\n\ndef main():\n",
-                       help="prompt text (needs a tokenizer)")
-    smoke.add_argument("--max-tokens", type=int, default=32)
-    smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
-
-    smoke.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="; ".join(f"{k}: {v}" for k, v in
-                                                                                         WEIGHTS.items()))
-    smoke.add_argument("--kernels", default="auto", choices=list(KERNELS), help="; ".join(f"{k}: {v}" for k, v in
-                                                                                         KERNELS.items()))
-    smoke.set_defaults(func=cmd_smoke)
+    _add_smoke(sub.add_parser("smoke", help="load a model and generate (checks the install)"))
 
     kernels = sub.add_parser("kernels", help="build the compiled CPU operators now (once; otherwise on first use)")
     kernels.add_argument("action", choices=["build"])
@@ -166,6 +150,27 @@ def build_parser() -> argparse.ArgumentParser:
     up_cmd.add_flags(up)
     up.set_defaults(func=up_cmd.main)
     return parser
+
+
+def _add_smoke(smoke: argparse.ArgumentParser) -> None:
+    from specserve.shared.runtime.loader import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
+
+    smoke.add_argument("--model", help="Hugging Face model directory or a named model (default: bundled demo target)")
+    smoke.add_argument("--device", default=os.environ.get("SPECSERVE_DEVICE", "cpu"), help="cpu or cuda")
+    smoke.add_argument("--dtype", default=os.environ.get("SPECSERVE_DTYPE", "auto"), choices=DTYPE_CHOICES,
+                       help=DTYPE_HELP)
+    smoke.add_argument("--prompt", default="import os\nimport sys\n\n\ndef main():\n",
+                       help="prompt text (needs a tokenizer)")
+    smoke.add_argument("--max-tokens", type=int, default=32)
+    smoke.add_argument("--num-blocks", type=int, default=256, help="KV pool size in 16-token blocks")
+
+    smoke.add_argument("--weights", default="auto", choices=list(WEIGHTS), help="; ".join(f"{k}: {v}" for k, v in
+                                                                                         WEIGHTS.items()))
+    smoke.add_argument("--kernels", default="auto", choices=list(KERNELS), help="; ".join(f"{k}: {v}" for k, v in
+                                                                                         KERNELS.items()))
+    smoke.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                       help="; ".join(f"{k}: {v}" for k, v in ACTIVATIONS.items()))
+    smoke.set_defaults(func=cmd_smoke)
 
 
 def _service(module: str) -> Callable[[argparse.Namespace], int]:

@@ -37,7 +37,7 @@ from specserve.shared.host.launch import ServiceProcess, SocketDir, free_port
 from specserve.shared.host.service_base import default_threads
 from specserve.shared.process.ports import GATEWAY_PORT, check_port_free
 from specserve.shared.process.settings import Settings, option
-from specserve.shared.runtime.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
+from specserve.shared.runtime.loader import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
 from specserve.shared.runtime.model_store import DEFAULT_MODEL, DEMO, MODELS, NAMED, resolve_or_exit
 from specserve.shared.wire.auth import ensure_secret
 
@@ -71,6 +71,8 @@ class UpConfig(Settings):
                                 "draft about 2.5x faster on CPU, docs/lab/cpu_pass.md)", choices=list(WEIGHTS))
     kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),
                           choices=list(KERNELS))
+    activations: str = option("auto", "the compiled CPU pass's activations, for both model services: "
+                              + "; ".join(f"{k}: {v}" for k, v in ACTIVATIONS.items()), choices=list(ACTIVATIONS))
     threads: int = option(default_factory=default_threads, help="torch threads of each model service",
                           default_text="half the cores")
     profile: str | None = option(None, "profile file (measured on first start if missing)",
@@ -168,86 +170,115 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # named models (`--model smollm2-135m-instruct`) become their directories, installed once, here, so
-    # the services and the gateway are all given the same directory
-    model = config.model or (DEMO if config.simulate else DEFAULT_MODEL)
-    draft = config.draft_model or default_draft(model)
-    config.model, config.draft_model = resolve_or_exit(model), resolve_or_exit(draft)
-    if config.simulate is None and config.policy != "none" and not _same_vocabulary(config.model, config.draft_model):
+    sim = _prepare(config)
+    if sim is None:
         return 2
-    sim: list[str] = []
-    if config.simulate is not None:
-        from specserve.shared.simulate.preset import PresetError, load_preset
-
-        try:
-            preset = load_preset(config.simulate)
-        except PresetError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        sim = ["--simulate", preset.spec]  # the file, with any time_scale override (the profile is keyed by both)
     ensure_secret()  # the services' shared secret, for the children's environment
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    common = ["--device", config.device, "--dtype", config.dtype, "--kernels", config.kernels, "--host", SERVICE_HOST]
-    sockets = None if config.tcp_services else SocketDir()
-
-    def listen(name: str) -> list[str]:  # the same addresses on every (re)start
-        rpc = ["--port", str(free_port(SERVICE_HOST))] if sockets is None else ["--unix-socket", sockets.socket(name)]
-        return [*rpc, *(["--metrics-port", str(metrics[name])] if name in metrics else [])]
-
-    procs: dict[str, ServiceProcess] = {}
-
-    def start(name: str) -> ServiceProcess:
-        print(f"starting {name} ...", file=sys.stderr, flush=True)
-        kind, *rest = specs[name]
-        proc = ServiceProcess(kind, *rest, threads=config.threads, log_level=config.log_level,
-                              inherit_stderr=True)
-        print(f"ready {name} {proc.address}", flush=True)
-        if name in metrics or name == "gateway":  # a service's server is up once it is ready
-            url = f"http://{SERVICE_HOST}:{metrics[name]}" if name in metrics else proc.address
-            print(f"metrics {name} {url}/metrics", flush=True)
-        return proc
-
+    stack = _Stack(config, targets, metrics, sim)
     try:
-        specs = {name: ["target", "--model", config.model, "--weights", config.weights, *common, *sim, *listen(name)]
-                 for name in targets}
-        specs["draft"] = ["draft", "--model", config.draft_model, "--weights", config.draft_weights, *common, *sim,
-                          *listen("draft")]
-        for name in [*targets, "draft"]:
-            procs[name] = start(name)
-        extra = [a for a in config.gateway_args if a != "--"]
-        specs["gateway"] = ["gateway", "--draft", procs["draft"].address,
-                            *[arg for t in targets for arg in ("--target", procs[t].address)],
-                            "--model", config.model, "--device", config.device, "--policy", config.policy,
-                            "--host", config.host, "--port", str(config.port),
-                            *(["--profile", config.profile] if config.profile else []), *extra]
-        procs["gateway"] = start("gateway")
-        url = procs["gateway"].address
-        _wait_healthy(url)
-        print(f"specserve is up: {url}/v1 (policy {config.policy}, {config.targets} target replica"
-              f"{'s' if config.targets > 1 else ''}{f'; SIMULATED, preset {config.simulate}' if sim else ''}; "
-              "Ctrl-C stops them all)", flush=True)
-        while not stopping.wait(0.5):
-            for name in [*targets, "draft"]:
-                if not procs[name].alive() and config.restart:
-                    print(f"the {name} service exited ({procs[name].proc.returncode}); restarting it",
-                          file=sys.stderr, flush=True)
-                    time.sleep(RESTART_AFTER_S)
-                    procs[name] = start(name)
-            if not procs["gateway"].alive():
-                print(f"the gateway exited ({procs['gateway'].proc.returncode}); stopping", file=sys.stderr)
-                return 1
-        return 0
+        return stack.run(stopping)
     except (RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        for name in ["gateway", "draft", *targets]:
-            if name in procs:
-                procs[name].stop()
-        if sockets is not None:
-            sockets.cleanup()
+        stack.stop()
+
+
+def _prepare(config: UpConfig) -> list[str] | None:
+    """Named models (`--model smollm2-135m-instruct`) made their directories, installed once, here, so that
+    the services and the gateway are all given the same directory; the draft checked against the target;
+    the services' `--simulate` arguments (none without a preset). None: an error was printed."""
+    model = config.model or (DEMO if config.simulate else DEFAULT_MODEL)
+    draft = config.draft_model or default_draft(model)
+    config.model, config.draft_model = resolve_or_exit(model), resolve_or_exit(draft)
+    if config.simulate is None and config.policy != "none" and not _same_vocabulary(config.model, config.draft_model):
+        return None
+    if config.simulate is None:
+        return []
+    from specserve.shared.simulate.preset import PresetError, load_preset
+
+    try:
+        preset = load_preset(config.simulate)
+    except PresetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    return ["--simulate", preset.spec]  # the file, with any time_scale override (the profile is keyed by both)
+
+
+class _Stack:
+    """The target replicas, the draft and the gateway as child processes: started in that order, the model
+    services restarted when they exit (with `--restart`), all stopped together."""
+
+    def __init__(self, config: UpConfig, targets: list[str], metrics: dict[str, int], sim: list[str]):
+        self.config, self.targets, self.metrics = config, targets, metrics
+        self.sockets = None if config.tcp_services else SocketDir()
+        self.procs: dict[str, ServiceProcess] = {}
+        self.specs: dict[str, list[str]] = {}
+        self.sim = sim
+
+    def listen(self, name: str) -> list[str]:
+        """A service's addresses, the same on every (re)start."""
+        rpc = (["--port", str(free_port(SERVICE_HOST))] if self.sockets is None
+               else ["--unix-socket", self.sockets.socket(name)])
+        return [*rpc, *(["--metrics-port", str(self.metrics[name])] if name in self.metrics else [])]
+
+    def start(self, name: str) -> ServiceProcess:
+        print(f"starting {name} ...", file=sys.stderr, flush=True)
+        kind, *rest = self.specs[name]
+        proc = ServiceProcess(kind, *rest, threads=self.config.threads, log_level=self.config.log_level,
+                              inherit_stderr=True)
+        print(f"ready {name} {proc.address}", flush=True)
+        if name in self.metrics or name == "gateway":  # a service's server is up once it is ready
+            url = f"http://{SERVICE_HOST}:{self.metrics[name]}" if name in self.metrics else proc.address
+            print(f"metrics {name} {url}/metrics", flush=True)
+        self.procs[name] = proc
+        return proc
+
+    def run(self, stopping: threading.Event) -> int:
+        """Start everything, say where it serves, then watch it until `stopping` (0) or the gateway exits (1)."""
+        config, procs = self.config, self.procs
+        assert config.model is not None and config.draft_model is not None  # (_prepare resolved both)
+        common = ["--device", config.device, "--dtype", config.dtype, "--kernels", config.kernels,
+                  "--activations", config.activations, "--host", SERVICE_HOST]
+        for name in self.targets:
+            self.specs[name] = ["target", "--model", config.model, "--weights", config.weights, *common, *self.sim,
+                                *self.listen(name)]
+        self.specs["draft"] = ["draft", "--model", config.draft_model, "--weights", config.draft_weights, *common,
+                               *self.sim, *self.listen("draft")]
+        for name in [*self.targets, "draft"]:
+            self.start(name)
+        extra = [a for a in config.gateway_args if a != "--"]
+        self.specs["gateway"] = ["gateway", "--draft", procs["draft"].address,
+                                 *[arg for t in self.targets for arg in ("--target", procs[t].address)],
+                                 "--model", config.model, "--device", config.device, "--policy", config.policy,
+                                 "--host", config.host, "--port", str(config.port),
+                                 *(["--profile", config.profile] if config.profile else []), *extra]
+        url = self.start("gateway").address
+        _wait_healthy(url)
+        simulated = f"; SIMULATED, preset {config.simulate}" if self.sim else ""
+        print(f"specserve is up: {url}/v1 (policy {config.policy}, {config.targets} target replica"
+              f"{'s' if config.targets > 1 else ''}{simulated}; Ctrl-C stops them all)", flush=True)
+        while not stopping.wait(0.5):
+            for name in [*self.targets, "draft"]:
+                if not procs[name].alive() and config.restart:
+                    print(f"the {name} service exited ({procs[name].proc.returncode}); restarting it",
+                          file=sys.stderr, flush=True)
+                    time.sleep(RESTART_AFTER_S)
+                    self.start(name)
+            if not procs["gateway"].alive():
+                print(f"the gateway exited ({procs['gateway'].proc.returncode}); stopping", file=sys.stderr)
+                return 1
+        return 0
+
+    def stop(self) -> None:
+        for name in ["gateway", "draft", *self.targets]:
+            if name in self.procs:
+                self.procs[name].stop()
+        if self.sockets is not None:
+            self.sockets.cleanup()
         print("specserve stopped", file=sys.stderr, flush=True)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from specserve.shared.runtime import kernels
 from specserve.shared.runtime.kernels import KIND_Q8_0
 from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.runtime.model_store import PACKED, unpack
 from specserve.shared.runtime.rope import RotaryEmbedding, apply_rotary
 
 WEIGHTS = "eagle.safetensors"
@@ -163,7 +164,17 @@ class EagleHead(nn.Module):
 
 
 def is_eagle_dir(path: str | Path) -> bool:
-    return (Path(path) / WEIGHTS).is_file()
+    weights = Path(path) / WEIGHTS
+    return weights.is_file() or weights.with_name(WEIGHTS + PACKED).is_file()
+
+
+def weights_file(path: str | Path) -> Path:
+    """The head's eagle.safetensors, written out first from eagle.safetensors.xz where the directory holds
+    that (the bundled head is committed compressed, shared/runtime/model_store.py) and it is missing or older."""
+    weights = Path(path) / WEIGHTS
+    if (packed := weights.with_name(WEIGHTS + PACKED)).is_file():
+        unpack(packed)
+    return weights
 
 
 def target_of(path: str | Path) -> str:
@@ -189,7 +200,7 @@ def load_head(path: Path, target: ModelConfig, embed: torch.Tensor, lm_head: tor
               dtype: torch.dtype = torch.float32) -> EagleHead:
     """A saved head (`path`) over the target's config, embedding and LM head."""
     meta = json.loads((Path(path) / CONFIG).read_text())
-    state = load_file(str(Path(path) / WEIGHTS))
+    state = load_file(str(weights_file(path)))
     for k in [k for k in state if k.endswith(SCALE)]:
         name = k.removesuffix(SCALE)
         state[name] = state[name].float() * state.pop(k)[:, None]

@@ -24,6 +24,7 @@ import torch
 
 from specserve.draft.beam import BeamRequest, BeamTree, beam_search
 from specserve.draft.config import DraftConfig
+from specserve.draft.entry_check import check_entry
 from specserve.draft.static_step import StaticBeamStep
 from specserve.shared.host.service_base import ms_since, split_counts
 from specserve.shared.runtime.batch import Chunk
@@ -44,6 +45,8 @@ from specserve.shared.wire.messages import (
     TransitionReply,
 )
 
+Tree = tuple[list[int], list[int], list[float]]  # a drafted tree: tokens, parents, path log-probabilities
+
 
 @dataclass(slots=True)
 class _Request:
@@ -59,7 +62,7 @@ class DraftEngine:
     def __init__(self, config: DraftConfig):
         self._init_state(config)
         self.model = load_model(config.model, parse_dtype(config.dtype, self.device), self.device,
-                                config.weights, config.kernels)
+                                config.weights, config.kernels, config.activations)
         self._new_pool()
         self.vocab_size = self.model.config.vocab_size
 
@@ -110,38 +113,56 @@ class DraftEngine:
         failed: dict[str, ErrorInfo] = {}  # requests whose own work failed: released before the reply
         catchup_ms = beam_ms = 0.0
         forwards = 0
-        trees: dict[str, tuple[list[int], list[int], list[float]]] = {}
+        trees: dict[str, Tree] = {}
         if self.runner is not None and accepted:
-            try:
-                skip = self._fit_to_pool([e for e, _ in accepted], depths, failed)
-                t1 = time.perf_counter()
-                root_logits, forwards = self._catch_up([e for e, _ in accepted if e.rid not in failed], depths,
-                                                       skip, failed)
-                catchup_ms = ms_since(t1)
-                t1 = time.perf_counter()
-                beams = []
-                for e, _ in accepted:
-                    if e.rid in failed or depths[e.rid] <= 0:
-                        continue
-                    try:
-                        beams.append(BeamRequest(e.rid, self.requests[e.rid].tokens[-1], root_logits[e.rid],
-                                                 depths[e.rid], e.width))
-                    except Exception as exc:
-                        failed[e.rid] = _failure(e.rid, "the beam setup", exc)
-                found, beam_forwards = self._beam_search(beams)
-            except BaseException:
-                self._restore(before)  # the call failed as a whole: no request may keep half of it
-                for rid in failed:  # these may be half way through their own work: drop them
-                    self.release(rid)
-                raise
-            forwards += beam_forwards
-            beam_ms = ms_since(t1)
-            trees = {rid: (t.tokens, t.parents, t.logp) for rid, t in found.items()}
+            trees, catchup_ms, beam_ms, forwards = self._draft([e for e, _ in accepted], depths, failed, before)
+        results, payload = self._results(msg.entries, errors, trees, depths, failed)
+        self.entry_errors += len(failed)
+        self._forget_assumed([e for e, _ in accepted if e.num_assumed > 0 and e.rid not in failed])
+        warmup = self.static_step is not None and self.static_step.captures > captures
+        reply = SpeculateReply(results, catchup_ms, beam_ms, ms_since(t0), forwards, self.free_blocks(),
+                               offloaded=self.runner is None, warmup=warmup)
+        return reply, payload
+
+    def _draft(self, accepted: list[SpeculateEntry], depths: dict[str, int], failed: dict[str, ErrorInfo],
+               before: dict[str, tuple[int, int] | None]) -> tuple[dict[str, Tree], float, float, int]:
+        """Catch the accepted requests up and run their beams: each one's tree (tokens, parents, path
+        log-probability), the two phases' ms and the forward passes. A request whose own work fails goes
+        to `failed`; a failure of the call as a whole restores every request and raises."""
+        try:
+            skip = self._fit_to_pool(accepted, depths, failed)
+            t1 = time.perf_counter()
+            root_logits, forwards = self._catch_up([e for e in accepted if e.rid not in failed], depths, skip, failed)
+            catchup_ms = ms_since(t1)
+            t1 = time.perf_counter()
+            beams = []
+            for e in accepted:
+                if e.rid in failed or depths[e.rid] <= 0:
+                    continue
+                try:
+                    beams.append(BeamRequest(e.rid, self.requests[e.rid].tokens[-1], root_logits[e.rid],
+                                             depths[e.rid], e.width))
+                except Exception as exc:
+                    failed[e.rid] = _failure(e.rid, "the beam setup", exc)
+            found, beam_forwards = self._beam_search(beams)
+        except BaseException:
+            self._restore(before)  # the call failed as a whole: no request may keep half of it
+            for rid in failed:  # these may be half way through their own work: drop them
+                self.release(rid)
+            raise
+        trees = {rid: (t.tokens, t.parents, t.logp) for rid, t in found.items()}
+        return trees, catchup_ms, ms_since(t1), forwards + beam_forwards
+
+    def _results(self, entries: list[SpeculateEntry], errors: list[ErrorInfo | None],
+                 trees: dict[str, Tree], depths: dict[str, int],
+                 failed: dict[str, ErrorInfo]) -> tuple[list[DraftTree], dict[str, torch.Tensor]]:
+        """Each entry's result in order (its tree, a root alone where it drafted none, or its error; a
+        failed request is released) and the payload of the trees' tokens, parents and path probabilities."""
         out_tokens: list[int] = []
         out_parents: list[int] = []
         out_logp: list[float] = []
         results = []
-        for entry, error in zip(msg.entries, errors):
+        for entry, error in zip(entries, errors):
             if error is None and entry.rid not in failed:
                 try:
                     tokens, parents, logp = trees.get(entry.rid, ([self.requests[entry.rid].tokens[-1]], [-1], [0.0]))
@@ -159,12 +180,7 @@ class DraftEngine:
                 error = failed[entry.rid]
                 self.release(entry.rid)
             results.append(DraftTree(entry.rid, entry.step, 0, 0, error))
-        self.entry_errors += len(failed)
-        self._forget_assumed([e for e, _ in accepted if e.num_assumed > 0 and e.rid not in failed])
-        warmup = self.static_step is not None and self.static_step.captures > captures
-        reply = SpeculateReply(results, catchup_ms, beam_ms, ms_since(t0), forwards, self.free_blocks(),
-                               offloaded=self.runner is None, warmup=warmup)
-        return reply, {
+        return results, {
             "tokens": torch.tensor(out_tokens, dtype=torch.int32),
             "parents": torch.tensor(out_parents, dtype=torch.int32),
             "path_prob": torch.tensor(out_logp, dtype=torch.float32).exp(),
@@ -184,7 +200,9 @@ class DraftEngine:
         seen: set[str] = set()
         for entry, toks in zip(entries, new_tokens):
             try:
-                error = self._check(entry, toks, seen)
+                req = self.requests.get(entry.rid)
+                error = check_entry(entry, toks, entry.rid in seen, None if req is None else len(req.tokens),
+                                    -1 if req is None else req.last_step, self.config, self.vocab_size)
             except Exception as exc:  # a first occurrence of the id (duplicates are refused first)
                 error = _failure(entry.rid, "the check", exc)
                 self.release(entry.rid)
@@ -192,29 +210,6 @@ class DraftEngine:
             errors.append(error)
         self.entry_errors += sum(e is not None for e in errors)
         return errors
-
-    def _check(self, entry: SpeculateEntry, toks: list[int], seen: set[str]) -> ErrorInfo | None:
-        if entry.rid in seen:
-            return ErrorInfo("duplicate_request", f"{entry.rid!r} appears twice in one call")
-        req = self.requests.get(entry.rid)
-        have = len(req.tokens) if req else 0
-        if req is not None and entry.step <= req.last_step:
-            return ErrorInfo("stale_step", f"step {entry.step} of {entry.rid!r} is not after {req.last_step}")
-        if not 0 <= entry.num_assumed <= len(toks):
-            return ErrorInfo("bad_shape", f"{entry.rid!r}: {entry.num_assumed} assumed tokens, but the call adds "
-                             f"{len(toks)}")
-        if have + len(toks) - entry.num_assumed != entry.num_committed:
-            return ErrorInfo("out_of_sync" if req else "unknown_request",
-                             f"{entry.rid!r}: the draft holds {have} committed tokens, the call adds "
-                             f"{len(toks) - entry.num_assumed}, but says the request has {entry.num_committed}")
-        if have + len(toks) == 0:
-            return ErrorInfo("empty_request", f"{entry.rid!r} has no committed tokens to speculate from")
-        if not 0 <= entry.depth <= self.config.max_depth or not 1 <= entry.width <= self.config.max_width:
-            return ErrorInfo("bad_shape", f"depth {entry.depth} / width {entry.width} outside "
-                             f"0..{self.config.max_depth} / 1..{self.config.max_width}")
-        if any(not 0 <= t < self.vocab_size for t in toks):
-            return ErrorInfo("bad_token", f"{entry.rid!r}: token ids outside 0..{self.vocab_size - 1}")
-        return None
 
     def _forget_assumed(self, entries: list[SpeculateEntry]) -> None:
         """Drafting ahead: drop the guessed tokens the trees grew from (history and KV); the gateway

@@ -67,7 +67,7 @@ class TargetEngine:
         self.device = parse_device(config.device)
         if runner is None:
             model = load_model(config.model, parse_dtype(config.dtype, self.device), self.device,
-                               config.weights, config.kernels)
+                               config.weights, config.kernels, config.activations)
             runner = ModelRunner(model, config.kv_blocks, config.block_size)
             if self.device.type == "cuda" and config.cuda_graphs and runner.inputs_for == "triton":
                 runner.use_graphs()  # decode and verification replayed as CUDA graphs (one KV block for padding)
@@ -80,29 +80,9 @@ class TargetEngine:
     def forward(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[ForwardReply, dict]:
         start = time.perf_counter()
         self.calls += 1
-        chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
-        tree_tokens = split_counts(tensors, "tree_tokens", [e.num_nodes for e in msg.verify])
-        tree_parents = split_counts(tensors, "tree_parents", [e.num_nodes for e in msg.verify])
-        seen: set[str] = set()
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
-        entries: list[tuple[int, Chunk | Tree]] = []
+        entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
-        for i, (prefill, toks) in enumerate(zip(msg.prefill, chunks)):
-            error = self._isolated(prefill.rid, "check", self._check_prefill, prefill, toks, seen)
-            if error:
-                errors[i] = error
-            else:
-                last = [len(toks) - 1] if prefill.last else []
-                entries.append((i, Chunk(prefill.rid, toks, logits_at=last)))
-        base = len(msg.prefill)
-        for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
-            error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
-            if error:
-                errors[base + j] = error
-            else:
-                entries.append((base + j, Tree(verify.rid, toks, parents)))
-        entries = self._fit_to_pool(entries, errors)
-
         t0 = time.perf_counter()
         passed = [e for _, e in entries]
         graphs = getattr(self.runner, "graphs", None)  # the simulated runner has none
@@ -123,7 +103,42 @@ class TargetEngine:
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
         accept_ms = ms_since(t0)
+        results, payload = self._results(all_entries, errors, emitted, kept)
+        self.entry_errors += len(errors)
+        warmup = graphs is not None and graphs.captures > captures
+        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup)
+        return reply, payload
 
+    def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor],
+                 errors: dict[int, ErrorInfo]) -> list[tuple[int, Chunk | Tree]]:
+        """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
+        (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`."""
+        chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
+        tree_tokens = split_counts(tensors, "tree_tokens", [e.num_nodes for e in msg.verify])
+        tree_parents = split_counts(tensors, "tree_parents", [e.num_nodes for e in msg.verify])
+        seen: set[str] = set()
+        entries: list[tuple[int, Chunk | Tree]] = []
+        for i, (prefill, toks) in enumerate(zip(msg.prefill, chunks)):
+            error = self._isolated(prefill.rid, "check", self._check_prefill, prefill, toks, seen)
+            if error:
+                errors[i] = error
+            else:
+                last = [len(toks) - 1] if prefill.last else []
+                entries.append((i, Chunk(prefill.rid, toks, logits_at=last)))
+        base = len(msg.prefill)
+        for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
+            error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
+            if error:
+                errors[base + j] = error
+            else:
+                entries.append((base + j, Tree(verify.rid, toks, parents)))
+        return entries
+
+    @staticmethod
+    def _results(all_entries: list[PrefillEntry | VerifyEntry], errors: dict[int, ErrorInfo],
+                 emitted: dict[int, tuple[list[int], int]],
+                 kept: dict[int, torch.Tensor]) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
+        """Each entry's result in order, and the payload: the emitted tokens, and the features where kept."""
         results, out, feats = [], [], []
         for index, message in enumerate(all_entries):
             if index in errors:
@@ -136,13 +151,10 @@ class TargetEngine:
                 feats.append(rows)
             results.append(StepResult(message.rid, message.step, len(tokens), accepted,
                                       num_features=0 if rows is None else len(rows)))
-        self.entry_errors += len(errors)
-        warmup = graphs is not None and graphs.captures > captures
-        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup)
         payload = {"tokens": torch.tensor(out, dtype=torch.int32)}
         if feats:
             payload["features"] = torch.cat(feats)
-        return reply, payload
+        return results, payload
 
     # ---- isolation ---------------------------------------------------------------------------
     def _isolated(self, rid: str, what: str, check: Callable[..., ErrorInfo | None], *args: Any) -> ErrorInfo | None:

@@ -126,8 +126,15 @@ class ServiceProcess:
         reader.start()
         reader.join(READY_TIMEOUT_S)
         if not ready or not ready[0].startswith("ready"):
+            if ready:  # its stdout ended: it is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(5)
+            running = self.proc.poll() is None
             self.stop()
-            raise RuntimeError(f"the {kind} service did not start: {''.join(self.stderr)[-2000:]}")
+            why = (f"was not ready within {READY_TIMEOUT_S:.0f} s (a loaded machine, or a long first build)" if running
+                   else f"exited with status {self.proc.returncode}")
+            raise RuntimeError(f"the {kind} service {why}; the last lines of its log:\n"
+                               f"{''.join(self.stderr)[-2000:]}")
         self.address = ready[0].split()[-1]
         threading.Thread(target=lambda: collections.deque(stdout, maxlen=0), daemon=True).start()
 

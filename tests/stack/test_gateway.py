@@ -384,6 +384,17 @@ def test_draft_crash_is_survived_losslessly(up, reference):
     wait_all_free(up)
 
 
+def test_an_int8_target_is_lossless_under_every_policy(real_up):
+    """A target on weights quantized to Q8_0 at load runs int8 activations (the default for quantized
+    weights): every policy gives exactly what policy `none` gives on that target."""
+    server = Up("--weights", "q8_0", "--activations", "int8", "--policy", "none", "--profile", up_profile(real_up))
+    try:
+        reference = asyncio.run(complete_all(server.url, PROMPTS))
+        every_policy_is_lossless(server, reference)
+    finally:
+        server.interrupt()
+
+
 def test_up_stops_cleanly_on_ctrl_c(real_up):
     server = Up("--policy", "none", "--profile", up_profile(real_up))
     pids = [service_pid(k, server.addresses[k]) for k in ("draft", "target")]

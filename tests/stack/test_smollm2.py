@@ -73,7 +73,7 @@ def test_installed_directory_is_plain_and_found_again(model_dir, monkeypatch):
 
 @pytest.mark.parametrize("kernels", ["cpu", "torch"])
 def test_logits_match_transformers(model_dir, hf, prompts, kernels):
-    runner = ModelRunner.from_dir(model_dir, num_blocks=64, kernels=kernels)
+    runner = ModelRunner.from_dir(model_dir, num_blocks=64, kernels=kernels, activations="float32")
     assert runner.config.num_parameters() == hf.num_parameters()
     for name, ids in prompts.items():
         (ours,) = runner.forward([Chunk(name, ids, logits_at=range(len(ids)))])
@@ -88,7 +88,7 @@ def test_logits_match_transformers(model_dir, hf, prompts, kernels):
 
 @pytest.mark.parametrize("kernels", ["cpu", "torch"])
 def test_greedy_generation_equals_transformers(model_dir, hf, prompts, kernels):
-    runner = ModelRunner.from_dir(model_dir, num_blocks=64, kernels=kernels)
+    runner = ModelRunner.from_dir(model_dir, num_blocks=64, kernels=kernels, activations="float32")
     ours = generate(runner, prompts, max_new_tokens=24)
     for name, ids in prompts.items():
         with torch.no_grad():
@@ -99,12 +99,13 @@ def test_greedy_generation_equals_transformers(model_dir, hf, prompts, kernels):
 
 def _chat_through_up(tmp_path, hf, prompts, model_dir, max_tokens: int, *up_args: str):
     """One greedy chat request through `up --model smollm2-135m-instruct UP_ARGS` with the official client;
-    returns the response and transformers' greedy answer to the same chat-templated prompt."""
+    returns the response and transformers' greedy answer to the same chat-templated prompt (float32
+    activations: transformers' parity)."""
     profile = tmp_path / "profile.json"  # a given profile: `up` skips measuring it (these tests need no B)
     Profile(budget_tokens=16, baseline_iteration_ms=60.0, knee_ratio=1.2, curve=[(8, 60.0), (24, 80.0)], model=NAME,
             device="cpu", dtype="float32", created="2026-01-01T00:00:00", batch=8, input_tokens=32,
             output_tokens=128, reference_ms=60.0).save(profile)
-    up = Up("--model", NAME, *up_args, "--profile", str(profile), timeout_s=600)
+    up = Up("--model", NAME, "--activations", "float32", *up_args, "--profile", str(profile), timeout_s=600)
     try:
         c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=300)
         assert [m.id for m in c.models.list().data] == [NAME]

@@ -163,6 +163,25 @@ def test_an_int8_head_keeps_its_predictions(tmp_path):
     torch.testing.assert_close(a.requests["r"].last, b.requests["r"].last, atol=0.05, rtol=0.05)
 
 
+def test_a_head_committed_compressed_is_found_and_unpacked(tmp_path):
+    """A directory holding only eagle.safetensors.xz (as models/smollm2-eagle is committed) is a head; loading
+    it writes eagle.safetensors out, and the loaded head equals the one saved."""
+    import lzma
+
+    from specserve.draft.eagle_head import is_eagle_dir
+
+    head = make_head(tmp_path)
+    weights = tmp_path / "eagle.safetensors"
+    (tmp_path / "eagle.safetensors.xz").write_bytes(lzma.compress(weights.read_bytes()))
+    saved = weights.read_bytes()
+    weights.unlink()
+    assert is_eagle_dir(tmp_path)
+    loaded = load_for_target(tmp_path, TARGET)
+    assert weights.read_bytes() == saved
+    for (name, a), b in zip(head.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_the_head_on_the_cpu_kernels_predicts_as_in_float32(tmp_path):
     """`to_cpu_kernels` (q8_0 linears through the compiled operators, as the draft service runs the head):
     the predicted features close to float32's, the same greedy chain in most cases."""

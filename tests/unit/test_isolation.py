@@ -217,14 +217,14 @@ def test_a_failing_draft_request_ends_alone(draft, monkeypatch, where):
     tag = f"d{where}"
     poison = f"{tag}-poison"
     if where == "check":
-        real_check = draft._check
+        real_check = draft_engine.check_entry
 
-        def check(entry, toks, seen):
+        def check(entry, *args):
             if entry.rid == poison:
                 raise KeyError("oops")
-            return real_check(entry, toks, seen)
+            return real_check(entry, *args)
 
-        monkeypatch.setattr(draft, "_check", check)
+        monkeypatch.setattr(draft_engine, "check_entry", check)
     elif where == "fit":
         real_fit = draft.runner.blocks.extra_blocks_for
 

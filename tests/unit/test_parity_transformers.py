@@ -134,6 +134,7 @@ class HFModel:
         kw.setdefault("num_blocks", NUM_BLOCKS)
         kw.setdefault("block_size", BLOCK_SIZE)
         kw.setdefault("kernels", self.kernels)
+        kw.setdefault("activations", "float32")  # transformers' parity: float32 products
         return ModelRunner.from_dir(self.path, **kw)
 
 

@@ -72,7 +72,8 @@ def test_the_latency_fingerprint_changes_with_what_sets_pass_time(tmp_path):
 
     base = fp()
     assert base == fp() and "threads=1" in base
-    variants = [fp(threads=2), fp(kernels="torch"), fp(weights="q8_0"), fp(simulate="llama2-7b-a100"),
+    variants = [fp(threads=2), fp(kernels="torch"), fp(weights="q8_0"), fp(activations="float32"),
+                fp(activations="int8"), fp(simulate="llama2-7b-a100"),
                 fp(simulate="llama2-7b-a100,time_scale=4"), fp(simulate="cpu-demo")]
     assert len({base, *variants}) == 1 + len(variants)
     assert latency_fingerprint(TargetConfig(model=str(model), threads=1), "cpu", "bfloat16") != base

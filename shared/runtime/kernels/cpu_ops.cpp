@@ -12,22 +12,40 @@
 //   added in block order and reduced in one fixed order. Attention visits a token's visible keys in
 //   one order (its committed context, then its own tree ancestors), so a tree node's logits equal
 //   those of the same token decoded alone.
-// Two variants: AVX-512 intrinsics, chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and F16C,
-// and plain C++ otherwise (same accumulation structure, not bit-identical to the AVX-512 one).
+// Three variants, each batch invariant by itself (they are not bit-identical to one another):
+// - "avx512": AVX-512 intrinsics, where the CPU has AVX-512 F/BW/DQ/VL, FMA and F16C;
+// - "avx2": AVX2 + FMA intrinsics, where the CPU has AVX2, FMA and F16C (and not AVX-512). 8-lane
+//   vectors: the two accumulators of a (row, token) are 8 lanes wide, each taking two 8-wide chunks of
+//   its 16 elements of every block in order, and are reduced in one fixed order;
+// - "generic": plain C++ with the same accumulation structure as AVX-512, which the compiler vectorizes
+//   for the machine it is built on where the build targets it (-mcpu=native on aarch64: NEON); on x86
+//   it is the last-resort fallback (built for baseline x86-64).
+// The best one this CPU runs is chosen when the library loads; SPECSERVE_CPU_KERNELS_VARIANT=avx512|avx2|
+// generic forces one (one this CPU lacks: the best it has; SPECSERVE_CPU_KERNELS_GENERIC=1 is an alias of
+// =generic), and the `set_variant` operator switches within a process (an error for one the CPU lacks).
+// Products on int8 activations (section "int8 activations"): Q4_1 / Q8_0 weights times activations
+// quantized per token per 32-wide block, exact int32 sums per block; batch invariant by the same rule.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#define SPECSERVE_X86 1
 #include <immintrin.h>
+#else
+#define SPECSERVE_X86 0
+#endif
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -136,6 +154,8 @@ void rows(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, in
 }
 
 }  // namespace generic
+
+#if SPECSERVE_X86
 
 // ---- AVX-512 variant ---------------------------------------------------------------------------
 
@@ -281,17 +301,153 @@ inline __m512 exp16(__m512 x) {
 
 #pragma GCC pop_options
 
-bool use_avx512() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-           __builtin_cpu_supports("fma") && std::getenv("SPECSERVE_CPU_KERNELS_GENERIC") == nullptr;
-  }();
-  return ok;
+// ---- AVX2 variant (AVX2 + FMA) ------------------------------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace avx2 {
+
+// The sum of 8 lanes in one fixed order: (0+4, 1+5, 2+6, 3+7), then pairs 2 apart, then the last two.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
-// ---- vector helpers over float arrays (each has both variants) ---------------------------------
+// Lanes i < valid set (all 8 where valid >= 8, none where valid <= 0), for maskload / maskstore / and.
+inline __m256i mask_of(int64_t valid) {
+  const int v = static_cast<int>(std::min<int64_t>(8, std::max<int64_t>(0, valid)));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Elements [b*32 + c*8, b*32 + c*8 + 8) of row `r`, dequantized (c = 0..3); PARTIAL (float32 only): the
+// block runs past the row's end, lanes past it read as 0. Q4_1: the nibbles widened to int32, converted
+// (exactly) and d * q + m computed with a multiply and an add (two roundings, as gguf-py does).
+template <int64_t KIND, bool PARTIAL>
+inline __m256 dequant_chunk(const Weight& w, int64_t r, int64_t b, int c) {
+  const int64_t nb = w.cols / QK;
+  if constexpr (KIND == kQ4_1) {
+    const float* s = w.scales + (r * nb + b) * 2;
+    const uint8_t* q = w.data + (r * nb + b) * 16 + (c & 1) * 8;
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    v = c < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(v, 4);
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(v)), _mm256_set1_ps(s[1]));
+  } else if constexpr (KIND == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.data) + r * w.cols + b * QK + c * 8;
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_mul_ps(_mm256_set1_ps(w.scales[r * nb + b]), _mm256_cvtepi32_ps(v));
+  } else {
+    const float* src = reinterpret_cast<const float*>(w.data) + r * w.cols + b * QK + c * 8;
+    if constexpr (PARTIAL) return _mm256_maskload_ps(src, mask_of(w.cols - b * QK - c * 8));
+    return _mm256_loadu_ps(src);
+  }
+}
+
+// One block of an R rows x TB tokens tile: chunks 0-1 (elements 0-15) into alo, 2-3 (16-31) into ahi.
+template <int64_t KIND, int R, int TB, bool PARTIAL>
+inline void tile_block(const Weight& w, int64_t r0, int64_t b, const float* X, int64_t ldx, __m256 (&alo)[R][TB],
+                       __m256 (&ahi)[R][TB]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    __m256 wc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wc[r] = dequant_chunk<KIND, PARTIAL>(w, r0 + r, b, c);
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; ++t) {
+      const float* x = X + t * ldx + b * QK + c * 8;
+      __m256 xc;
+      if constexpr (PARTIAL) xc = _mm256_maskload_ps(x, mask_of(w.cols - b * QK - c * 8));
+      else xc = _mm256_loadu_ps(x);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (c < 2) alo[r][t] = _mm256_fmadd_ps(wc[r], xc, alo[r][t]);
+        else ahi[r][t] = _mm256_fmadd_ps(wc[r], xc, ahi[r][t]);
+      }
+    }
+  }
+}
+
+// R rows x TB tokens: Y[t, r0 + r] (+)= sum_k W[r0 + r, k] * X[t, k] (+ bias).
+template <int64_t KIND, int R, int TB>
+void tile(const Weight& w, int64_t r0, const float* X, int64_t ldx, float* Y, int64_t ldy, bool accumulate) {
+  __m256 alo[R][TB], ahi[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) alo[r][t] = ahi[r][t] = _mm256_setzero_ps();
+  const int64_t full = w.cols / QK;
+  for (int64_t b = 0; b < full; ++b) tile_block<KIND, R, TB, false>(w, r0, b, X, ldx, alo, ahi);
+  if (full * QK < w.cols) tile_block<KIND, R, TB, true>(w, r0, full, X, ldx, alo, ahi);  // float32 only
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) {
+      float s = hsum(_mm256_add_ps(alo[r][t], ahi[r][t]));
+      if (w.bias) s += w.bias[r0 + r];
+      float* y = Y + t * ldy + r0 + r;
+      *y = accumulate ? *y + s : s;
+    }
+}
+
+// One token: Q4_1 two rows a tile (four independent FMA chains), Q8_0 and float32 one row (more rows a
+// tile measured slower); more tokens: one row, up to 4 tokens a tile (one dequantization serves them
+// all). The tile shape does not change what is computed for a (row, token).
+template <int64_t KIND>
+void rows_of(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
+             bool accumulate) {
+  if (T == 1) {
+    constexpr int R = KIND == kQ4_1 ? 2 : 1;
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) tile<KIND, R, 1>(w, r, X, ldx, Y, ldy, accumulate);
+    for (; r < r1; ++r) tile<KIND, 1, 1>(w, r, X, ldx, Y, ldy, accumulate);
+    return;
+  }
+  for (int64_t t0 = 0; t0 < T; t0 += 4) {
+    const int64_t tb = std::min<int64_t>(4, T - t0);
+    const float* x = X + t0 * ldx;
+    float* y = Y + t0 * ldy;
+    for (int64_t r = r0; r < r1; ++r) switch (tb) {
+        case 1: tile<KIND, 1, 1>(w, r, x, ldx, y, ldy, accumulate); break;
+        case 2: tile<KIND, 1, 2>(w, r, x, ldx, y, ldy, accumulate); break;
+        case 3: tile<KIND, 1, 3>(w, r, x, ldx, y, ldy, accumulate); break;
+        default: tile<KIND, 1, 4>(w, r, x, ldx, y, ldy, accumulate); break;
+      }
+  }
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy,
+          bool accumulate) {
+  switch (w.kind) {
+    case kQ4_1: rows_of<kQ4_1>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+    case kQ8_0: rows_of<kQ8_0>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+    default: rows_of<kF32>(w, r0, r1, X, T, ldx, Y, ldy, accumulate); break;
+  }
+}
+
+// exp(x) for float32 lanes: exp16's polynomial, 2^n built in the exponent bits; inputs below -87.3 give 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // n is in [-126, 127] after the clamp: 2^n is a normal float, so the product rounds once, as scalef does.
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+}  // namespace avx2
+
+#pragma GCC pop_options
+
+// ---- vector helpers over float arrays (each variant has them) ----------------------------------
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
@@ -353,6 +509,75 @@ float sum_squares(const float* x, int64_t n) {
 }  // namespace avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+// out[i] = exp(x[i] - shift) for i < n; returns their sum (8 lanes in index order, then reduced).
+float exp_shift_sum(const float* x, float shift, float* out, int64_t n) {
+  __m256 acc = _mm256_setzero_ps(), s = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+    _mm256_storeu_ps(out + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (i < n) {
+    __m256i m = mask_of(n - i);
+    __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, m), s)), _mm256_castsi256_ps(m));
+    _mm256_maskstore_ps(out + i, m, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum(acc);
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  if (i < n) {
+    __m256i m = mask_of(n - i);
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), acc);
+  }
+  return hsum(acc);
+}
+
+// y[i] += a * x[i]
+void axpy(float a, const float* x, float* y, int64_t n) {
+  __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  if (i < n) {
+    __m256i m = mask_of(n - i);
+    _mm256_maskstore_ps(y + i, m, _mm256_fmadd_ps(va, _mm256_maskload_ps(x + i, m), _mm256_maskload_ps(y + i, m)));
+  }
+}
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256i m = mask_of(n - i);
+    __m256 vg = _mm256_maskload_ps(g + i, m);
+    __m256 s = _mm256_div_ps(vg, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), vg))));
+    _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(s, _mm256_maskload_ps(u + i, m)));
+  }
+}
+
+float sum_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 v = _mm256_maskload_ps(x + i, mask_of(n - i));
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  return hsum(acc);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#endif  // SPECSERVE_X86
+
 namespace generic {
 
 float exp_shift_sum(const float* x, float shift, float* out, int64_t n) {
@@ -392,7 +617,51 @@ float sum_squares(const float* x, int64_t n) {
 
 }  // namespace generic
 
-#define DISPATCH(fn, ...) (use_avx512() ? avx512::fn(__VA_ARGS__) : generic::fn(__VA_ARGS__))
+// ---- the variant in use ------------------------------------------------------------------------
+
+enum Variant : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kVariants };
+const char* const kVariantNames[kVariants] = {"generic", "avx2", "avx512"};
+
+// Whether this CPU runs variant `v`.
+bool cpu_runs(int v) {
+#if SPECSERVE_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (v == kAvx2) return avx2;
+  if (v == kAvx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#endif
+  return v == kGeneric;
+}
+
+int best_variant() { return cpu_runs(kAvx512) ? kAvx512 : cpu_runs(kAvx2) ? kAvx2 : kGeneric; }
+
+// The variant at load: SPECSERVE_CPU_KERNELS_VARIANT where this CPU runs it (another value: the best),
+// else generic where SPECSERVE_CPU_KERNELS_GENERIC is set (and not "0"), else the best.
+int initial_variant() {
+  const char* name = std::getenv("SPECSERVE_CPU_KERNELS_VARIANT");
+  if (name != nullptr && *name != '\0') {
+    for (int v = 0; v < kVariants; ++v)
+      if (std::strcmp(name, kVariantNames[v]) == 0 && cpu_runs(v)) return v;
+    return best_variant();  // the Python loader logs the fallback
+  }
+  const char* generic = std::getenv("SPECSERVE_CPU_KERNELS_GENERIC");
+  if (generic != nullptr && *generic != '\0' && std::strcmp(generic, "0") != 0) return kGeneric;
+  return best_variant();
+}
+
+std::atomic<int> g_variant{initial_variant()};
+
+inline int current_variant() { return g_variant.load(std::memory_order_relaxed); }
+
+#if SPECSERVE_X86
+#define DISPATCH(fn, ...)                                                         \
+  (current_variant() == kAvx512 ? avx512::fn(__VA_ARGS__)                         \
+   : current_variant() == kAvx2 ? avx2::fn(__VA_ARGS__) : generic::fn(__VA_ARGS__))
+#else
+#define DISPATCH(fn, ...) generic::fn(__VA_ARGS__)
+#endif
 
 // ---- phase timers (the `profile` operator) ------------------------------------------------------
 
@@ -462,6 +731,8 @@ struct KeyLayout {
   const int32_t* extra_off;  // [T + 1] CSR offsets into extra_slots
   const int32_t* extra_slots;  // physical slots of tree ancestors (and the node itself), root first
 };
+
+#if SPECSERVE_X86
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
@@ -541,6 +812,77 @@ bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const f
 }  // namespace avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+// Softmax attention of G query heads (D = 8 * ND wide) over the n keys at `slots` of one kv head, as
+// avx512::attend_group with 8-lane vectors: a score is one 8-lane accumulator over the head's chunks,
+// reduced by hsum.
+template <int ND, int G>
+void attend_group(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, float scale, float* scores) {
+  __m256 qv[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) qv[i][d] = _mm256_loadu_ps(q + i * ND * 8 + d * 8);
+  float mx[G];
+  for (int i = 0; i < G; ++i) mx[i] = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + slots[j] * row;
+    for (int i = 0; i < G; ++i) {
+      __m256 acc = _mm256_mul_ps(qv[i][0], _mm256_loadu_ps(kj));
+      for (int d = 1; d < ND; ++d) acc = _mm256_fmadd_ps(qv[i][d], _mm256_loadu_ps(kj + d * 8), acc);
+      float sc = hsum(acc) * scale;
+      scores[i * n + j] = sc;
+      mx[i] = std::max(mx[i], sc);
+    }
+  }
+  __m256 inv[G];
+  for (int i = 0; i < G; ++i) inv[i] = _mm256_set1_ps(1.0f / exp_shift_sum(scores + i * n, mx[i], scores + i * n, n));
+  __m256 o[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) o[i][d] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row;
+    for (int i = 0; i < G; ++i) {
+      __m256 p = _mm256_set1_ps(scores[i * n + j]);
+      for (int d = 0; d < ND; ++d) o[i][d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + d * 8), o[i][d]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) _mm256_storeu_ps(out + i * ND * 8 + d * 8, _mm256_mul_ps(o[i][d], inv[i]));
+}
+
+// The heads in chunks of up to 2 where a head is 4 vectors or fewer wide, else one at a time (the q and
+// output accumulators of a chunk stay in the 16 registers).
+template <int ND>
+void attend_heads(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v,
+                  int64_t row, int64_t group, float scale, float* scores) {
+  constexpr int kMax = ND <= 4 ? 2 : 1;
+  for (int64_t i = 0; i < group;) {
+    const int64_t g = std::min<int64_t>(kMax, group - i);
+    if (g == 2) attend_group<ND, (kMax >= 2 ? 2 : 1)>(q + i * ND * 8, out + i * ND * 8, slots, n, k, v, row, scale, scores);
+    else attend_group<ND, 1>(q + i * ND * 8, out + i * ND * 8, slots, n, k, v, row, scale, scores);
+    i += g;
+  }
+}
+
+bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
+            int64_t D, int64_t group, float scale, float* scores) {
+  switch (D) {
+    case 64: attend_heads<8>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 128: attend_heads<16>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 32: attend_heads<4>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    case 96: attend_heads<12>(q, out, slots, n, k, v, row, group, scale, scores); return true;
+    default: return false;
+  }
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#endif  // SPECSERVE_X86
+
 namespace generic {
 
 bool attend(const float* q, float* out, const int64_t* slots, int64_t n, const float* k, const float* v, int64_t row,
@@ -584,20 +926,485 @@ void attend(const float* q, float* out, int64_t t, int64_t g, const KeyLayout& k
   float* og = out + g * group * D;
   const float* k = kcache + g * slots_total * D;
   const float* v = vcache + g * slots_total * D;
-  if (!(use_avx512() && avx512::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data())))
-    generic::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
+  bool done = false;
+#if SPECSERVE_X86
+  const int variant = current_variant();
+  if (variant == kAvx512) done = avx512::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
+  else if (variant == kAvx2) done = avx2::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
+#endif
+  if (!done) generic::attend(qg, og, slots.data(), n, k, v, D, D, group, scale, scores.data());
 }
+
+// ==== int8 activations ==========================================================================
+//
+// In int8 mode a product with Q4_1 / Q8_0 blocks quantizes each token's activations per 32-wide block
+// as llama.cpp's Q8_1 does: d = max|x| / 127, q = x * (1 / d) rounded half to even, s = d * sum(q);
+// a token's values depend on that token alone. Per block it then takes an exact int32 dot product of
+// the stored integers with q:  Q4_1: d_w * d_x * sum(nibble * q) + m_w * s_x;  Q8_0: d_w * d_x * sum(w * q).
+// Float32 weights keep the float32 path.
+//
+// The float32 operations behind one (row, token) are fixed, whatever shares the call (batch invariance):
+// blocks go in groups of 4 (padded with zero blocks). Q4_1: a group's int32 sums sit in 16 lanes, lane
+// 4j + k holding bytes 4k..4k+3 of block j's low and of its high nibbles; p = (d_w, m_w) * (d_x, s_x)
+// pairwise (8 floats); lane L gets acc[L] = fma(float(sum[L]), p[2 * (L / 4)], acc[L]) and an 8-lane
+// mac += p. Q8_0: two sets of 16 lanes (lane L: bytes 4L..4L+3 of blocks 0-1, then of blocks 2-3);
+// p = d_w * d_x (4 floats); acc[L] = fma(float(sumA[L]), p[L / 8], acc[L]), then with sumB and p[2 + L / 8].
+// At the end the 16 lanes are reduced as halves (i + 8, i + 4, i + 2, i + 1), and Q4_1 adds
+// (mac[1] + mac[3]) + (mac[5] + mac[7]). The AVX-512 VNNI, AVX2 and plain C++ variants do exactly these
+// float32 operations on the same exact integers, so they agree bit for bit.
+
+enum Activations : int64_t { kActF32 = 0, kActInt8 = 1 };
+
+namespace q8 {
+
+constexpr int64_t kGroup = 4;  // blocks a group
+
+// One product's activations, quantized in the layout its weight kind reads (per token, per group):
+// - q: 128 int8. Q4_1: bytes 16j + e = q of element e of block j, 64 + 16j + e = element 16 + e;
+//   Q8_0: the group's elements in order.
+// - s: Q4_1: (d, s) of each block (8 floats); Q8_0: d of each block (4 floats).
+// - c (Q8_0): per 4-byte lane, -128 * the lane's sum of q (AVX-512's unsigned x signed product reads
+//   w + 128; this takes the 128 * sum back off).
+struct Acts {
+  int64_t groups = 0, s_width = 0;
+  std::vector<int8_t> q;
+  std::vector<float> s;
+  std::vector<int32_t> c;
+  const int8_t* qt(int64_t t) const { return q.data() + t * groups * 128; }
+  const float* st(int64_t t) const { return s.data() + t * groups * s_width; }
+  const int32_t* ct(int64_t t) const { return c.data() + t * groups * 32; }
+};
+
+void quantize(const float* X, int64_t T, int64_t ldx, int64_t cols, int64_t kind, Acts& a) {
+  const int64_t nb = cols / QK;
+  a.groups = (nb + kGroup - 1) / kGroup;
+  a.s_width = kind == kQ4_1 ? 8 : 4;
+  a.q.assign(T * a.groups * 128, 0);
+  a.s.assign(T * a.groups * a.s_width, 0.0f);
+  if (kind == kQ8_0) a.c.assign(T * a.groups * 32, 0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* x = X + t * ldx + b * QK;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t q[QK];
+      int32_t sum = 0;
+      for (int64_t i = 0; i < QK; ++i) {
+        float v = std::nearbyint(x[i] * id);  // half to even (the default rounding mode)
+        q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+        sum += q[i];
+      }
+      const int64_t g = b / kGroup, j = b % kGroup;
+      int8_t* dst = a.q.data() + (t * a.groups + g) * 128;
+      float* s = a.s.data() + (t * a.groups + g) * a.s_width;
+      if (kind == kQ4_1) {
+        std::memcpy(dst + 16 * j, q, 16);
+        std::memcpy(dst + 64 + 16 * j, q + 16, 16);
+        s[2 * j] = d;
+        s[2 * j + 1] = d * static_cast<float>(sum);
+      } else {
+        std::memcpy(dst + 32 * j, q, 32);
+        s[j] = d;
+        int32_t* c = a.c.data() + (t * a.groups + g) * 32 + 8 * j;
+        for (int i = 0; i < 8; ++i) c[i] = -128 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+      }
+    }
+}
+
+// The lanes' reduction and Q4_1's min term, in the fixed order above.
+inline float finish(const float* acc, const float* mac, bool q4_1) {
+  float s[16];
+  std::memcpy(s, acc, sizeof(s));
+  for (int width = 8; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) s[i] = s[i] + s[i + width];
+  return q4_1 ? s[0] + ((mac[1] + mac[3]) + (mac[5] + mac[7])) : s[0];
+}
+
+// Blocks of group g present in a row of nb blocks.
+inline int64_t valid_blocks(int64_t nb, int64_t g) { return std::min<int64_t>(kGroup, nb - g * kGroup); }
+
+// Plain C++: one (row, token) at a time.
+float dot_row(const Weight& w, int64_t r, const Acts& a, int64_t t) {
+  const int64_t nb = w.cols / QK;
+  const int8_t* xq = a.qt(t);
+  const float* xs = a.st(t);
+  float acc[16] = {0}, mac[8] = {0};
+  for (int64_t g = 0; g < a.groups; ++g, xq += 128, xs += a.s_width) {
+    const int64_t nbv = valid_blocks(nb, g);
+    if (w.kind == kQ4_1) {
+      int32_t lane[16] = {0};
+      for (int64_t j = 0; j < nbv; ++j) {
+        const uint8_t* wq = w.data + (r * nb + g * kGroup + j) * 16;
+        for (int e = 0; e < 16; ++e)
+          lane[4 * j + e / 4] += (wq[e] & 0xF) * xq[16 * j + e] + (wq[e] >> 4) * xq[64 + 16 * j + e];
+      }
+      float p[8];
+      const float* ws = w.scales + (r * nb + g * kGroup) * 2;
+      for (int i = 0; i < 8; ++i) {
+        p[i] = (i < 2 * nbv ? ws[i] : 0.0f) * xs[i];
+        mac[i] = mac[i] + p[i];
+      }
+      for (int L = 0; L < 16; ++L) acc[L] = std::fma(static_cast<float>(lane[L]), p[2 * (L / 4)], acc[L]);
+    } else {
+      int32_t lane[32] = {0};
+      for (int64_t j = 0; j < nbv; ++j) {
+        const int8_t* wq = reinterpret_cast<const int8_t*>(w.data) + r * w.cols + (g * kGroup + j) * QK;
+        for (int e = 0; e < 32; ++e) lane[8 * j + e / 4] += wq[e] * xq[32 * j + e];
+      }
+      float p[4];
+      const float* ws = w.scales + r * nb + g * kGroup;
+      for (int i = 0; i < 4; ++i) p[i] = (i < nbv ? ws[i] : 0.0f) * xs[i];
+      for (int L = 0; L < 16; ++L) acc[L] = std::fma(static_cast<float>(lane[L]), p[L / 8], acc[L]);
+      for (int L = 0; L < 16; ++L) acc[L] = std::fma(static_cast<float>(lane[16 + L]), p[2 + L / 8], acc[L]);
+    }
+  }
+  return finish(acc, mac, w.kind == kQ4_1);
+}
+
+inline void store(const Weight& w, int64_t r, float s, float* Y, int64_t t, int64_t ldy, bool accumulate) {
+  if (w.bias) s += w.bias[r];
+  float* y = Y + t * ldy + r;
+  *y = accumulate ? *y + s : s;
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy, bool accumulate) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = r0; r < r1; ++r) store(w, r, dot_row(w, r, a, t), Y, t, ldy, accumulate);
+}
+
+}  // namespace q8
+
+#if SPECSERVE_X86
+
+// ---- int8 x blocks, AVX-512 with VNNI (vpdpbusd) -----------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")
+namespace avx512_q8 {
+
+using q8::Acts;
+
+inline float finish(__m512 acc, __m256 mac, bool q4_1) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  float s = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+  if (!q4_1) return s;
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mac);
+  return s + ((m[1] + m[3]) + (m[5] + m[7]));
+}
+
+// R rows x TB tokens (tokens t0.., rows r0..) of a Q4_1 weight.
+template <int R, int TB>
+void tile_q4_1(const Weight& w, int64_t r0, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m512 acc[R][TB];
+  __m256 mac[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) {
+      acc[r][t] = _mm512_setzero_ps();
+      mac[r][t] = _mm256_setzero_ps();
+    }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t nbv = q8::valid_blocks(nb, g);
+    const __mmask64 mq = nbv == 4 ? ~0ULL : (1ULL << (16 * nbv)) - 1;
+    const __mmask8 ms = static_cast<__mmask8>((1u << (2 * nbv)) - 1);
+    __m512i lo[R], hi[R];
+    __m256 ws[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t blk = (r0 + r) * nb + g * q8::kGroup;
+      __m512i z = _mm512_maskz_loadu_epi8(mq, w.data + blk * 16);
+      lo[r] = _mm512_and_si512(z, low);
+      hi[r] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+      ws[r] = _mm256_maskz_loadu_ps(ms, w.scales + blk * 2);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = a.qt(t0 + t) + g * 128;
+      const __m512i xl = _mm512_loadu_si512(xq), xh = _mm512_loadu_si512(xq + 64);
+      const __m256 xs = _mm256_loadu_ps(a.st(t0 + t) + g * 8);
+      for (int r = 0; r < R; ++r) {
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xl);
+        s = _mm512_dpbusd_epi32(s, hi[r], xh);
+        const __m256 p = _mm256_mul_ps(ws[r], xs);
+        mac[r][t] = _mm256_add_ps(mac[r][t], p);
+        const __m512 dd = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(p));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) q8::store(w, r0 + r, finish(acc[r][t], mac[r][t], true), Y, t0 + t, ldy, accumulate);
+}
+
+// R rows x TB tokens of a Q8_0 weight: (w + 128) x q by vpdpbusd, from the lanes' -128 * sum(q).
+template <int R, int TB>
+void tile_q8_0(const Weight& w, int64_t r0, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i spread_a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i spread_b = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t nbv = q8::valid_blocks(nb, g);
+    const __mmask64 ma = nbv >= 2 ? ~0ULL : 0xFFFFFFFFULL;
+    const __mmask64 mb = nbv >= 4 ? ~0ULL : nbv == 3 ? 0xFFFFFFFFULL : 0ULL;
+    const __mmask8 ms = static_cast<__mmask8>((1u << nbv) - 1);
+    __m512i wa[R], wb[R];
+    __m128 ws[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* src = reinterpret_cast<const int8_t*>(w.data) + (r0 + r) * w.cols + g * 128;
+      const float* sc = w.scales + (r0 + r) * nb + g * q8::kGroup;
+      if (nbv == q8::kGroup) {
+        wa[r] = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
+        wb[r] = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
+        ws[r] = _mm_loadu_ps(sc);
+      } else {
+        wa[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(ma, src), flip);
+        wb[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mb, src + 64), flip);
+        ws[r] = _mm_maskz_loadu_ps(ms, sc);
+      }
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = a.qt(t0 + t) + g * 128;
+      const int32_t* c = a.ct(t0 + t) + g * 32;
+      const __m512i xa = _mm512_loadu_si512(xq), xb = _mm512_loadu_si512(xq + 64);
+      const __m512i ca = _mm512_loadu_si512(c), cb = _mm512_loadu_si512(c + 16);
+      const __m128 xd = _mm_loadu_ps(a.st(t0 + t) + g * 4);
+      for (int r = 0; r < R; ++r) {
+        const __m512i sa = _mm512_dpbusd_epi32(ca, wa[r], xa);
+        const __m512i sb = _mm512_dpbusd_epi32(cb, wb[r], xb);
+        const __m512 p = _mm512_castps128_ps512(_mm_mul_ps(ws[r], xd));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa), _mm512_permutexvar_ps(spread_a, p), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb), _mm512_permutexvar_ps(spread_b, p), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) q8::store(w, r0 + r, finish(acc[r][t], _mm256_setzero_ps(), false), Y, t0 + t, ldy, accumulate);
+}
+
+template <int R, int TB>
+void tile(const Weight& w, int64_t r0, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  if (w.kind == kQ4_1)
+    tile_q4_1<R, TB>(w, r0, a, t0, Y, ldy, accumulate);
+  else
+    tile_q8_0<R, TB>(w, r0, a, t0, Y, ldy, accumulate);
+}
+
+template <int R>
+void tile_tokens(const Weight& w, int64_t r0, const Acts& a, int64_t t0, int64_t tb, float* Y, int64_t ldy,
+                 bool accumulate) {
+  switch (tb) {
+    case 1: tile<R, 1>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 2: tile<R, 2>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 3: tile<R, 3>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 4: tile<R, 4>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 5: tile<R, 5>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 6: tile<R, 6>(w, r0, a, t0, Y, ldy, accumulate); break;
+    case 7: tile<R, 7>(w, r0, a, t0, Y, ldy, accumulate); break;
+    default: tile<R, 8>(w, r0, a, t0, Y, ldy, accumulate); break;
+  }
+}
+
+// Tokens in tiles of up to 8 (a weight group's unpacking serves the whole tile), one row at a time
+// (two rows at a time measured up to 1.8x slower where the weights stream from memory).
+void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy, bool accumulate) {
+  constexpr int64_t kTile = 8;
+  for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+    const int64_t tb = std::min<int64_t>(kTile, T - t0);
+    for (int64_t r = r0; r < r1; ++r) tile_tokens<1>(w, r, a, t0, tb, Y, ldy, accumulate);
+  }
+}
+
+}  // namespace avx512_q8
+#pragma GCC pop_options
+
+// ---- int8 x blocks, AVX2 (vpmaddubsw + vpmaddwd) -----------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2_q8 {
+
+using q8::Acts;
+
+inline float finish(__m256 acc0, __m256 acc1, __m256 mac, bool q4_1) {
+  __m256 a = _mm256_add_ps(acc0, acc1);
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  float s = _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+  if (!q4_1) return s;
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mac);
+  return s + ((m[1] + m[3]) + (m[5] + m[7]));
+}
+
+// int32 sums of 4-byte lanes of u8 x s8 (no int16 saturation for these ranges: |pair| <= 2 * 255 * 127
+// never occurs; Q4_1 pairs reach 2 * 15 * 127, Q8_0's sign trick 2 * 128 * 127).
+inline __m256i lanes(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+
+// One (row, token) of a Q4_1 or Q8_0 weight; a group past the row's end is read from a zero-padded copy.
+float dot_row(const Weight& w, int64_t r, const Acts& a, int64_t t) {
+  const int64_t nb = w.cols / QK;
+  const bool q4_1 = w.kind == kQ4_1;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mac = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) uint8_t pad[128];
+  alignas(32) float pad_s[8];
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t nbv = q8::valid_blocks(nb, g);
+    const int8_t* xq = a.qt(t) + g * 128;
+    const float* xs = a.st(t) + g * a.s_width;
+    if (q4_1) {
+      const uint8_t* wq = w.data + (r * nb + g * q8::kGroup) * 16;
+      const float* ws = w.scales + (r * nb + g * q8::kGroup) * 2;
+      if (nbv < q8::kGroup) {
+        std::memset(pad, 0, 64);
+        std::memcpy(pad, wq, nbv * 16);
+        std::memset(pad_s, 0, sizeof(pad_s));
+        std::memcpy(pad_s, ws, nbv * 2 * sizeof(float));
+        wq = pad;
+        ws = pad_s;
+      }
+      const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+      const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32));
+      auto x = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)); };
+      const __m256i s0 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(z0, low), x(0)),
+                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z0, 4), low), x(2))),
+          _mm256_set1_epi16(1));
+      const __m256i s1 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(z1, low), x(1)),
+                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(z1, 4), low), x(3))),
+          _mm256_set1_epi16(1));
+      const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_loadu_ps(xs));
+      mac = _mm256_add_ps(mac, p);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
+                             _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                             _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), acc1);
+    } else {
+      const uint8_t* wq = w.data + r * w.cols + g * 128;
+      const float* ws = w.scales + r * nb + g * q8::kGroup;
+      if (nbv < q8::kGroup) {
+        std::memset(pad, 0, 128);
+        std::memcpy(pad, wq, nbv * 32);
+        std::memset(pad_s, 0, sizeof(pad_s));
+        std::memcpy(pad_s, ws, nbv * sizeof(float));
+        wq = pad;
+        ws = pad_s;
+      }
+      __m256i s[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * j));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+        s[j] = lanes(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      }
+      const __m128 p = _mm_mul_ps(_mm_loadu_ps(ws), _mm_loadu_ps(xs));
+      const __m256 pp = _mm256_castps128_ps256(p);
+      auto bcast = [&](int i) { return _mm256_permutevar8x32_ps(pp, _mm256_set1_epi32(i)); };
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), bcast(0), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), bcast(1), acc1);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[2]), bcast(2), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[3]), bcast(3), acc1);
+    }
+  }
+  return finish(acc0, acc1, mac, q4_1);
+}
+
+void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy, bool accumulate) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = r0; r < r1; ++r) q8::store(w, r, avx2_q8::dot_row(w, r, a, t), Y, t, ldy, accumulate);
+}
+
+}  // namespace avx2_q8
+#pragma GCC pop_options
+
+#endif  // SPECSERVE_X86
+
+namespace q8 {
+
+enum class Variant { kGeneric, kAvx2, kAvx512Vnni };
+
+// The int8 code in use, following the operators' variant: with "avx512", AVX-512 VNNI where the CPU has it
+// (else the AVX2 code); with "avx2", AVX2; with "generic", plain C++. SPECSERVE_CPU_INT8_VARIANT=avx2 /
+// generic picks a lesser one (tests, measurements).
+Variant variant() {
+#if SPECSERVE_X86
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  static const std::string want = [] {
+    const char* env = std::getenv("SPECSERVE_CPU_INT8_VARIANT");
+    return std::string(env ? env : "");
+  }();
+  const int ops = current_variant();
+  if (ops == kGeneric || want == "generic") return Variant::kGeneric;
+  return ops == kAvx512 && vnni && want != "avx2" ? Variant::kAvx512Vnni : Variant::kAvx2;
+#else
+  return Variant::kGeneric;
+#endif
+}
+
+std::string variant_name() {
+  switch (variant()) {
+    case Variant::kAvx512Vnni: return "avx512_vnni";
+    case Variant::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+// Y[T, rows] (+)= X[T, cols] @ W^T with X quantized per token per block (scratch: `a`); rows split over
+// torch's intra-op threads as matmul splits them.
+void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate, Acts& a) {
+  quantize(X, T, ldx, w.cols, w.kind, a);
+  const int64_t chunk = 32;
+  const int64_t tasks = (w.rows + chunk - 1) / chunk;
+  const Variant v = variant();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t r0 = begin * chunk, r1 = std::min(w.rows, end * chunk);
+#if SPECSERVE_X86
+    if (v == Variant::kAvx512Vnni)
+      avx512_q8::rows(w, r0, r1, a, T, Y, ldy, accumulate);
+    else if (v == Variant::kAvx2)
+      avx2_q8::rows(w, r0, r1, a, T, Y, ldy, accumulate);
+    else
+#endif
+      rows(w, r0, r1, a, T, Y, ldy, accumulate);
+  });
+}
+
+}  // namespace q8
+
+// A product under activation mode `act`: int8 for Q4_1 / Q8_0 weights in kActInt8, else float32.
+void matmul_as(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate,
+               int64_t act, q8::Acts& scratch) {
+  TORCH_CHECK(act == kActF32 || act == kActInt8, "unknown activation mode ", act, " (0: float32, 1: int8)");
+  if (act == kActInt8 && w.kind != kF32)
+    q8::matmul(w, X, T, ldx, Y, ldy, accumulate, scratch);
+  else
+    matmul(w, X, T, ldx, Y, ldy, accumulate);
+}
+
+// ==== end of int8 activations ===================================================================
 
 // ---- operators ---------------------------------------------------------------------------------
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t kind, int64_t cols,
-                  const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& bias, int64_t activations) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.scalar_type() == at::kFloat, "x must be float32 [T, cols]");
   at::Tensor xc = x.contiguous();
   Weight w = make_weight(weight, scales, kind, cols, bias);
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   PhaseTimer timer;
-  matmul(w, xc.data_ptr<float>(), x.size(0), cols, y.data_ptr<float>(), w.rows, false);
+  q8::Acts scratch;
+  matmul_as(w, xc.data_ptr<float>(), x.size(0), cols, y.data_ptr<float>(), w.rows, false, activations, scratch);
   timer.lap(kHead);  // the model calls `linear` for its head only
   return y;
 }
@@ -631,7 +1438,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// The decoder layers of a Llama-family model over one pass, x [T, H] updated in place.
+// The decoder layers of a Llama-family model over one pass, x [T, H] updated in place; activations:
+// kActF32 or kActInt8 (the products with Q4_1 / Q8_0 weights on int8 activations).
 // layers: per layer 14 tensors: input norm, then (data, scales, bias) of qkv and o, post norm, then
 // (data, scales, bias) of gate_up and down; an empty tensor: no scales (float32) or no bias.
 // kinds: per layer 4 weight kinds (qkv, o, gate_up, down).
@@ -639,7 +1447,7 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
                     const at::Tensor& sin, const at::Tensor& kv, const at::Tensor& slot_mapping,
                     const at::Tensor& tables, const at::Tensor& seq, const at::Tensor& prefix,
                     const at::Tensor& extra_off, const at::Tensor& extra_slots, int64_t block_size,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t activations) {
   const int64_t L = static_cast<int64_t>(layers.size()) / 14;
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * 14 && static_cast<int64_t>(kinds.size()) == L * 4,
               "decoder_layers takes 14 tensors and 4 kinds per layer");
@@ -662,6 +1470,7 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
   const float* S = sin.data_ptr<float>();
   std::vector<float> h(T * H), attn(T * qsize);
   std::vector<float> qkv, gu, act;
+  q8::Acts scratch;
   PhaseTimer timer;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* p = &layers[l * 14];
@@ -680,7 +1489,7 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
     timer.lap(kNorm);  // the buffers' sizing above counts as norm time (it is next to nothing)
     rms_norm_rows(X, T, H, p[0].data_ptr<float>(), static_cast<float>(eps), h.data());
     timer.lap(kNorm);
-    matmul(wqkv, h.data(), T, H, qkv.data(), ldqkv, false);
+    matmul_as(wqkv, h.data(), T, H, qkv.data(), ldqkv, false, activations, scratch);
     timer.lap(kQkv);
     rope_rows(qkv.data(), T, ldqkv, NH + KVH, D, C, S);  // q and k heads are adjacent in each row
     timer.lap(kRope);
@@ -703,22 +1512,42 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
       }
     });
     timer.lap(kAttention);
-    matmul(wo, attn.data(), T, qsize, X, H, true);
+    matmul_as(wo, attn.data(), T, qsize, X, H, true, activations, scratch);
     timer.lap(kOut);
     // MLP block
     rms_norm_rows(X, T, H, p[7].data_ptr<float>(), static_cast<float>(eps), h.data());
     timer.lap(kNorm);
-    matmul(wgu, h.data(), T, H, gu.data(), wgu.rows, false);
+    matmul_as(wgu, h.data(), T, H, gu.data(), wgu.rows, false, activations, scratch);
     timer.lap(kGateUp);
     for (int64_t t = 0; t < T; ++t)
       DISPATCH(silu_mul, gu.data() + t * wgu.rows, gu.data() + t * wgu.rows + I, act.data() + t * I, I);
     timer.lap(kSiluMul);
-    matmul(wd, act.data(), T, I, X, H, true);
+    matmul_as(wd, act.data(), T, I, X, H, true, activations, scratch);
     timer.lap(kDown);
   }
 }
 
-std::string variant() { return use_avx512() ? "avx512" : "generic"; }
+std::string variant() { return kVariantNames[current_variant()]; }
+
+// The variants this CPU runs, best last.
+std::vector<std::string> variants() {
+  std::vector<std::string> names;
+  for (int v = 0; v < kVariants; ++v)
+    if (cpu_runs(v)) names.emplace_back(kVariantNames[v]);
+  return names;
+}
+
+// Runs `name` from now on in this process (an error where it is unknown or this CPU lacks it); returns the
+// variant that ran before.
+std::string set_variant(const std::string& name) {
+  for (int v = 0; v < kVariants; ++v)
+    if (name == kVariantNames[v]) {
+      TORCH_CHECK(cpu_runs(v), "this CPU cannot run the ", name, " CPU kernels");
+      return kVariantNames[g_variant.exchange(v)];
+    }
+  TORCH_CHECK(false, "unknown CPU kernel variant '", name, "' (avx512, avx2 or generic)");
+  return {};
+}
 
 // Turns the phase timers on (clearing them) or off; returns "phase seconds" lines of what they summed.
 std::string profile(bool on) {
@@ -733,13 +1562,17 @@ std::string profile(bool on) {
 }  // namespace
 
 TORCH_LIBRARY(specserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor scales, int kind, int cols, Tensor? bias=None) -> Tensor", &linear);
+  m.def("linear(Tensor x, Tensor weight, Tensor scales, int kind, int cols, Tensor? bias=None, int activations=0) "
+        "-> Tensor", &linear);
   m.def("embed(Tensor ids, Tensor weight, Tensor scales, int kind, int cols) -> Tensor", &embed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("decoder_layers(Tensor(a!) x, Tensor[] layers, int[] kinds, Tensor cos, Tensor sin, Tensor(b!) kv, "
         "Tensor slot_mapping, Tensor tables, Tensor seq, Tensor prefix, Tensor extra_off, Tensor extra_slots, "
-        "int block_size, int num_heads, int num_kv_heads, int head_dim, float eps) -> ()",
+        "int block_size, int num_heads, int num_kv_heads, int head_dim, float eps, int activations=0) -> ()",
         &decoder_layers);
   m.def("variant() -> str", &variant);
+  m.def("variants() -> str[]", &variants);
+  m.def("set_variant(str name) -> str", &set_variant);
   m.def("profile(bool on) -> str", &profile);
+  m.def("int8_variant() -> str", &q8::variant_name);
 }
