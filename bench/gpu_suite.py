@@ -31,7 +31,7 @@ Sections, in this order (each is timed; one that fails is reported with its erro
 
 `--dry-run` runs every section end to end on CPU in minutes: the tiny random shape for the curves,
 float32, Triton kernels through the interpreter, the stack on the CPU at 1 and 2 in flight with 8
-tokens; CUDA IPC is skipped there (tests/test_cuda_ipc.py covers its lifecycle). tests/test_gpu_suite.py
+tokens; CUDA IPC is skipped there (tests/unit/test_cuda_ipc.py covers its lifecycle). tests/service/test_gpu_suite.py
 runs it, so the suite cannot rot. Where `specserve` is not installed (a lent GPU machine), the suite
 imports it from this checkout through a folder of links (.cache/pkg). Reports: gpu_suite.json and
 gpu_suite.md in --out-dir (default bench/results/gpu_suite/).
@@ -362,7 +362,7 @@ def ipc(plan: Plan) -> list[dict]:
     rows: list[dict] = []
     for use_ipc in (False, True):
         if use_ipc and not cuda:
-            rows.append({"path": "cuda_ipc", "skipped": "needs CUDA (tests/test_cuda_ipc.py runs its lifecycle)"})
+            rows.append({"path": "cuda_ipc", "skipped": "needs CUDA (tests/unit/test_cuda_ipc.py runs its lifecycle)"})
             continue
         sock = Path(tempfile.mkdtemp()) / "echo.sock"
         errors = sock.with_name("echo.stderr")

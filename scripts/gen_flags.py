@@ -1,7 +1,7 @@
 """Write docs/flags.md from the `specserve` parser (specserve.cli.flags.flags_markdown).
 
 `python scripts/gen_flags.py` rewrites the file; `--check` only reports whether it is current (exit 1
-when it is not). Run it after adding or changing a flag; tests/test_readme.py fails until you do.
+when it is not). Run it after adding or changing a flag; tests/unit/test_readme.py fails until you do.
 """
 
 from __future__ import annotations

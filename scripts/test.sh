@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Quick start, command 2: install the test extras and run the whole suite (CI's command).
-#   bash scripts/test.sh            the full tier: ruff, mypy, every test
-#   bash scripts/test.sh --fast     the fast tier: ruff, mypy, the tests not marked slow (-m "not slow":
-#                                   unit tests, parity, one request end to end; a few minutes)
+#   bash scripts/test.sh            the full tier: ruff, mypy, every test (tests/unit, tests/service, tests/stack)
+#   bash scripts/test.sh --fast     the fast tier: ruff, mypy, tests/unit (no processes, no sockets) and the
+#                                   tests marked fast in tests/service and tests/stack (the one request end
+#                                   to end); a few minutes
 # Other arguments go to pytest.
 tier=()
 if [ "${1:-}" = "--fast" ]; then
     shift
+    # tests/conftest.py marks every test in tests/service and tests/stack slow unless it is marked fast, so
+    # this is tests/unit and those marked fast (paths given after --fast narrow it, as for the full tier)
     tier=(-m "not slow")
+    what="the fast tier: tests/unit, and the tests marked fast in tests/service and tests/stack"
+else
+    what="the full tier: tests/unit, tests/service, tests/stack"
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 ensure_venv test
@@ -32,4 +38,5 @@ echo "[specserve] mypy (the whole package: services/ and shared/)"
 "$VENV/bin/mypy" -p specserve
 echo "[specserve] import-linter (the layering contracts in pyproject.toml)"
 PYTHONPATH="$ROOT/.mypy_path" "$VENV/bin/lint-imports" --no-cache
+echo "[specserve] pytest, $what"
 exec "$VENV/bin/python" -m pytest "${tier[@]}" "$@"

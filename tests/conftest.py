@@ -1,9 +1,13 @@
-"""Suite-wide settings, and the two tiers.
+"""Suite-wide settings and fixtures, and the tiers.
 
-`bash scripts/test.sh --fast` runs `-m "not slow"`: every module's unit tests, the parity tests on the
-demo models and one request end to end through the three services (`@pytest.mark.fast`). A test is
-slow if it is marked so, or if it uses a fixture that starts services (SERVICE_FIXTURES, directly or
-through another fixture).
+The tests are in folders by what they start: tests/unit (no processes, no sockets), tests/service (one
+or two real services or processes), tests/stack (the whole stack: `specserve up`, a gateway with its
+services, compose, the bench). The fast tier (`bash scripts/test.sh --fast`) is tests/unit and the one
+request end to end through the three services (`@pytest.mark.fast`, in tests/stack/test_gateway.py):
+every test under tests/service and tests/stack that is not marked `fast` is marked `slow` here, so
+`-m "not slow"` selects the fast tier too. A test module outside the three folders, or a test in
+tests/unit that uses a fixture that starts services (SERVICE_FIXTURES, directly or through another
+fixture), is a collection error.
 """
 
 from __future__ import annotations
@@ -33,15 +37,34 @@ os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))
 unpack_bundled()
 
 
-# Fixtures that start `specserve up` or separate services (each module that uses one pays for the start).
-SERVICE_FIXTURES = {"up", "up2", "services", "stack", "traced_up", "run12"}
+# Fixtures that start `specserve up` or separate services: not in tests/unit.
+SERVICE_FIXTURES = {"up", "up2", "services", "stack", "traced_up", "run12", "real_up", "simulated_up", "drafting_up",
+                    "up_eagle", "up_ngram", "up_fe"}
+TIERS = ("unit", "service", "stack")
+TESTS = Path(__file__).resolve().parent
+
+
+def tier_of(item: pytest.Item) -> str | None:
+    """The tier folder a test is in (None: outside the three)."""
+    parts = Path(item.path).resolve().relative_to(TESTS).parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    misplaced = []
     for item in items:
-        uses = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-        if uses and item.get_closest_marker("fast") is None:
+        tier = tier_of(item)
+        if tier is None:
+            misplaced.append(f"{item.nodeid}: not in tests/unit, tests/service or tests/stack")
+        elif tier == "unit":
+            uses = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+            if uses or item.get_closest_marker("slow") or item.get_closest_marker("fast"):
+                misplaced.append(f"{item.nodeid}: in tests/unit but starts services ({', '.join(sorted(uses))}) "
+                                 "or is marked slow or fast")
+        elif item.get_closest_marker("fast") is None:
             item.add_marker(pytest.mark.slow)
+    if misplaced:
+        raise pytest.UsageError("tests in the wrong tier folder:\n  " + "\n  ".join(misplaced))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -58,14 +81,14 @@ def single_intra_op_thread():
 @pytest.fixture(scope="session")
 def suite_profile(tmp_path_factory) -> Path:
     """One profile of the demo target for the suite's `up`s: the first to start measures it (about
-    10 s; test_gateway.py checks that measurement with a fresh file of its own), the others read it."""
+    10 s; tests/stack/test_gateway.py checks that measurement with a fresh file of its own), the others read it."""
     return tmp_path_factory.mktemp("profile") / "profile.json"
 
 
 @pytest.fixture(scope="module")
 def up(request, suite_profile):
     """`specserve up` for a test module, on the suite's profile; B is pinned to 24 so the tests do not
-    depend on this machine's timing. (test_gateway.py, test_simulate_stack.py and test_bench.py start
+    depend on this machine's timing. (tests/stack/test_gateway.py and tests/stack/test_bench.py start
     their own.)"""
     from tests.support.fixtures import start_up
 

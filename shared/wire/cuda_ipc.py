@@ -14,7 +14,7 @@ The lifecycle, one `CudaIpc` per link end:
 
 The backend is a seam: `CudaIpc(backend)` takes anything with `accepts`, `share` and `open`, and
 `default_backend()` is what the RPC links build. The tests run the whole lifecycle over real sockets
-with a host-memory backend of the same shape (tests/test_cuda_ipc.py); `TorchCudaIpc` itself runs only
+with a host-memory backend of the same shape (tests/unit/test_cuda_ipc.py); `TorchCudaIpc` itself runs only
 on a GPU (bench/gpu_suite.py).
 """
 

@@ -1,0 +1,196 @@
+"""The compiled CPU operators (shared/runtime/kernels) and the weights they multiply as stored (runtime/quant.py).
+
+- Q8_0 / Q4_1 blocks made by gguf-py's quantizer are split and dequantized exactly as gguf-py does it.
+- `linear` equals a float64 product over the dequantized weights (float32 rounding only), for every
+  weight kind, odd float32 widths included, with every code variant this CPU runs (avx512, avx2, generic;
+  switched within the process by `set_variant`).
+- Batch invariance: a row's result is bit-identical whatever other rows share the call, in each variant.
+- SPECSERVE_CPU_KERNELS_VARIANT picks the variant a process starts with (SPECSERVE_CPU_KERNELS_GENERIC=1:
+  generic); a name this CPU cannot run falls back to the best it has, with a warning.
+- A GGUF file written like llama.cpp's converter (q and k rows permuted) is read back under Hugging
+  Face names with the permutation undone, and a model run from its blocks gives bit for bit the logits
+  of the same model run from the dequantized float32 weights (the same sums, only the weights' storage
+  differs), within float32 tolerance of the torch pass.
+- A tree verified in one pass gives each node exactly the logits of its path decoded token by token,
+  and a request's logits do not change when other requests share its pass.
+- Without the operators (SPECSERVE_CPU_KERNELS=off) the loader falls back to the torch pass, saying so.
+- int8 activations: Q4_1 / Q8_0 products on activations quantized as llama.cpp's Q8_1 equal a float64
+  reference that quantizes the same way (the integers exact; float32 rounding only); a token's result is
+  bit-identical alone and inside a call of 1..16 tokens, under 1 and 2 threads; the AVX-512 VNNI, AVX2 and
+  plain C++ code agree bit for bit; float32 weights stay float32; `activations` "auto" picks int8 for
+  quantized weights only, and int8 logits stay within a stated tolerance of the float32 ones.
+
+Here: the tests that start one or two services or processes, or open sockets; the others are in
+tests/unit/test_cpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from safetensors.torch import load_file, save_file
+
+from specserve.shared.runtime import kernels
+from specserve.shared.runtime.quant import GGUF_FILE
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU operators not built: {kernels.error()}")
+VARIANTS = kernels.variants() if kernels.load() else []
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request):
+    """Each code variant this CPU runs, in turn; the one the process started with afterwards."""
+    before = kernels.set_variant(request.param)
+    yield request.param
+    kernels.set_variant(before)
+
+
+@pytest.mark.parametrize("env", [{"SPECSERVE_CPU_KERNELS_VARIANT": v} for v in ("avx512", "avx2", "generic")]
+                         + [{"SPECSERVE_CPU_KERNELS_GENERIC": "1"}, {"SPECSERVE_CPU_KERNELS_VARIANT": "sse9"}])
+def test_the_environment_picks_the_variant(tmp_path, env):
+    """SPECSERVE_CPU_KERNELS_VARIANT starts a process with that variant (SPECSERVE_CPU_KERNELS_GENERIC=1 with
+    generic): the same products within float32 rounding, batch invariant; a name this CPU cannot run (or
+    no variant at all) runs the best one it has, with a warning."""
+    name = env.get("SPECSERVE_CPU_KERNELS_VARIANT", "generic")
+    expected = name if name in VARIANTS else VARIANTS[-1]
+    script = tmp_path / "variant.py"
+    script.write_text(
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from specserve.shared.runtime import kernels\n"
+        "from specserve.shared.runtime.quant import quantize, dequantize\n"
+        "assert kernels.load(), kernels.error()\n"
+        "print(kernels.variant())\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for kind in (0, 1, 2):\n"
+        "    w = quantize(torch.randn(19, 96, generator=g), kind)\n"
+        "    x = torch.randn(6, 96, generator=g)\n"
+        "    y = torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, None)\n"
+        "    torch.testing.assert_close(y.double(), x.double() @ dequantize(w).double().T, rtol=1e-5, atol=1e-5)\n"
+        "    one = torch.ops.specserve_cpu.linear(x[2:3], w.data, w.scales, w.kind, w.cols, None)\n"
+        "    assert torch.equal(one[0], y[2])\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_CPU_KERNELS_")}
+    out = subprocess.run([sys.executable, str(script)], env={**clean, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == expected, (out.stdout, out.stderr[-2000:])
+    assert ("SPECSERVE_CPU_KERNELS_VARIANT=" in out.stderr) == (expected != name), out.stderr[-2000:]
+
+
+def test_the_int8_variants_agree_bit_for_bit(tmp_path):
+    """SPECSERVE_CPU_INT8_VARIANT=avx2 / generic (each in a process of its own: the choice is made once)
+    give exactly this process's products."""
+    script = tmp_path / "variant.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from specserve.shared.runtime import kernels\n"
+        "from specserve.shared.runtime.quant import quantize\n"
+        "assert kernels.load()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "out = {}\n"
+        "for kind in (1, 2):\n"
+        "    for cols in (32, 96, 576, 1536):\n"
+        "        w = quantize(torch.randn(37, cols, generator=g) * 0.1, kind)\n"
+        "        x = torch.randn(9, cols, generator=g)\n"
+        "        out[f'{kind}/{cols}'] = torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, None, 1)\n"
+        "torch.save(out, sys.argv[1])\n"
+        "print(torch.ops.specserve_cpu.int8_variant())\n")
+    results = {}
+    for variant in ("", "avx2", "generic"):
+        env = {**os.environ, "SPECSERVE_CPU_INT8_VARIANT": variant}
+        path = tmp_path / f"{variant or 'default'}.pt"
+        out = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[out.stdout.strip()] = torch.load(path)
+    assert {"avx2", "generic"} <= set(results), results.keys()
+    first, *others = results.values()
+    for other in others:
+        assert all(torch.equal(first[k], other[k]) for k in first)
+
+
+# ---- a whole model from a GGUF file --------------------------------------------------------------
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row permutation (convert_hf_to_gguf.py, LlamaModel.permute)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _write_gguf_pair(model_dir: Path) -> None:
+    """Quantize a float32 model directory into model.gguf as llama.cpp lays a Llama file out (projections
+    Q4_1, embedding Q8_0, norms F32), and make its safetensors the float32 values of those blocks, as a
+    named model's install does."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    writer = GGUFWriter(str(model_dir / GGUF_FILE), "llama")
+    dequantized = {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            module = ".".join(parts[3:-1])  # self_attn.q_proj, input_layernorm, ...
+            gguf_name = f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        array = value.numpy()
+        if value.dim() == 1:
+            writer.add_tensor(gguf_name, array)
+            dequantized[name] = value
+            continue
+        qtype = GGMLQuantizationType.Q8_0 if "embed" in name or "lm_head" in name else GGMLQuantizationType.Q4_1
+        blocks = gguf_quantize(array, qtype)
+        dequantized[name] = torch.from_numpy(gguf_dequantize(blocks, qtype).astype(np.float32))
+        if ".q_proj." in name or ".k_proj." in name:
+            blocks = _permute(blocks, heads if ".q_proj." in name else kv_heads)
+        writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module", params=[(4, 2), (2, 1)], ids=["head_dim32", "head_dim64"])
+def gguf_model(tmp_path_factory, request) -> Path:
+    heads, kv_heads = request.param  # the attention code of head width 32 and 64 (SmolLM2's)
+    config = {**TINY_CONFIG, "hidden_size": 128, "intermediate_size": 256,  # rows of whole 32-wide blocks
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    model_dir = write_random_model(tmp_path_factory.mktemp("gguf") / "m", config, seed=3, std=0.08)
+    _write_gguf_pair(model_dir)
+    return model_dir
+
+
+def test_without_the_operators_the_torch_pass_runs(gguf_model, tmp_path):
+    script = tmp_path / "off.py"
+    script.write_text(
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from specserve.shared.runtime.runner import ModelRunner\n"
+        "from specserve.shared.runtime.model import CausalLM\n"
+        "r = ModelRunner.from_dir(sys.argv[1], num_blocks=8)\n"
+        "assert isinstance(r.model, CausalLM)\n"
+        "try:\n"
+        "    ModelRunner.from_dir(sys.argv[1], num_blocks=8, kernels='cpu')\n"
+        "except Exception as exc:\n"
+        "    print('refused:', exc)\n")
+    env = {**os.environ, "SPECSERVE_CPU_KERNELS": "off"}
+    out = subprocess.run([sys.executable, str(script), str(gguf_model)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "torch pass, not model.gguf's blocks" in out.stderr and "SPECSERVE_CPU_KERNELS=off" in out.stderr
+    assert "refused:" in out.stdout and "cannot run this model" in out.stdout

@@ -1,0 +1,30 @@
+"""The bundled demo pair (models/) through our runtime: tokenizer, transformers parity, held-out split.
+
+The pair and the prompt sets are built by `python -m training.build_demo_pair` (see models/README.md).
+
+Here: the tests that start one or two services or processes, or open sockets; the others are in
+tests/unit/test_demo_models.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_tracked_tree_fits_what_a_gpu_machine_is_sent():
+    """The device tool sends the working tree (tracked files) to a lent GPU, 64 MiB at most with the wheels the
+    run carries (bench/gpu_suite.py): the tracked files keep 4 MiB of it free."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [ROOT / name for name in listed.decode().split("\0") if name]
+    # lstat: a tracked link (models/draft's tokenizer files) is sent as a link, not as the file it names.
+    total = sum(f.lstat().st_size for f in files if f.is_symlink() or f.is_file())
+    assert total <= 60 * 2**20, f"tracked files take {total / 2**20:.1f} MiB; a GPU run is sent 64 MiB at most"

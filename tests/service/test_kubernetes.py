@@ -1,0 +1,72 @@
+"""deploy/kubernetes: rendered by a real tool, checked against the Kubernetes schema, and consistent.
+
+- `kubectl kustomize` renders the kustomization offline (skipped where kubectl is not installed;
+  the files are then read as they are);
+- every built-in object passes kubernetes-validate's strict check against the Kubernetes API
+  schema (an unknown field fails it: shown on a broken copy);
+- the target replicas sit behind a headless Service, the name the gateway resolves with
+  --discover-targets; the target requests a GPU; the ServiceMonitor selects Services that exist and
+  ports they name; every SPECSERVE_* variable is one the services read;
+- the front ends' Deployment connects to the gateway's link: the address it is given is the gateway
+  Service's `link` port, the port the gateway listens on for front ends.
+
+Here: the tests that start one or two services or processes, or open sockets; the others are in
+tests/unit/test_kubernetes.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.support.compose import ROOT
+
+KUSTOMIZE = ROOT / "deploy/kubernetes"
+K8S_VERSION = "1.32.0"  # the schema version checked against (kubernetes-validate ships it)
+
+
+def rendered() -> list[dict]:
+    if shutil.which("kubectl"):
+        out = subprocess.run(["kubectl", "kustomize", str(KUSTOMIZE)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return [d for d in yaml.safe_load_all(out.stdout) if d]
+    kustomization = yaml.safe_load((KUSTOMIZE / "kustomization.yaml").read_text())
+    return [d for f in kustomization["resources"] for d in yaml.safe_load_all((KUSTOMIZE / f).read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict]:
+    return rendered()
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def test_kubectl_renders_the_kustomization():
+    if not shutil.which("kubectl"):
+        pytest.skip("no kubectl (Debian's kubectl / kubernetes-client package): the files are checked as they are")
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in rendered())
+    assert kinds == sorted([("Namespace", "specserve"), ("Deployment", "draft"), ("Service", "draft"),
+                            ("Deployment", "target"), ("Service", "target"), ("Deployment", "gateway"),
+                            ("Service", "gateway"), ("Deployment", "frontend"), ("Service", "frontend"),
+                            ("ServiceMonitor", "specserve")])
+
+
+def test_objects_pass_the_kubernetes_schema(docs):
+    checked = 0
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com"):
+            continue  # a CRD (Prometheus Operator): checked by test_service_monitor_selects_the_services
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked == 9
+    broken = copy.deepcopy(find(docs, "Deployment", "target"))
+    broken["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)

@@ -1,0 +1,62 @@
+"""The EAGLE draft: a head over the target's features (services/draft/eagle_head.py, eagle.py, eagle_engine.py).
+
+Fast: the target's runner returns the final norm's output as features (transformers' last hidden
+state) without changing a logit; the target service returns them for every prefill chunk token and
+for each verified tree's accepted path; the head's entries give the same predictions appended at once
+or in pieces; a tree node attends to its ancestors only (its prediction is what appending its path as
+entries gives); the engine speaks the draft protocol (features by position, root-only trees while
+they are missing, a malformed tensor refused). Slow: `specserve up --draft-model <head>` gives
+transformers' greedy text under every policy, verifying the head's trees.
+
+Here: the tests that start the whole stack; the others are in tests/unit/test_eagle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve.draft.eagle_head import EagleHead, load_for_target
+from specserve.shared.runtime.model_config import ModelConfig
+from specserve.shared.runtime.model_store import MODELS
+from tests.support.fixtures import start_up
+from tests.support.gateway import PROMPTS, every_policy_is_lossless, greedy_results
+
+TARGET = MODELS / "target"
+
+
+def make_head(out, seed: int = 0, vocab: int = 512):
+    """An untrained head over the demo target (random layer; the target's embedding and LM head), saved."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_dir(TARGET)
+    head = EagleHead(cfg, 128, torch.arange(vocab))
+    hf = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)
+    head.load_target(hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach())
+    head.save(out, str(TARGET))
+    return load_for_target(out, TARGET)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle")
+    make_head(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def up_eagle(request, suite_profile, head_dir):
+    return start_up(request, "--draft-model", str(head_dir), "--policy", "adaserve", profile=suite_profile)
+
+
+def test_up_with_an_eagle_head_is_lossless_under_every_policy(up_eagle, reference):
+    """`specserve up --draft-model <head>`: the target's features reach the head through the gateway, its
+    trees are verified, and every policy gives transformers' greedy text."""
+
+    results = asyncio.run(greedy_results(up_eagle.url, PROMPTS))
+    assert [r.choices[0].text for r in results] == reference
+    steps = [s for r in results for s in r.model_extra["specserve"]["steps"]]
+    assert any(nodes > 1 for _, nodes, _ in steps), steps
+    every_policy_is_lossless(up_eagle, reference)

@@ -1,0 +1,182 @@
+"""Two target replicas behind one gateway: `specserve up --targets 2` as real processes, the openai client.
+
+- greedy output equals transformers', with the requests spread over both replicas;
+- each replica steps on its own: with one replica frozen mid-pass (SIGSTOP), the other finishes its
+  requests, and the frozen one's finish exactly once it runs again;
+- killing one replica ends only its own requests with an error; the other keeps serving and takes
+  new requests; `up` restarts the killed one and it rejoins (new requests reach it again);
+- an error on one entry (a stranger released a request on its replica) ends that request alone;
+- a poison request on one replica leaves every other request and both replicas untouched;
+- the executor tells a remote error from a dead service and from a missed deadline (real target);
+- the draft window: two replicas' `Speculate` entries go in one call when the window holds the
+  first until the second is ready, in two calls without it (real draft).
+
+The fault tests wait on what /health reports (requests running per replica, a replica ready), never
+on fixed sleeps; the loop that ran them 20 times in a row on one core beside a busy loop is in
+test_gateway_hardening.py's docstring.
+
+Here: the tests that start the whole stack; the others are in tests/service/test_replicas.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+
+from specserve.shared.wire.service_client import TargetClient
+from tests.support.fixtures import start_up
+from tests.support.gateway import MAX_TOKENS, PROMPTS, aclient, run_all, wait_all_free
+from tests.support.procs import await_health, health, kill, service_pid, wait_health
+
+
+@pytest.fixture(scope="module")
+def up2(request, suite_profile):
+    return start_up(request, "--targets", "2", profile=suite_profile)
+
+
+def wait_replicas_up(url: str, n: int) -> None:
+    wait_health(url, lambda h: sum(r["up"] for r in h["replicas"]) >= n, f"{n} replicas ready")
+
+
+def test_greedy_equals_transformers_and_spreads_over_both(up2, reference):
+    assert [r["up"] for r in health(up2.url)["replicas"]] == [True, True]
+    results = asyncio.run(run_all(up2.url, PROMPTS))
+    assert [r.choices[0].text for r in results] == reference
+    replicas = [r.model_extra["specserve"]["replica"] for r in results]
+    assert set(replicas) == {0, 1}, replicas
+    wait_all_free(up2)
+
+
+def test_a_frozen_replica_holds_only_its_own_requests(up2, reference):
+    """Replica 1 is frozen (SIGSTOP) once /health shows both replicas running two requests: replica 0
+    serves its two to the end while replica 1's are still running there and it is still up (one loop for
+    both replicas would hold replica 0's until replica 1's call ran out its deadline, then end replica
+    1's with an error). Thawed, replica 1 finishes its requests exactly."""
+    wait_replicas_up(up2.url, 2)
+    pid = service_pid("target", up2.addresses["target-1"])
+
+    async def run():
+        load = asyncio.ensure_future(run_all(up2.url, PROMPTS[:4]))
+        seen = await await_health(up2.url, lambda h: [r["running"] for r in h["replicas"]] == [2, 2], until=load)
+        assert seen is not None, "the load ended before both replicas ran their requests"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            body = await await_health(up2.url, lambda h: h["replicas"][0]["running"] == 0, until=load)
+            assert body is not None, "every request ended while replica 1 was frozen"
+            assert body["replicas"][1]["up"] and body["replicas"][1]["running"] == 2, body
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return await load
+
+    out = asyncio.run(run())
+    assert [r.choices[0].text for r in out] == reference[:4]
+    assert sorted(r.model_extra["specserve"]["replica"] for r in out) == [0, 0, 1, 1]
+    wait_all_free(up2)
+
+
+def test_entry_error_ends_only_that_request(up2, reference):
+    """A stranger releases one running request on its replica: the next step refuses that entry
+    (unknown_request); that stream alone ends with an error, the others finish exactly."""
+    async def run():
+        c = aclient(up2.url)
+        streams = [await c.completions.create(model="target", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+                   for p in PROMPTS[:4]]
+        firsts = [await s.__anext__() for s in streams]  # every stream has started: all are admitted
+        victim = firsts[0].id
+        replica = None
+        for name in ("target-0", "target-1"):
+            t = await TargetClient.connect(up2.addresses[name])
+            if victim in (await t.release([victim])).released:
+                replica = name
+            await t.close()
+        assert replica is not None
+
+        async def rest(first, s):
+            text = first.choices[0].text if first.choices else ""
+            try:
+                async for ch in s:
+                    if ch.choices:
+                        text += ch.choices[0].text
+            except openai.APIError as exc:
+                return exc
+            return text
+
+        out = await asyncio.gather(*[rest(f, s) for f, s in zip(firsts, streams)])
+        await c.close()
+        return out
+
+    out = asyncio.run(run())
+    assert isinstance(out[0], openai.APIError) and "unknown_request" in str(out[0]), out[0]
+    assert out[1:] == reference[1:4]
+    assert all(r["up"] for r in health(up2.url)["replicas"])
+    wait_all_free(up2)
+
+
+def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
+    """Replica 1 is killed once /health shows both replicas running requests (an event, not a fixed
+    sleep; SLO admission may admit the six at different times on a loaded machine, so not necessarily
+    three each at once); it is back when /health says it is ready. Every request that replica 0 ran
+    finishes exactly; those on replica 1 fail: at most those replica 0 was not running then (replica 1's,
+    those waiting, and those the gateway had not yet seen, which may be routed to replica 1 before the
+    kill), and fewer when one finished between /health and the kill."""
+    async def run():
+        load = asyncio.ensure_future(run_all(up2.url, PROMPTS[:6]))
+        seen = await await_health(up2.url, lambda h: all(r["running"] >= 1 for r in h["replicas"]), until=load)
+        assert seen is not None, "the load ended before both replicas ran their requests"
+        kill("target", up2.addresses["target-1"])
+        return seen, await load
+
+    seen, out = asyncio.run(run())
+    ok = [(i, r) for i, r in enumerate(out) if not isinstance(r, BaseException)]
+    failed = [r for r in out if isinstance(r, BaseException)]
+    assert failed, "no request was on the killed replica"
+    assert 1 <= len(failed) <= 6 - seen["replicas"][0]["running"], (len(failed), seen)
+    assert any(r.model_extra["specserve"]["replica"] == 0 for _, r in ok), "replica 0's requests failed too"
+    for i, r in ok:
+        assert r.choices[0].text == reference[i], (i, r.model_extra["specserve"]["replica"])
+    for exc in failed:
+        assert isinstance(exc, openai.APIError), exc
+    # while replica 1 is down (or being restarted), new requests are still served, exactly
+    again = asyncio.run(run_all(up2.url, PROMPTS[:2]))
+    assert [r.choices[0].text for r in again] == reference[:2]
+    # `up` restarts it on the same address; the gateway reconnects; new requests reach it again
+    wait_replicas_up(up2.url, 2)
+    later = asyncio.run(run_all(up2.url, PROMPTS))
+    assert [r.choices[0].text for r in later] == reference
+    assert {r.model_extra["specserve"]["replica"] for r in later} == {0, 1}
+    wait_all_free(up2)
+
+
+def test_poison_on_one_replica_touches_nothing_else(up2, reference):
+    """A request with sampling values that once failed the target's whole pass (temperature 1e-38) is
+    served beside greedy requests on both replicas, sent once /health shows all four running: every
+    greedy request finishes exactly, both replicas stay up. (A whole call answered with an error, the
+    remote-error path, is exercised against a real target in
+    test_executor_tells_remote_errors_from_dead_services_and_deadlines.)"""
+    wait_replicas_up(up2.url, 2)  # a replica killed by an earlier test may still be reconnecting
+
+    async def run():
+        good = asyncio.ensure_future(run_all(up2.url, PROMPTS[:4]))
+        await await_health(up2.url, lambda h: h["running"] == 4, until=good)
+        async with httpx.AsyncClient(base_url=up2.url, timeout=60) as h:
+            bad = await h.post("/v1/completions", json={"model": "target", "prompt": "x = ", "max_tokens": 8,
+                                                        "temperature": 1e-38})
+        return bad, await good
+
+    bad, out = asyncio.run(run())
+    assert bad.status_code in (200, 400, 500), bad.text
+    served = [(i, r) for i, r in enumerate(out) if not isinstance(r, BaseException)]
+    assert len(served) == len(out), [r for r in out if isinstance(r, BaseException)]
+    for i, r in served:
+        assert r.choices[0].text == reference[i]
+    assert [r["up"] for r in health(up2.url)["replicas"]] == [True, True]
+    assert health(up2.url)["status"] == "ok"
+    later = asyncio.run(run_all(up2.url, PROMPTS[:2]))
+    assert [r.choices[0].text for r in later] == reference[:2]
+    wait_all_free(up2)

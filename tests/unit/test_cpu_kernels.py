@@ -1,0 +1,403 @@
+"""The compiled CPU operators (shared/runtime/kernels) and the weights they multiply as stored (runtime/quant.py).
+
+- Q8_0 / Q4_1 blocks made by gguf-py's quantizer are split and dequantized exactly as gguf-py does it.
+- `linear` equals a float64 product over the dequantized weights (float32 rounding only), for every
+  weight kind, odd float32 widths included, with every code variant this CPU runs (avx512, avx2, generic;
+  switched within the process by `set_variant`).
+- Batch invariance: a row's result is bit-identical whatever other rows share the call, in each variant.
+- SPECSERVE_CPU_KERNELS_VARIANT picks the variant a process starts with (SPECSERVE_CPU_KERNELS_GENERIC=1:
+  generic); a name this CPU cannot run falls back to the best it has, with a warning.
+- A GGUF file written like llama.cpp's converter (q and k rows permuted) is read back under Hugging
+  Face names with the permutation undone, and a model run from its blocks gives bit for bit the logits
+  of the same model run from the dequantized float32 weights (the same sums, only the weights' storage
+  differs), within float32 tolerance of the torch pass.
+- A tree verified in one pass gives each node exactly the logits of its path decoded token by token,
+  and a request's logits do not change when other requests share its pass.
+- Without the operators (SPECSERVE_CPU_KERNELS=off) the loader falls back to the torch pass, saying so.
+- int8 activations: Q4_1 / Q8_0 products on activations quantized as llama.cpp's Q8_1 equal a float64
+  reference that quantizes the same way (the integers exact; float32 rounding only); a token's result is
+  bit-identical alone and inside a call of 1..16 tokens, under 1 and 2 threads; the AVX-512 VNNI, AVX2 and
+  plain C++ code agree bit for bit; float32 weights stay float32; `activations` "auto" picks int8 for
+  quantized weights only, and int8 logits stay within a stated tolerance of the float32 ones.
+
+Here: the tests that start no process and open no socket; the others are in
+tests/service/test_cpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from safetensors.torch import load_file, save_file
+
+from specserve.shared.runtime import kernels
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, KIND_Q4_1, KIND_Q8_0
+from specserve.shared.runtime.lean_model import LeanModel
+from specserve.shared.runtime.loader import describe
+from specserve.shared.runtime.model_config import ModelLoadError
+from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, quantize, read_gguf
+from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU operators not built: {kernels.error()}")
+KINDS = {"float32": KIND_F32, "q8_0": KIND_Q8_0, "q4_1": KIND_Q4_1}
+QTYPES = {KIND_Q8_0: GGMLQuantizationType.Q8_0, KIND_Q4_1: GGMLQuantizationType.Q4_1}
+VARIANTS = kernels.variants() if kernels.load() else []
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request):
+    """Each code variant this CPU runs, in turn; the one the process started with afterwards."""
+    before = kernels.set_variant(request.param)
+    yield request.param
+    kernels.set_variant(before)
+
+
+def _linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None, act: int = ACT_F32) -> torch.Tensor:
+    return torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, bias, act)
+
+
+@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
+def test_blocks_dequantize_as_gguf_py_does(kind):
+    weight = torch.randn(24, 96, generator=torch.Generator().manual_seed(kind))
+    blocks = gguf_quantize(weight.numpy(), QTYPES[kind])
+    ours = dequantize(StoredWeight.from_blocks(blocks, kind, 24, 96))
+    reference = torch.from_numpy(gguf_dequantize(blocks, QTYPES[kind]).astype(np.float32))
+    assert torch.equal(ours, reference)
+    assert torch.equal(dequantize(quantize(weight, kind)), reference)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("cols", [64, 96, 200])
+def test_linear_equals_the_dequantized_product(kind, cols, variant):
+    if kind != "float32" and cols % 32:
+        pytest.skip("quantized rows are whole 32-wide blocks")
+    gen = torch.Generator().manual_seed(cols)
+    w = quantize(torch.randn(37, cols, generator=gen) * 0.1, KINDS[kind])
+    bias = torch.randn(37, generator=gen)
+    dense = dequantize(w).double()
+    for tokens in (1, 2, 3, 5, 9, 17):
+        x = torch.randn(tokens, cols, generator=gen)
+        ref = x.double() @ dense.T + bias.double()
+        got = _linear(x, w, bias)
+        assert got.dtype == torch.float32 and got.shape == (tokens, 37)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("cols", [128, 200])
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(kind, cols, variant):
+    """The same (token, row) bit for bit whatever tokens and rows share the call, and with 2 threads."""
+    if kind != "float32" and cols % 32:
+        pytest.skip("quantized rows are whole 32-wide blocks")
+    gen = torch.Generator().manual_seed(5)
+    w = quantize(torch.randn(50, cols, generator=gen), KINDS[kind])
+    x = torch.randn(23, cols, generator=gen)
+    whole = _linear(x, w)
+    for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16)]:
+        assert torch.equal(_linear(x[start:stop], w), whole[start:stop]), (start, stop)
+    for start, stop in [(0, 1), (5, 7), (13, 50)]:  # fewer rows: other row tiles
+        part = StoredWeight(w.data[start:stop].contiguous(), w.scales[start:stop].contiguous(), w.kind, stop - start,
+                            w.cols)
+        assert torch.equal(_linear(x, part), whole[:, start:stop]), (start, stop)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(_linear(x, w), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_variants_vector_helpers_agree_with_torch(variant):
+    """rms_norm (sum of squares) against torch in float64, odd widths included."""
+    gen = torch.Generator().manual_seed(2)
+    for width in (8, 13, 64, 100, 576):
+        x, weight = torch.randn(3, width, generator=gen), torch.randn(width, generator=gen)
+        ref = weight.double() * (x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+        torch.testing.assert_close(torch.ops.specserve_cpu.rms_norm(x, weight, 1e-5).double(), ref, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_set_variant_refuses_unknown_names():
+    with pytest.raises(RuntimeError, match="unknown CPU kernel variant"):
+        kernels.set_variant("sse9")
+    assert kernels.variant() in VARIANTS
+
+
+def test_the_build_folder_is_keyed_by_the_cpu_where_the_build_targets_it(monkeypatch, tmp_path):
+    """On x86 one build serves every CPU (its variants are picked at run time): the folder says x86_64. Elsewhere
+    the build targets the building CPU (-mcpu=native): the folder names a hash of that CPU's description."""
+    monkeypatch.setenv("SPECSERVE_KERNELS_DIR", str(tmp_path))
+    if kernels.X86:
+        assert kernels.isa_tag() == "x86_64" and "-mcpu=native" not in kernels.CFLAGS
+        assert kernels.build_dir().name.endswith("-x86_64") and kernels.build_dir().parent == tmp_path
+    monkeypatch.setattr(kernels, "X86", False)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    tag = kernels.isa_tag()
+    assert tag.startswith("aarch64-") and len(tag) == len("aarch64-") + 10
+    assert kernels.build_dir().name.endswith(tag)
+
+
+# ---- int8 activations ------------------------------------------------------------------------------
+
+
+def _q8_1(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's Q8_1 of each token's 32-wide blocks, in float32 as the operators do it: d = max|x| / 127,
+    q = x * (1 / d) rounded half to even, s = d * sum(q). Returns q [T, nb, 32], d and s [T, nb]."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inverse[..., None]), -127, 127)
+    return q, d, (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+
+
+def _int8_reference(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Per block the exact integer dot product of the stored integers with the Q8_1 activations, scaled
+    (Q4_1: d_w * d_x * sum + m_w * s_x; Q8_0: d_w * d_x * sum) and summed, in float64."""
+    q, d, s = _q8_1(x)
+    nb = w.cols // 32
+    if w.kind == KIND_Q4_1:
+        packed = w.data.numpy().reshape(w.rows, nb, 16)
+        ints = np.concatenate([packed & 15, packed >> 4], -1).astype(np.float64)
+        scales = w.scales.numpy().reshape(w.rows, nb, 2).astype(np.float64)
+        sums = np.einsum("rbe,tbe->trb", ints, q.astype(np.float64))
+        out = (sums * scales[None, :, :, 0] * d[:, None, :] + scales[None, :, :, 1] * s[:, None, :]).sum(-1)
+    else:
+        ints = w.data.numpy().view(np.int8).reshape(w.rows, nb, 32).astype(np.float64)
+        scales = w.scales.numpy().reshape(w.rows, nb).astype(np.float64)
+        out = (np.einsum("rbe,tbe->trb", ints, q.astype(np.float64)) * scales[None] * d[:, None, :]).sum(-1)
+    return torch.from_numpy(out) + (0 if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
+@pytest.mark.parametrize("cols", [32, 96, 128, 576, 1536])
+def test_int8_products_equal_the_q8_1_reference(kind, cols):
+    """Widths of 1 to 48 blocks, whole groups of 4 and not: within float32 rounding of the exact sums (a
+    single activation rounded otherwise than the reference would be off by about 1e-3 of the scale)."""
+    gen = torch.Generator().manual_seed(cols + kind)
+    w = quantize(torch.randn(37, cols, generator=gen) * 0.1, kind)
+    bias = torch.randn(37, generator=gen)
+    for tokens in (1, 3, 9):
+        x = torch.randn(tokens, cols, generator=gen) * 3
+        got, ref = _linear(x, w, bias, ACT_INT8), _int8_reference(x, w, bias)
+        assert got.dtype == torch.float32 and got.shape == (tokens, 37)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        # and within int8 quantization of the float32 product
+        exact = x.double() @ dequantize(w).double().T + bias.double()
+        assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_int8_keeps_zero_blocks_and_float32_weights_exact():
+    """An all-zero activation block (d = 0) contributes nothing; float32 weights take the float32 path."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 96, generator=gen)
+    x[:, 32:64] = 0
+    for kind in (KIND_Q8_0, KIND_Q4_1):
+        w = quantize(torch.randn(10, 96, generator=gen), kind)
+        torch.testing.assert_close(_linear(x, w, act=ACT_INT8).double(), _int8_reference(x, w), rtol=1e-5,
+                                   atol=1e-5)
+    w = quantize(torch.randn(10, 96, generator=gen), KIND_F32)
+    assert torch.equal(_linear(x, w, act=ACT_INT8), _linear(x, w, act=ACT_F32))
+    with pytest.raises(RuntimeError, match="unknown activation mode"):
+        _linear(x, quantize(torch.randn(10, 96, generator=gen), KIND_Q8_0), act=7)
+
+
+@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_rows_do_not_depend_on_the_rest_of_the_call(kind, threads):
+    gen = torch.Generator().manual_seed(6)
+    w = quantize(torch.randn(70, 576, generator=gen), kind)
+    x = torch.randn(23, 576, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = _linear(x, w, act=ACT_INT8)
+        for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16), (5, 14)]:
+            assert torch.equal(_linear(x[start:stop], w, act=ACT_INT8), whole[start:stop]), (start, stop)
+        assert torch.equal(_linear(x, quantize(dequantize(w)[5:40], kind), act=ACT_INT8), whole[:, 5:40])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
+    """torch's lock file left by a killed build (every later build or load would wait on it for ever) is removed
+    under our own lock, which a second process cannot take while the first holds it."""
+    import fcntl
+
+    from specserve.shared.runtime import kernels
+
+    (tmp_path / "lock").touch()  # what a build killed mid-way leaves
+    with kernels.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        (tmp_path / "lock").touch()  # torch's lock of a build in progress, under ours
+        with open(tmp_path / "specserve.lock", "a") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process waits here: it removes nothing
+        assert (tmp_path / "lock").exists()
+
+
+# ---- a whole model from a GGUF file --------------------------------------------------------------
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row permutation (convert_hf_to_gguf.py, LlamaModel.permute)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _write_gguf_pair(model_dir: Path) -> None:
+    """Quantize a float32 model directory into model.gguf as llama.cpp lays a Llama file out (projections
+    Q4_1, embedding Q8_0, norms F32), and make its safetensors the float32 values of those blocks, as a
+    named model's install does."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    writer = GGUFWriter(str(model_dir / GGUF_FILE), "llama")
+    dequantized = {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            module = ".".join(parts[3:-1])  # self_attn.q_proj, input_layernorm, ...
+            gguf_name = f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        array = value.numpy()
+        if value.dim() == 1:
+            writer.add_tensor(gguf_name, array)
+            dequantized[name] = value
+            continue
+        qtype = GGMLQuantizationType.Q8_0 if "embed" in name or "lm_head" in name else GGMLQuantizationType.Q4_1
+        blocks = gguf_quantize(array, qtype)
+        dequantized[name] = torch.from_numpy(gguf_dequantize(blocks, qtype).astype(np.float32))
+        if ".q_proj." in name or ".k_proj." in name:
+            blocks = _permute(blocks, heads if ".q_proj." in name else kv_heads)
+        writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module", params=[(4, 2), (2, 1)], ids=["head_dim32", "head_dim64"])
+def gguf_model(tmp_path_factory, request) -> Path:
+    heads, kv_heads = request.param  # the attention code of head width 32 and 64 (SmolLM2's)
+    config = {**TINY_CONFIG, "hidden_size": 128, "intermediate_size": 256,  # rows of whole 32-wide blocks
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    model_dir = write_random_model(tmp_path_factory.mktemp("gguf") / "m", config, seed=3, std=0.08)
+    _write_gguf_pair(model_dir)
+    return model_dir
+
+
+def _runner(model_dir: Path, **kw) -> ModelRunner:
+    return ModelRunner.from_dir(model_dir, num_blocks=64, block_size=4, **kw)
+
+
+def test_gguf_is_read_under_hugging_face_names_unpermuted(gguf_model):
+    cfg = json.loads((gguf_model / "config.json").read_text())
+    read = read_gguf(gguf_model / GGUF_FILE, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+    float32 = load_file(str(gguf_model / "model.safetensors"))
+    assert set(read.tensors) == set(float32) and not read.dequantized
+    for name, value in read.tensors.items():
+        got = dequantize(value) if isinstance(value, StoredWeight) else value
+        assert torch.equal(got, float32[name]), name
+    assert read.tensors["model.layers.0.self_attn.q_proj.weight"].kind == KIND_Q4_1
+    assert read.tensors["model.embed_tokens.weight"].kind == KIND_Q8_0
+
+
+def test_the_blocks_give_the_float32_models_logits_bit_for_bit(gguf_model, variant):
+    blocks = _runner(gguf_model, activations="float32")
+    float32 = _runner(gguf_model, weights="float32")
+    torch_pass = _runner(gguf_model, kernels="torch")
+    assert isinstance(blocks.model, LeanModel) and "q4_1" in blocks.model.source
+    assert isinstance(float32.model, LeanModel) and "float32" in float32.model.source
+    prompt = [int(t) for t in torch.randint(0, TINY_CONFIG["vocab_size"], (21,), generator=torch.Generator())]
+    entry = [Chunk("r", prompt, logits_at=range(len(prompt)))]
+    (a,), (b,), (c,) = blocks.forward(entry), float32.forward(entry), torch_pass.forward(entry)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, c, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+def test_a_tree_verifies_exactly_what_decoding_one_token_at_a_time_gives(gguf_model, variant, activations):
+    gen = torch.Generator().manual_seed(11)
+    context = torch.randint(0, TINY_CONFIG["vocab_size"], (30,), generator=gen).tolist()
+    path = torch.randint(0, TINY_CONFIG["vocab_size"], (5,), generator=gen).tolist()
+    alone = _runner(gguf_model, activations=activations)
+    assert alone.model.activations == activations
+    alone.forward([Chunk("r", context)])
+    decoded = [alone.forward([Chunk("r", [t], logits_at=[0])])[0][0] for t in path]
+    shared = _runner(gguf_model, activations=activations)
+    shared.forward([Chunk("r", context), Chunk("other", context[:7])])
+    tokens = path + [path[1], path[2]]  # a chain and a side branch under node 0
+    parents = [-1, 0, 1, 2, 3, 0, 5]
+    (tree, prefill) = shared.forward([Tree("r", tokens, parents), Chunk("other", context[7:19], logits_at=[0, 3])])
+    for node in range(5):
+        assert torch.equal(tree[node], decoded[node]), node
+    lone = _runner(gguf_model, activations=activations)
+    lone.forward([Chunk("other", context[:7])])
+    (ref,) = lone.forward([Chunk("other", context[7:19], logits_at=[0, 3])])
+    assert torch.equal(prefill, ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_a_token_in_a_tree_of_1_to_16_equals_it_decoded_alone(gguf_model, threads):
+    """Under int8 activations, node i of a chain of n = 1..16 nodes gets bit for bit the logits of its path
+    decoded one token at a time (decoded under 1 thread, verified under `threads`)."""
+    gen = torch.Generator().manual_seed(12)
+    context = torch.randint(0, TINY_CONFIG["vocab_size"], (9,), generator=gen).tolist()
+    path = torch.randint(0, TINY_CONFIG["vocab_size"], (16,), generator=gen).tolist()
+    runner = _runner(gguf_model, activations="int8")
+    runner.forward([Chunk("r", context)])
+    decoded = [runner.forward([Chunk("r", [t], logits_at=[0])])[0][0] for t in path]
+    runner.release("r")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in range(1, 17):
+            runner.forward([Chunk("r", context)])
+            (tree,) = runner.forward([Tree("r", path[:n], [-1, *range(n - 1)])])
+            runner.discard_tree("r")
+            runner.release("r")
+            for node in range(n):
+                assert torch.equal(tree[node], decoded[node]), (n, node)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_activation_mode_switch(gguf_model):
+    """auto: int8 on a GGUF file's blocks (and on weights quantized at load) where the CPU has AVX-512 VNNI,
+    float32 on float32 weights; int8 logits within 5% of the logits' scale of the float32 ones, with mostly
+    the same argmax; int8 with the torch pass is refused."""
+    by_default = "int8" if kernels.int8_by_default() else "float32"
+    assert _runner(gguf_model).model.activations == by_default
+    assert _runner(gguf_model, weights="q8_0").model.activations == by_default
+    auto = _runner(gguf_model, activations="int8")
+    assert "int8 activations" in describe(auto.model)
+    assert _runner(gguf_model, weights="float32").model.activations == "float32"
+    assert _runner(gguf_model, weights="float32", activations="int8").model.activations == "int8"
+    prompt = torch.randint(0, TINY_CONFIG["vocab_size"], (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    entry = [Chunk("r", prompt, logits_at=range(len(prompt)))]
+    (int8,) = auto.forward(entry)
+    float32 = _runner(gguf_model, activations="float32")
+    (exact,) = float32.forward(entry)
+    assert not torch.equal(int8, exact)
+    assert (int8 - exact).abs().max() <= 0.05 * exact.abs().max()
+    assert (int8.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+    auto.model.activations = "float32"  # switched on a loaded model
+    auto.release("r")
+    assert torch.equal(auto.forward(entry)[0], exact)
+    with pytest.raises(ValueError, match="activations must be"):
+        auto.model.activations = "int4"
+    with pytest.raises(ModelLoadError, match="cannot run this model"):
+        _runner(gguf_model, kernels="torch", activations="int8")
