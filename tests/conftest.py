@@ -28,6 +28,9 @@ import torch  # noqa: E402
 
 from specserve.shared.runtime.model_store import unpack_bundled  # noqa: E402
 
+# Fixtures shared by modules of several tiers: the CPU kernel variants and a tiny model with its GGUF file.
+pytest_plugins = ["tests.support.gguf_model"]
+
 # One shared secret for the whole run (shared/wire/auth.py), set before anything starts: every test, the
 # services and gateways it starts (they inherit the environment) and its clients use it.
 os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))

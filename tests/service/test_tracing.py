@@ -13,28 +13,17 @@ the draft and the target.
   inside a service could not be read from here. The tree of one streamed request (the official
   openai client, with an incoming W3C traceparent) is asserted on it.
 
-Here: the tests that start one or two services or processes, or open sockets; the others are in
-tests/unit/test_tracing.py and tests/stack/test_tracing.py.
+Here: the tests that open sockets in this process; the others are in tests/unit/test_tracing.py and
+tests/stack/test_tracing.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
-import os
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
-import openai
 import pytest
-from aiohttp import web
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -44,9 +33,6 @@ from specserve.shared.process import tracing
 from specserve.shared.wire.messages import Health, HealthReply, Message
 from specserve.shared.wire.rpc import RpcClient, RpcServer
 from specserve.shared.wire.transport import PREFIX, TensorMeta, encode_frame, read_frame
-from tests.support import poll
-from tests.support.fixtures import BUDGET_24, start_up
-from tests.support.procs import Up
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "bench/results/sweep-full/profile.json"  # a measured profile: no profiling at start
@@ -149,122 +135,3 @@ def test_a_sampled_out_trace_stays_out_in_the_service(in_memory):
 
     asyncio.run(run())
     assert in_memory.get_finished_spans() == ()
-
-
-# ---- three processes ---------------------------------------------------------------------------------
-@dataclass
-class SpanData:
-    service: str
-    name: str
-    kind: int  # the protobuf enum: 2 SERVER, 3 CLIENT, 1 INTERNAL
-    trace_id: str
-    span_id: str
-    parent: str
-    attrs: dict[str, Any]
-    links: list[tuple[str, str]] = field(default_factory=list)  # (trace id, span id)
-    start_ns: int = 0
-    end_ns: int = 0
-
-
-def _value(v: Any) -> Any:
-    which = v.WhichOneof("value")
-    if which == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, which) if which else None
-
-
-class OtlpReceiver:
-    """An OTLP/HTTP trace receiver (aiohttp, its own thread and loop): decodes each
-    ExportTraceServiceRequest and keeps it, with the path and content type it came with."""
-
-    def __init__(self) -> None:
-        self.posts: list[tuple[str, str, ExportTraceServiceRequest]] = []
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(10)
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        app.router.add_post("/v1/traces", self._traces)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = self.runner.addresses[0][1]
-        ready.set()
-        self.loop.run_forever()
-
-    async def _traces(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        if request.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        message = ExportTraceServiceRequest()
-        message.ParseFromString(body)
-        self.posts.append((request.path, request.content_type, message))
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-    def spans(self) -> list[SpanData]:
-        out = []
-        for _, _, message in list(self.posts):
-            for rs in message.resource_spans:
-                service = {a.key: _value(a.value) for a in rs.resource.attributes}.get("service.name", "")
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        out.append(SpanData(service, s.name, s.kind, s.trace_id.hex(), s.span_id.hex(),
-                                            s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes},
-                                            [(li.trace_id.hex(), li.span_id.hex()) for li in s.links],
-                                            s.start_time_unix_nano, s.end_time_unix_nano))
-        return out
-
-
-def _traced(request, *gateway_args: str) -> tuple[Up, OtlpReceiver]:
-    """`specserve up` (adaserve) exporting to an OtlpReceiver, and that receiver; both stopped when the
-    fixture ends."""
-    receiver = OtlpReceiver()
-    request.addfinalizer(receiver.stop)
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}  # ms: export soon after a span ends
-    for name in ("OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        env.pop(name, None)
-    return start_up(request, "--policy", "adaserve", profile=PROFILE, gateway_args=(*BUDGET_24, *gateway_args),
-                    env=env), receiver
-
-
-def _wait_for(receiver: OtlpReceiver, done, timeout_s: float = 60) -> list[SpanData]:
-    return poll.until(receiver.spans, timeout_s, "the spans the test looks for", ok=done, interval_s=0.2,
-                      show=lambda spans: f"{len(spans)} spans: {sorted({(s.service, s.name) for s in spans})}")
-
-
-@pytest.fixture(scope="module")
-def traced_frontend_up(request):
-    return _traced(request, "--frontends", "1")
-
-
-def test_iterations_link_to_a_front_end_processes_request_span(traced_frontend_up):
-    """With --frontends, the request span is the front end's (another process) and the engine's
-    iterations, in the engine process, still link to it: the span context crosses the link."""
-    up, receiver = traced_frontend_up
-    c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    out = c.completions.create(model="target", prompt="import os\nimport sys\n", max_tokens=12, temperature=0,
-                               extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
-    steps = len(out.model_extra["specserve"]["steps"])
-
-    def served(spans: list[SpanData]) -> tuple[SpanData | None, list[SpanData]]:
-        req = next((s for s in spans if s.name == "llm_request" and s.attrs.get("gen_ai.request.id") == out.id), None)
-        its = [] if req is None else [s for s in spans if s.name == "engine.iteration"
-                                      and (req.trace_id, req.span_id) in s.links]
-        return req, its
-
-    spans = _wait_for(receiver, lambda s: len(served(s)[1]) == steps + 1)
-    req, iterations = served(spans)
-    assert req is not None, sorted({(s.service, s.name) for s in spans})
-    assert (req.service, req.trace_id, req.parent) == ("specserve-gateway-frontend", TRACE_ID, PARENT_ID)
-    assert {s.service for s in iterations} == {"specserve-gateway"}
-    assert len(iterations) == steps + 1  # one prefill iteration, then its verify steps

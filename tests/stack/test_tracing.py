@@ -233,3 +233,31 @@ def test_what_the_exporter_sends_is_otlp_http_protobuf(traced_up):
     assert {"specserve-gateway", "specserve-draft", "specserve-target"} <= {s.service for s in spans}
     assert all(len(s.trace_id) == 32 and len(s.span_id) == 16 for s in spans)
     assert all(0 < s.start_ns <= s.end_ns for s in spans)
+
+
+@pytest.fixture(scope="module")
+def traced_frontend_up(request):
+    return _traced(request, "--frontends", "1")
+
+
+def test_iterations_link_to_a_front_end_processes_request_span(traced_frontend_up):
+    """With --frontends, the request span is the front end's (another process) and the engine's
+    iterations, in the engine process, still link to it: the span context crosses the link."""
+    up, receiver = traced_frontend_up
+    c = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    out = c.completions.create(model="target", prompt="import os\nimport sys\n", max_tokens=12, temperature=0,
+                               extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    steps = len(out.model_extra["specserve"]["steps"])
+
+    def served(spans: list[SpanData]) -> tuple[SpanData | None, list[SpanData]]:
+        req = next((s for s in spans if s.name == "llm_request" and s.attrs.get("gen_ai.request.id") == out.id), None)
+        its = [] if req is None else [s for s in spans if s.name == "engine.iteration"
+                                      and (req.trace_id, req.span_id) in s.links]
+        return req, its
+
+    spans = _wait_for(receiver, lambda s: len(served(s)[1]) == steps + 1)
+    req, iterations = served(spans)
+    assert req is not None, sorted({(s.service, s.name) for s in spans})
+    assert (req.service, req.trace_id, req.parent) == ("specserve-gateway-frontend", TRACE_ID, PARENT_ID)
+    assert {s.service for s in iterations} == {"specserve-gateway"}
+    assert len(iterations) == steps + 1  # one prefill iteration, then its verify steps
