@@ -18,25 +18,15 @@ from __future__ import annotations
 
 import copy
 import shutil
-import subprocess
 
 import kubernetes_validate
 import pytest
-import yaml
 
-from tests.support.compose import ROOT
+from tests.support.kube import find, rendered
 
-KUSTOMIZE = ROOT / "deploy/kubernetes"
 K8S_VERSION = "1.32.0"  # the schema version checked against (kubernetes-validate ships it)
 
 
-def rendered() -> list[dict]:
-    if shutil.which("kubectl"):
-        out = subprocess.run(["kubectl", "kustomize", str(KUSTOMIZE)], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        return [d for d in yaml.safe_load_all(out.stdout) if d]
-    kustomization = yaml.safe_load((KUSTOMIZE / "kustomization.yaml").read_text())
-    return [d for f in kustomization["resources"] for d in yaml.safe_load_all((KUSTOMIZE / f).read_text()) if d]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +34,6 @@ def docs() -> list[dict]:
     return rendered()
 
 
-def find(docs: list[dict], kind: str, name: str) -> dict:
-    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
 def test_kubectl_renders_the_kustomization():

@@ -20,29 +20,18 @@ from transformers import AutoModelForCausalLM
 from specserve.draft.config import DraftConfig
 from specserve.draft.eagle import EagleDrafter
 from specserve.draft.eagle_engine import EagleDraftEngine
-from specserve.draft.eagle_head import EagleHead, load_for_target
+from specserve.draft.eagle_head import load_for_target
 from specserve.shared.host.service_base import BadCall
 from specserve.shared.runtime.batch import Chunk
-from specserve.shared.runtime.model_config import ModelConfig
-from specserve.shared.runtime.model_store import MODELS
 from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, Speculate, SpeculateEntry, VerifyEntry
 from specserve.target.config import TargetConfig
 from specserve.target.engine import TargetEngine
+from tests.support.eagle import TARGET, make_head
 
-TARGET = MODELS / "target"
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 18, 64, 9, 11, 300]
 
 
-def make_head(out, seed: int = 0, vocab: int = 512):
-    """An untrained head over the demo target (random layer; the target's embedding and LM head), saved."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig.from_dir(TARGET)
-    head = EagleHead(cfg, 128, torch.arange(vocab))
-    hf = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)
-    head.load_target(hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach())
-    head.save(out, str(TARGET))
-    return load_for_target(out, TARGET)
 
 
 @pytest.fixture(scope="module")

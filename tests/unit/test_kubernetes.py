@@ -15,24 +15,10 @@ Here: the tests that start no process and open no socket; the others are in test
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
-import yaml
 
-from tests.support.compose import ROOT, known_variables
-
-KUSTOMIZE = ROOT / "deploy/kubernetes"
-
-
-def rendered() -> list[dict]:
-    if shutil.which("kubectl"):
-        out = subprocess.run(["kubectl", "kustomize", str(KUSTOMIZE)], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        return [d for d in yaml.safe_load_all(out.stdout) if d]
-    kustomization = yaml.safe_load((KUSTOMIZE / "kustomization.yaml").read_text())
-    return [d for f in kustomization["resources"] for d in yaml.safe_load_all((KUSTOMIZE / f).read_text()) if d]
+from tests.support.compose import known_variables
+from tests.support.kube import find, rendered
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +26,6 @@ def docs() -> list[dict]:
     return rendered()
 
 
-def find(docs: list[dict], kind: str, name: str) -> dict:
-    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
 def env_of(deployment: dict) -> dict[str, str]:

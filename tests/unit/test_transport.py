@@ -20,13 +20,7 @@ import pytest
 import torch
 
 from specserve.shared.wire.messages import (
-    DraftTree,
-    Error,
     Health,
-    HealthReply,
-    Release,
-    Speculate,
-    SpeculateReply,
     Stats,
 )
 from specserve.shared.wire.rpc import (
@@ -48,14 +42,11 @@ from specserve.shared.wire.transport import (
     frame_bytes,
     read_frame,
 )
+from tests.support.echo import run
 
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.bool]
-HEALTHY = HealthReply("echo", "ok", "none", "cpu", "float32", 0.0)
 
 
-def run(coro, timeout: float = 5.0):
-    """Run a coroutine to completion; a hang fails the test after `timeout` seconds."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -300,25 +291,6 @@ def test_parse_address_rejects(address):
 # ---- 2./3. an echo server over TCP and a Unix socket ------------------------------------------
 
 
-async def echo(body, tensors):
-    """Health -> HealthReply; Speculate -> one tree per entry with its tokens + 1 echoed back;
-    Release -> raises; anything else -> an Error reply."""
-    if isinstance(body, Health):
-        return HEALTHY, None
-    if isinstance(body, Speculate):
-        tokens = tensors["tokens"]
-        assert tokens.dtype == torch.int32 and tokens.numel() == sum(e.num_new for e in body.entries)
-        trees = [DraftTree(e.rid, e.step, e.num_new, e.depth) for e in body.entries]
-        reply = SpeculateReply(trees, catchup_ms=1.5, beam_ms=2.5, total_ms=4.0, forwards=len(trees), free_blocks=9)
-        out = {
-            "tokens": tokens + 1,
-            "parents": torch.arange(tokens.numel(), dtype=torch.int32) - 1,
-            "path_prob": tokens.to(torch.float32) / 4,
-        }
-        return reply, out
-    if isinstance(body, Release):
-        raise RuntimeError(f"release of {body.rids} exploded")
-    return Error("unsupported", type(body).__name__), None
 
 
 def test_remote_error_is_not_a_transport_error():
