@@ -1,12 +1,5 @@
 """Strangers cannot drive the services: the shared-secret handshake and the server-side timeouts.
 
-Against real draft and target processes (short timeouts through their SPECSERVE_<SERVICE>_*
-variables): a connection that has not proved the secret gets answers to Health only; Release,
-Offload, Speculate, Forward and Stats are refused and, after a few tries or one wrong proof, the
-connection is closed, while an authenticated client's Stats show that nothing changed. Half-sent
-frames and idle unauthenticated connections are dropped; idle authenticated ones stay. The suite's
-secret comes from tests/conftest.py.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_auth.py.
 """

@@ -1,25 +1,5 @@
 """The compiled CPU operators (shared/runtime/kernels) and the weights they multiply as stored (runtime/quant.py).
 
-- Q8_0 / Q4_1 blocks made by gguf-py's quantizer are split and dequantized exactly as gguf-py does it.
-- `linear` equals a float64 product over the dequantized weights (float32 rounding only), for every
-  weight kind, odd float32 widths included, with every code variant this CPU runs (avx512, avx2, generic;
-  switched within the process by `set_variant`).
-- Batch invariance: a row's result is bit-identical whatever other rows share the call, in each variant.
-- SPECSERVE_CPU_KERNELS_VARIANT picks the variant a process starts with (SPECSERVE_CPU_KERNELS_GENERIC=1:
-  generic); a name this CPU cannot run falls back to the best it has, with a warning.
-- A GGUF file written like llama.cpp's converter (q and k rows permuted) is read back under Hugging
-  Face names with the permutation undone, and a model run from its blocks gives bit for bit the logits
-  of the same model run from the dequantized float32 weights (the same sums, only the weights' storage
-  differs), within float32 tolerance of the torch pass.
-- A tree verified in one pass gives each node exactly the logits of its path decoded token by token,
-  and a request's logits do not change when other requests share its pass.
-- Without the operators (SPECSERVE_CPU_KERNELS=off) the loader falls back to the torch pass, saying so.
-- int8 activations: Q4_1 / Q8_0 products on activations quantized as llama.cpp's Q8_1 equal a float64
-  reference that quantizes the same way (the integers exact; float32 rounding only); a token's result is
-  bit-identical alone and inside a call of 1..16 tokens, under 1 and 2 threads; the AVX-512 VNNI, AVX2 and
-  plain C++ code agree bit for bit; float32 weights stay float32; `activations` "auto" picks int8 for
-  quantized weights only, and int8 logits stay within a stated tolerance of the float32 ones.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_cpu_kernels.py.
 """

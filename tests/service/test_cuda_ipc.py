@@ -1,11 +1,5 @@
 """CUDA IPC's lifecycle (shared/wire/cuda_ipc.py) without a GPU: a host-memory backend of torch's shape.
 
-`HostIpc` names a storage by a handle in a table, as a cudaIpcMemHandle names a device allocation, and
-holds it there until the receiver opened it (torch's cross-process reference counter), so a handle that
-is opened twice, never shared, or never opened is seen. The frames and the RPC links are the real ones,
-over a real socket; only the memory handle is host memory. `TorchCudaIpc` itself runs in
-bench/gpu_suite.py on a GPU.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_cuda_ipc.py.
 """

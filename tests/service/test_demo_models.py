@@ -1,7 +1,5 @@
 """The bundled demo pair (models/) through our runtime: tokenizer, transformers parity, held-out split.
 
-The pair and the prompt sets are built by `python -m training.build_demo_pair` (see models/README.md).
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_demo_models.py.
 """

@@ -1,8 +1,5 @@
 """Target discovery without the services: the hosts file, the resolver, and the pool's replica set.
 
-The end-to-end behaviour (a replica that joins serves; one that leaves while serving is drained,
-with the same greedy output and no KV left behind) is in test_compose.py, on real processes.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_discovery.py.
 """

@@ -1,9 +1,6 @@
 """The engine in-process against real draft and target services: plans that move the draft (offload,
 reload) and the eager draft sync stay lossless, and the IterationRecord says what happened.
 
-The policy here is a test policy built on the real chain policy: it only adds a residency change or
-turns speculation off on chosen iterations, as Nightjar and TurboSpec will.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_engine.py.
 """

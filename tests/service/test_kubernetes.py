@@ -1,15 +1,5 @@
 """deploy/kubernetes: rendered by a real tool, checked against the Kubernetes schema, and consistent.
 
-- `kubectl kustomize` renders the kustomization offline (skipped where kubectl is not installed;
-  the files are then read as they are);
-- every built-in object passes kubernetes-validate's strict check against the Kubernetes API
-  schema (an unknown field fails it: shown on a broken copy);
-- the target replicas sit behind a headless Service, the name the gateway resolves with
-  --discover-targets; the target requests a GPU; the ServiceMonitor selects Services that exist and
-  ports they name; every SPECSERVE_* variable is one the services read;
-- the front ends' Deployment connects to the gateway's link: the address it is given is the gateway
-  Service's `link` port, the port the gateway listens on for front ends.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_kubernetes.py.
 """

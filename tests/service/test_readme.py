@@ -1,15 +1,5 @@
 """The README and the user docs against the code and the tree.
 
-- docs/flags.md is generated from the `specserve` parser (scripts/gen_flags.py): it must equal what
-  `flags_markdown()` makes now, so a flag added or changed without regenerating it fails here, and it
-  has a row for every flag of every command.
-- Every `specserve` command line that README.md, docs/usage.md and docs/deployment.md show parses, and
-  every `--flag` they name belongs to some specserve command (or bench/sweep.py, or the tool it is
-  given to).
-- docs/usage.md's endpoint list is the gateway's routes.
-- Every relative link in README.md, docs/usage.md, docs/flags.md and docs/deployment.md lands on a file
-  and heading that exist, and every repository path they name exists.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_readme.py.
 """

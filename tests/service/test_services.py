@@ -1,11 +1,5 @@
 """The draft and target services as real processes on localhost, driven over the socket transport.
 
-Lossless: prefill -> speculate -> verify every candidate node -> commit, over many steps with mixed
-prompt lengths and shapes, equals target-only greedy decoding token for token; so does a run with
-the draft offloaded and reloaded in the middle. Robustness: malformed frames, unknown ids, a
-request larger than the KV pool and a client that vanishes mid-call leave everyone else served
-and no KV block held.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_services.py.
 """

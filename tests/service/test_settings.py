@@ -1,8 +1,5 @@
 """specserve.shared.process.settings: one declaration per setting -> flag, environment variable, default.
 
-The unit tests use a demo dataclass with every supported type; the last tests run the real
-console script with a bad SPECSERVE_DRAFT_PORT in the environment.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_settings.py.
 """

@@ -1,10 +1,5 @@
 """Frames and RPC over real sockets: tensor round trips, an echo server, and bad input.
 
-Everything runs in-process (asyncio.run inside plain test functions) over TCP on 127.0.0.1 port 0
-or a Unix socket under tmp_path. Malformed frames are built by hand from Header/TensorMeta and
-PREFIX and fed to an asyncio.StreamReader. Tensors are compared bit for bit (dtype, shape and
-bytes), so NaN payloads and signed zeros must survive too.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_transport.py.
 """
@@ -49,17 +44,7 @@ from specserve.shared.wire.transport import (
     frame_bytes,
     read_frame,
 )
-from tests.support.echo import HEALTHY, echo, run
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype
-    assert tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(bits(got), bits(want))
+from tests.support.echo import HEALTHY, assert_same, echo, run
 
 
 def raw_frame(call_id: int, metas: list[TensorMeta], payload: bytes, body=None) -> bytes:

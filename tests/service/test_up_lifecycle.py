@@ -1,14 +1,5 @@
 """`specserve up` owns its children, and a taken port is reported as exactly that.
 
-`up` killed with SIGKILL (no chance to stop anything) must take the gateway, draft and target with
-it within seconds, so that a new `up` on the same port starts. A port that is already taken stops
-`up`, the gateway and both services at once with "port N is already in use", exit status 1.
-
-The draft and target listen on Unix sockets in a private directory that `up` removes when it stops
-(the services remove their own sockets, so even a killed `up` leaves no socket file);
-`--tcp-services` puts them on loopback TCP ports instead, and both serve the API. Either way each
-service serves Prometheus /metrics on a port of its own, printed as `metrics <name> <url>`.
-
 Here: the tests that start one or two services or processes, or open sockets; the others are in
 tests/unit/test_up_lifecycle.py and tests/stack/test_up_lifecycle.py.
 """
@@ -27,21 +18,7 @@ import pytest
 from specserve.shared.process.ports import PortInUse, check_port_free
 from specserve.shared.wire.rpc import RpcServer
 from tests.support import poll
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state first), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")  # a zombie is dead, only not yet reaped
-
+from tests.support.pids import proc_alive
 
 # A parent that starts a draft from a worker thread, reports the draft's pid and address once that
 # thread has exited, and waits to be killed (its sleep is the scenario: a parent that lives on).
@@ -87,15 +64,15 @@ def test_a_child_started_from_a_worker_thread_outlives_the_thread_and_follows_th
         pid, address = parent.stdout.readline().split()
         child = int(pid)
         assert _health_twice(address) == "draft", "the child stopped serving after the thread that started it exited"
-        assert _alive(child), "the child died with the thread that started it"
+        assert proc_alive(child), "the child died with the thread that started it"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
-        poll.until(lambda: not _alive(child), 10, "the child to follow its parent", interval_s=0.1)
+        poll.until(lambda: not proc_alive(child), 10, "the child to follow its parent", interval_s=0.1)
     finally:
         if parent.poll() is None:
             os.kill(parent.pid, signal.SIGKILL)
             parent.wait()
-        if child is not None and _alive(child):
+        if child is not None and proc_alive(child):
             os.kill(child, signal.SIGKILL)
 
 

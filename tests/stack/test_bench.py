@@ -1,10 +1,6 @@
 """`specserve bench`: the pure parts (arrivals, mix, records, /metrics parsing) on hand-made inputs, then the real
 CLI against one real `specserve up`, with vLLM's `ignore_eos` checked through the official openai client.
 
-The `up` gets a hand-written profile (no 10 s measurement; this file is not about profiling) and two pinned
-SLO classes, critical = 1 ms (no request on a CPU can meet it) and chat = 10^6 ms (every request meets it),
-so a run always has both met and missed requests and attainment and goodput are never trivially 0 or 1.
-
 Here: the tests that start the whole stack; the others are in tests/unit/test_bench.py.
 """
 

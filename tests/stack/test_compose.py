@@ -1,17 +1,5 @@
 """compose.yaml, checked by a real compose implementation and run as plain processes.
 
-- `docker-compose config` (or `docker compose config`) accepts compose.yaml and the GPU override,
-  and refuses a broken copy (so the check can fail);
-- the `secret`, `draft`, two `target` replicas and `gateway` services run with their exact
-  commands and environment (tests/support/compose.py says what differs from a container and why);
-  the gateway finds the target replicas by resolving the name `target` (`--discover-targets`,
-  here through its hosts file, in containers through compose's DNS):
-  - a replica that appears in the name's addresses joins, and requests are spread over both;
-  - the official openai client's greedy output equals transformers';
-  - a replica whose address vanishes while it serves requests is drained: its requests finish
-    with the same greedy output, it is then dropped and holds no request and no KV block (its own
-    /metrics), and later requests go to the other replica only.
-
 Here: the tests that start the whole stack; the others are in tests/unit/test_compose.py.
 """
 
@@ -20,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +22,7 @@ from tests.support import poll
 from tests.support.compose import COMPOSE, ROOT, ComposeStack
 from tests.support.gateway import PROMPTS, complete_all
 from tests.support.procs import health
+from tests.support.promql import metric_names
 
 
 def compose_command() -> list[str] | None:
@@ -174,22 +162,9 @@ def test_compose_processes_parity_and_scaling(stack, reference):
 DASHBOARD = ROOT / "deploy/grafana/dashboards/specserve.json"
 PROMETHEUS_DIR = ROOT / "deploy/prometheus"
 # PromQL words that are not metric names (functions, aggregations, keywords) and Prometheus's own `up`.
-PROMQL_WORDS = {"histogram_quantile", "rate", "irate", "increase", "sum", "avg", "min", "max", "count", "by",
-                "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset",
-                "abs", "clamp_min", "clamp_max", "delta", "deriv", "topk", "bottomk", "avg_over_time",
-                "max_over_time", "min_over_time", "sum_over_time", "time", "vector", "scalar", "humanizePercentage"}
 PROMETHEUS_OWN = {"up"}
 
 
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads: identifiers outside label matchers, grouping
-    clauses, range selectors and strings, that are not PromQL's own words."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    expr = re.sub(r"\{[^}]*\}", "", expr)
-    expr = re.sub(r"\[[^\]]*\]", "", expr)
-    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
-    return {n for n in names if n not in PROMQL_WORDS}
 
 
 def dashboard_exprs() -> list[str]:

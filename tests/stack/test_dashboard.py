@@ -1,22 +1,5 @@
 """Every panel of the bundled Grafana dashboard has data under a plain `specserve up` (issue 33).
 
-- `specserve up` gives the draft and every target replica a Prometheus /metrics port, by default the
-  ports compose.yaml gives them, and deploy/prometheus/local.yml scrapes exactly those (with the
-  gateway on up's default --port), under the job names of the shipped prometheus.yml;
-- the stack test runs `specserve up` on the bundled demo models (its /metrics on free ports, read
-  from its `metrics <name> <url>` lines), the real Prometheus binary with local.yml's jobs and rules
-  pointed at those ports, and evaluates every expression of deploy/grafana/dashboards/specserve.json
-  through Prometheus' HTTP API: each returns a series before any request (the labelled counters
-  and histograms exist at 0 from the start), and a series with a finite value after a little load
-  through the official openai client (streaming and not). Grafana's variables are filled in as
-  Grafana would: `$__rate_interval` and its kin with a window that covers the whole run, a
-  dashboard template variable with "All" (`.*`).
-
-The stack runs `--policy chain:4`, which drafts at every decode step: the default (`joint`) drafts
-only where that buys SLO goodput, and at this light load it made no draft call at all in 2 of 4
-runs here, which leaves the speculation panels (acceptance rate, accepted length, the draft's call time)
-at NaN, a series without a value. That is the policy's choice, not a missing metric.
-
 Here: the tests that start the whole stack; the others are in tests/unit/test_dashboard.py.
 """
 

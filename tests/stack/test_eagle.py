@@ -1,13 +1,5 @@
 """The EAGLE draft: a head over the target's features (services/draft/eagle_head.py, eagle.py, eagle_engine.py).
 
-Fast: the target's runner returns the final norm's output as features (transformers' last hidden
-state) without changing a logit; the target service returns them for every prefill chunk token and
-for each verified tree's accepted path; the head's entries give the same predictions appended at once
-or in pieces; a tree node attends to its ancestors only (its prediction is what appending its path as
-entries gives); the engine speaks the draft protocol (features by position, root-only trees while
-they are missing, a malformed tensor refused). Slow: `specserve up --draft-model <head>` gives
-transformers' greedy text under every policy, verifying the head's trees.
-
 Here: the tests that start the whole stack; the others are in tests/unit/test_eagle.py.
 """
 

@@ -1,11 +1,5 @@
 """The n-gram draft (services/draft/ngram.py): trees from the request's own tokens.
 
-Unit (fast): the tree of a known history (longest suffix, most recent occurrences, width per layer,
-path probabilities as shares of occurrences), a chain at width 1, a root-only tree with no match, and
-against a brute-force trie on random histories. Engine (fast): the DraftEngine protocol with no model
-(history, checks, assumed tokens forgotten, releases, stats with every block free). Stack (slow):
-`specserve up --draft-model ngram` gives transformers' greedy text under every policy, speculating.
-
 Here: the tests that start the whole stack; the others are in tests/unit/test_ngram_draft.py.
 """
 

@@ -1,20 +1,5 @@
 """Two target replicas behind one gateway: `specserve up --targets 2` as real processes, the openai client.
 
-- greedy output equals transformers', with the requests spread over both replicas;
-- each replica steps on its own: with one replica frozen mid-pass (SIGSTOP), the other finishes its
-  requests, and the frozen one's finish exactly once it runs again;
-- killing one replica ends only its own requests with an error; the other keeps serving and takes
-  new requests; `up` restarts the killed one and it rejoins (new requests reach it again);
-- an error on one entry (a stranger released a request on its replica) ends that request alone;
-- a poison request on one replica leaves every other request and both replicas untouched;
-- the executor tells a remote error from a dead service and from a missed deadline (real target);
-- the draft window: two replicas' `Speculate` entries go in one call when the window holds the
-  first until the second is ready, in two calls without it (real draft).
-
-The fault tests wait on what /health reports (requests running per replica, a replica ready), never
-on fixed sleeps; the loop that ran them 20 times in a row on one core beside a busy loop is in
-test_gateway_hardening.py's docstring.
-
 Here: the tests that start the whole stack; the others are in tests/service/test_replicas.py.
 """
 

@@ -1,18 +1,6 @@
 """Tracing (shared/process/tracing.py, services/gateway/obs/spans.py): OpenTelemetry spans across the gateway,
 the draft and the target.
 
-- In process, with the SDK's InMemorySpanExporter: the trace context crosses a real RpcServer /
-  RpcClient connection in the frame header and the service's span is the child of the caller's; a
-  frame without the field (what a peer before it sends) is served, and the field is ignored by a
-  peer that does not know it; off, nothing is built.
-- Across the three processes: `specserve up` with OTEL_EXPORTER_OTLP_ENDPOINT pointing at an
-  OTLP/HTTP receiver in this test (aiohttp on a free port). Each process runs its real
-  BatchSpanProcessor and OTLP/HTTP exporter; the receiver decodes every ExportTraceServiceRequest
-  with opentelemetry-proto and keeps the spans in memory. That is how one in-memory store sees the
-  spans of three processes without a test-only exporter in the product: an InMemorySpanExporter
-  inside a service could not be read from here. The tree of one streamed request (the official
-  openai client, with an incoming W3C traceparent) is asserted on it.
-
 Here: the tests that start the whole stack; the others are in tests/unit/test_tracing.py and
 tests/service/test_tracing.py.
 """

@@ -1,14 +1,5 @@
 """`specserve up` owns its children, and a taken port is reported as exactly that.
 
-`up` killed with SIGKILL (no chance to stop anything) must take the gateway, draft and target with
-it within seconds, so that a new `up` on the same port starts. A port that is already taken stops
-`up`, the gateway and both services at once with "port N is already in use", exit status 1.
-
-The draft and target listen on Unix sockets in a private directory that `up` removes when it stops
-(the services remove their own sockets, so even a killed `up` leaves no socket file);
-`--tcp-services` puts them on loopback TCP ports instead, and both serve the API. Either way each
-service serves Prometheus /metrics on a port of its own, printed as `metrics <name> <url>`.
-
 Here: the tests that start the whole stack; the others are in tests/unit/test_up_lifecycle.py and
 tests/service/test_up_lifecycle.py.
 """
@@ -25,31 +16,22 @@ import openai
 
 from specserve.shared.host.launch import free_port
 from tests.support import poll
+from tests.support.pids import proc_alive, proc_stat
 from tests.support.procs import Up, service_pid
 
 SECRET_VARS = ("SPECSERVE_SECRET", "SPECSERVE_SECRET_FILE")
 PROFILE = Path(__file__).resolve().parents[2] / "bench/results/sweep-full/profile.json"  # no profiling at start
 
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state first), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
 
 
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")  # a zombie is dead, only not yet reaped
 
 
 def _children(pid: int) -> set[int]:
     out = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat(int(entry))
+            fields = proc_stat(int(entry))
             if fields is not None and int(fields[1]) == pid:
                 out.add(int(entry))
     return out
@@ -86,7 +68,7 @@ def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port(
 
         os.kill(up.proc.pid, signal.SIGKILL)
         up.proc.wait()
-        poll.until(lambda: {name: pid for name, pid in pids.items() if _alive(pid)}, 15,
+        poll.until(lambda: {name: pid for name, pid in pids.items() if proc_alive(pid)}, 15,
                    "up's services to follow it (still running: the last value)", ok=lambda alive: not alive,
                    interval_s=0.2)
         sockets = [Path(up.draft.removeprefix("unix:")), Path(up.target.removeprefix("unix:"))]
@@ -94,7 +76,7 @@ def test_up_killed_outright_takes_its_children_along_and_a_new_up_gets_the_port(
         sockets[0].parent.rmdir()  # a killed `up` could not remove its (now empty) directory
     finally:
         for pid in pids.values():  # only the processes this test started
-            if _alive(pid):
+            if proc_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert len(secrets_seen) == 1 and len(secrets_seen.pop() or "") == 64  # one made-up secret, shared
     assert on_command_lines == []

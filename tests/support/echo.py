@@ -43,3 +43,13 @@ async def echo(body, tensors):
     if isinstance(body, Release):
         raise RuntimeError(f"release of {body.rids} exploded")
     return Error("unsupported", type(body).__name__), None
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype
+    assert tuple(got.shape) == tuple(want.shape)
+    assert torch.equal(bits(got), bits(want))

@@ -42,7 +42,7 @@ from specserve.shared.wire.transport import (
     frame_bytes,
     read_frame,
 )
-from tests.support.echo import run
+from tests.support.echo import assert_same, bits, run
 
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.bool]
 
@@ -59,14 +59,8 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
     return raw.view(dtype).view(shape)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype
-    assert tuple(got.shape) == tuple(want.shape)
-    assert torch.equal(bits(got), bits(want))
 
 
 async def read_all(data: bytes, count: int, max_bytes: int | None = None) -> list:
