@@ -696,8 +696,9 @@ struct PhaseTimer {
 // the thread that takes it).
 // - Threads: torch's intra-op thread count (torch.set_num_threads) at each call, the caller included;
 //   workers (std::thread) are started once, when a call first asks for them, and kept.
-// - Idle workers spin for a few microseconds (SPECSERVE_CPU_POOL_SPIN_US, default 20; the operators'
-//   serial steps between two loops are shorter) and then sleep on a condition variable.
+// - Idle workers (and a caller waiting for chunks taken by workers) sleep on a condition variable at
+//   once; SPECSERVE_CPU_POOL_SPIN_US=n spins n microseconds first (measured on 2 shared cores: 20 and 200
+//   made a 4-token pass 2-3x slower than 0, the spinning thread taking the core from the one working).
 // - A call made while another thread's call runs (or from inside a chunk) runs its chunks serially.
 // - `set_parallel("openmp")` runs the same loops with at::parallel_for instead (measurements); "pool" is
 //   the default.
@@ -717,7 +718,7 @@ inline void cpu_relax() {
 int64_t spin_us() {
   static const int64_t us = [] {
     const char* env = std::getenv("SPECSERVE_CPU_POOL_SPIN_US");
-    return env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : int64_t{20};
+    return env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : int64_t{0};
   }();
   return us;
 }
