@@ -697,8 +697,8 @@ struct PhaseTimer {
 // - Threads: torch's intra-op thread count (torch.set_num_threads) at each call, the caller included;
 //   workers (std::thread) are started once, when a call first asks for them, and kept.
 // - Idle workers (and a caller waiting for chunks taken by workers) sleep on a condition variable at
-//   once; SPECSERVE_CPU_POOL_SPIN_US=n spins n microseconds first (measured on 2 shared cores: 20 and 200
-//   made a 4-token pass 2-3x slower than 0, the spinning thread taking the core from the one working).
+//   once, leaving the core to other processes; SPECSERVE_CPU_POOL_SPIN_US=n spins n microseconds first
+//   (measured on 2 shared cores, docs/lab/cpu_pass.md: no faster than 0, and 200 slower).
 // - A call made while another thread's call runs (or from inside a chunk) runs its chunks serially.
 // - `set_parallel("openmp")` runs the same loops with at::parallel_for instead (measurements); "pool" is
 //   the default.
