@@ -26,6 +26,11 @@ Each timing run takes /tmp/specserve-bench.lock (flock) where the machine is sha
 With --variants, only the compiled pass at T = 1 and 4 (a 4-node chain), for each listed code variant of
 the operators in turn within every round (switched in-process by kernels.set_variant; a variant the
 CPU cannot run is refused), into bench/results/cpu_pass_variants.json by default.
+With --parallel (e.g. pool,openmp), only the compiled pass at T = 1 and 4, float32 and int8 activations,
+under each of --thread-counts (default 1,2) and each listed way of splitting the operators' loops
+(kernels.set_parallel: "pool", the library's worker pool, or "openmp", at::parallel_for), both on a quiet
+machine and beside a process spinning on a core (a `while True: pass` started for that half of each round
+and killed after), into bench/results/cpu_pass_threads.json by default.
 Figures: docs/lab/cpu_pass.md.
 """
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -56,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_pass_variants.json with --variants)")
     ap.add_argument("--variants", default=None, help="comma-separated CPU kernel variants to compare "
                     "(avx512, avx2, generic): the compiled pass alone at T = 1 and 4")
+    ap.add_argument("--parallel", default=None, help="comma-separated ways to split the operators' loops to "
+                    "compare (pool, openmp): the compiled pass alone at T = 1 and 4, quiet and beside a busy core")
+    ap.add_argument("--thread-counts", default="1,2", help="with --parallel: the thread counts (default 1,2)")
     args = ap.parse_args(argv)
     if args.variants:
         return _variants_main(args)
+    if args.parallel:
+        return _parallel_main(args)
     args.out = args.out or str(ROOT / "bench" / "results" / "cpu_pass.json")
 
     import torch
@@ -189,6 +200,80 @@ def _variants_main(args: argparse.Namespace) -> int:
     for name in names:
         print(f"| {name} | {fmt(f'{name}/1')} | {fmt(f'{name}/4')} | "
               f"{summary[f'{name}/1']['median'] / summary[f'{first}/1']['median']:.2f}x |")
+    return 0
+
+
+def _parallel_main(args: argparse.Namespace) -> int:
+    """The compiled pass at T = 1 and 4 (float32 and int8 activations) for each thread count and parallel mode,
+    quiet and beside a busy core, interleaved over args.rounds rounds."""
+    import subprocess
+
+    import torch
+
+    from specserve.shared.runtime import kernels
+    from specserve.shared.runtime.batch import Chunk, Tree
+    from specserve.shared.runtime.model_store import resolve
+    from specserve.shared.runtime.runner import ModelRunner
+
+    assert kernels.load(), kernels.error()
+    modes = args.parallel.split(",")
+    counts = [int(n) for n in args.thread_counts.split(",")]
+    runner = ModelRunner.from_dir(resolve("smollm2-135m-instruct"), num_blocks=256, kernels="cpu")
+    context = [(i * 7) % 4000 + 10 for i in range(args.context)]
+
+    def tree_ms(tokens: int, repeats: int = 13) -> float:
+        """Median ms of a pass of a `tokens`-node chain over the context, after 3 warm-up passes."""
+        runner.forward([Chunk("ctx", context)])
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.forward([Tree("ctx", [5] * tokens, [-1, *range(tokens - 1)])])
+            runner.discard_tree("ctx")
+            times.append(time.perf_counter() - t0)
+        runner.release("ctx")
+        return statistics.median(times[3:]) * 1e3
+
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for load in ("quiet", "busy"):
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "busy" else None
+            try:
+                time.sleep(0.2)
+                for threads in counts:
+                    torch.set_num_threads(threads)
+                    for mode in modes:
+                        kernels.set_parallel(mode)
+                        for act in ("float32", "int8"):
+                            runner.model.activations = act
+                            for t in (1, 4):
+                                row[f"{load}/{act}/{threads}/{mode}/{t}"] = tree_ms(t)
+            finally:
+                if hog is not None:
+                    hog.kill()
+                    hog.wait()
+        rounds.append(row)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    summary = {key: spread([rd[key] for rd in rounds]) for key in rounds[0]}
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    out = {"meta": {"rounds": args.rounds, "context": args.context, "cpu": cpu, "cores": os.cpu_count(),
+                    "variant": kernels.variant(), "int8_variant": torch.ops.specserve_cpu.int8_variant(),
+                    "thread_counts": counts, "modes": modes, "key": "load/activations/threads/mode/tokens, ms"},
+           "rounds": rounds, "summary": summary}
+    path = Path(args.out or ROOT / "bench" / "results" / "cpu_pass_threads.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    fmt = lambda key: f"{summary[key]['median']:.2f} ({summary[key]['min']:.2f}-{summary[key]['max']:.2f})"  # noqa: E731
+    for act in ("float32", "int8"):
+        print(f"\n{act} activations, ms (median of {args.rounds} rounds, min-max)")
+        print("| machine | threads | split | one token | 4-token tree |")
+        print("|---|---:|---|---:|---:|")
+        for load in ("quiet", "busy"):
+            for threads in counts:
+                for mode in modes:
+                    key = f"{load}/{act}/{threads}/{mode}"
+                    print(f"| {load} | {threads} | {mode} | {fmt(key + '/1')} | {fmt(key + '/4')} |")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The compiled CPU operators (shared/runtime/kernels) and the weights they multiply as stored (runtime/quant.py).
 
-Here: the tests that start one or two services or processes, or open sockets; the others are in
-tests/unit/test_cpu_kernels.py.
+Here: the tests that start one or two services or processes, or open sockets (among them: the worker pool
+and at::parallel_for give bit-identical products and tree logits under 1, 2, 3 and more threads than
+cores, beside a process busy on a core); the others are in tests/unit/test_cpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import pytest
 import torch
 
 from specserve.shared.runtime import kernels
-from tests.support.gguf_model import VARIANTS
+from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_Q4_1, KIND_Q8_0
+from specserve.shared.runtime.quant import quantize
+from specserve.shared.runtime.random_model import TINY_CONFIG
+from tests.support.gguf_model import VARIANTS, linear, small_runner
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU operators not built: {kernels.error()}")
 
@@ -104,3 +109,69 @@ def test_without_the_operators_the_torch_pass_runs(gguf_model, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "torch pass, not model.gguf's blocks" in out.stderr and "SPECSERVE_CPU_KERNELS=off" in out.stderr
     assert "refused:" in out.stdout and "cannot run this model" in out.stdout
+
+
+@pytest.fixture
+def busy_core():
+    """A process spinning on a core while the test runs (the machine's other services, in miniature)."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def _with_threads(threads: int, parallel: str, fn):
+    before_threads, before_mode = torch.get_num_threads(), kernels.set_parallel(parallel)
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before_threads)
+        kernels.set_parallel(before_mode)
+
+
+@pytest.mark.parametrize("act", [ACT_F32, ACT_INT8])
+def test_products_are_bit_identical_over_threads_and_a_busy_core(act, busy_core):
+    """1, 2, 3 and (more than the cores) 2 * cores + 1 threads, by the pool and by at::parallel_for, with a
+    process spinning beside them: the same bits as one thread."""
+    gen = torch.Generator().manual_seed(21)
+    weights = [quantize(torch.randn(1000, 576, generator=gen), kind) for kind in (KIND_Q8_0, KIND_Q4_1)]
+    x = torch.randn(5, 576, generator=gen)
+    alone = [_with_threads(1, "pool", lambda w=w: linear(x, w, act=act)) for w in weights]
+    for threads in (1, 2, 3, 2 * (os.cpu_count() or 1) + 1):
+        for parallel in ("pool", "openmp"):
+            for w, ref in zip(weights, alone):
+                for _ in range(3):
+                    got = _with_threads(threads, parallel, lambda w=w: linear(x, w, act=act))
+                    assert torch.equal(got, ref), (threads, parallel)
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_tree_logits_are_bit_identical_over_threads_and_a_busy_core(gguf_model, activations, busy_core):
+    """A 6-node tree over a committed context: the same logits under 1, 2, 3 and 2 * cores + 1 threads, by
+    the pool and by at::parallel_for (attention and the products), with a process spinning beside them."""
+    gen = torch.Generator().manual_seed(22)
+    context = torch.randint(0, TINY_CONFIG["vocab_size"], (11,), generator=gen).tolist()
+    tokens = torch.randint(0, TINY_CONFIG["vocab_size"], (6,), generator=gen).tolist()
+    parents = [-1, 0, 1, 0, 3, 2]
+    runner = small_runner(gguf_model, activations=activations)
+
+    def tree() -> torch.Tensor:
+        runner.forward([Chunk("r", context)])
+        (logits,) = runner.forward([Tree("r", tokens, parents)])
+        runner.discard_tree("r")
+        runner.release("r")
+        return logits
+
+    ref = _with_threads(1, "pool", tree)
+    for threads in (1, 2, 3, 2 * (os.cpu_count() or 1) + 1):
+        for parallel in ("pool", "openmp"):
+            assert torch.equal(_with_threads(threads, parallel, tree), ref), (threads, parallel)
+
+
+def test_set_parallel_refuses_unknown_modes():
+    with pytest.raises(RuntimeError, match="unknown parallel mode"):
+        kernels.set_parallel("tbb")
+    assert kernels.set_parallel("pool") == "pool"

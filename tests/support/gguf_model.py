@@ -15,10 +15,22 @@ from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file, save_file
 
 from specserve.shared.runtime import kernels
-from specserve.shared.runtime.quant import GGUF_FILE
+from specserve.shared.runtime.kernels import ACT_F32
+from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight
 from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
+from specserve.shared.runtime.runner import ModelRunner
 
 VARIANTS = kernels.variants() if kernels.load() else []
+
+
+def linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None, act: int = ACT_F32) -> torch.Tensor:
+    """The compiled `linear` operator on a weight as stored."""
+    return torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, bias, act)
+
+
+def small_runner(model_dir: Path, **kw) -> ModelRunner:
+    """A small-pool runner of a model directory."""
+    return ModelRunner.from_dir(model_dir, num_blocks=64, block_size=4, **kw)
 
 
 @pytest.fixture(params=VARIANTS)

@@ -27,7 +27,6 @@ tests/service/test_cpu_kernels.py.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,16 +44,11 @@ from specserve.shared.runtime.loader import describe
 from specserve.shared.runtime.model_config import ModelLoadError
 from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, quantize, read_gguf
 from specserve.shared.runtime.random_model import TINY_CONFIG
-from specserve.shared.runtime.runner import ModelRunner
-from tests.support.gguf_model import VARIANTS
+from tests.support.gguf_model import VARIANTS, linear, small_runner
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU operators not built: {kernels.error()}")
 KINDS = {"float32": KIND_F32, "q8_0": KIND_Q8_0, "q4_1": KIND_Q4_1}
 QTYPES = {KIND_Q8_0: GGMLQuantizationType.Q8_0, KIND_Q4_1: GGMLQuantizationType.Q4_1}
-
-
-def _linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None, act: int = ACT_F32) -> torch.Tensor:
-    return torch.ops.specserve_cpu.linear(x, w.data, w.scales, w.kind, w.cols, bias, act)
 
 
 @pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
@@ -79,7 +73,7 @@ def test_linear_equals_the_dequantized_product(kind, cols, variant):
     for tokens in (1, 2, 3, 5, 9, 17):
         x = torch.randn(tokens, cols, generator=gen)
         ref = x.double() @ dense.T + bias.double()
-        got = _linear(x, w, bias)
+        got = linear(x, w, bias)
         assert got.dtype == torch.float32 and got.shape == (tokens, 37)
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -93,17 +87,17 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(kind, cols, varia
     gen = torch.Generator().manual_seed(5)
     w = quantize(torch.randn(50, cols, generator=gen), KINDS[kind])
     x = torch.randn(23, cols, generator=gen)
-    whole = _linear(x, w)
+    whole = linear(x, w)
     for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16)]:
-        assert torch.equal(_linear(x[start:stop], w), whole[start:stop]), (start, stop)
+        assert torch.equal(linear(x[start:stop], w), whole[start:stop]), (start, stop)
     for start, stop in [(0, 1), (5, 7), (13, 50)]:  # fewer rows: other row tiles
         part = StoredWeight(w.data[start:stop].contiguous(), w.scales[start:stop].contiguous(), w.kind, stop - start,
                             w.cols)
-        assert torch.equal(_linear(x, part), whole[:, start:stop]), (start, stop)
+        assert torch.equal(linear(x, part), whole[:, start:stop]), (start, stop)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert torch.equal(_linear(x, w), whole)
+        assert torch.equal(linear(x, w), whole)
     finally:
         torch.set_num_threads(threads)
 
@@ -179,7 +173,7 @@ def test_int8_products_equal_the_q8_1_reference(kind, cols):
     bias = torch.randn(37, generator=gen)
     for tokens in (1, 3, 9):
         x = torch.randn(tokens, cols, generator=gen) * 3
-        got, ref = _linear(x, w, bias, ACT_INT8), _int8_reference(x, w, bias)
+        got, ref = linear(x, w, bias, ACT_INT8), _int8_reference(x, w, bias)
         assert got.dtype == torch.float32 and got.shape == (tokens, 37)
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         # and within int8 quantization of the float32 product
@@ -194,12 +188,12 @@ def test_int8_keeps_zero_blocks_and_float32_weights_exact():
     x[:, 32:64] = 0
     for kind in (KIND_Q8_0, KIND_Q4_1):
         w = quantize(torch.randn(10, 96, generator=gen), kind)
-        torch.testing.assert_close(_linear(x, w, act=ACT_INT8).double(), _int8_reference(x, w), rtol=1e-5,
+        torch.testing.assert_close(linear(x, w, act=ACT_INT8).double(), _int8_reference(x, w), rtol=1e-5,
                                    atol=1e-5)
     w = quantize(torch.randn(10, 96, generator=gen), KIND_F32)
-    assert torch.equal(_linear(x, w, act=ACT_INT8), _linear(x, w, act=ACT_F32))
+    assert torch.equal(linear(x, w, act=ACT_INT8), linear(x, w, act=ACT_F32))
     with pytest.raises(RuntimeError, match="unknown activation mode"):
-        _linear(x, quantize(torch.randn(10, 96, generator=gen), KIND_Q8_0), act=7)
+        linear(x, quantize(torch.randn(10, 96, generator=gen), KIND_Q8_0), act=7)
 
 
 @pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
@@ -211,10 +205,10 @@ def test_int8_rows_do_not_depend_on_the_rest_of_the_call(kind, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        whole = _linear(x, w, act=ACT_INT8)
+        whole = linear(x, w, act=ACT_INT8)
         for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16), (5, 14)]:
-            assert torch.equal(_linear(x[start:stop], w, act=ACT_INT8), whole[start:stop]), (start, stop)
-        assert torch.equal(_linear(x, quantize(dequantize(w)[5:40], kind), act=ACT_INT8), whole[:, 5:40])
+            assert torch.equal(linear(x[start:stop], w, act=ACT_INT8), whole[start:stop]), (start, stop)
+        assert torch.equal(linear(x, quantize(dequantize(w)[5:40], kind), act=ACT_INT8), whole[:, 5:40])
     finally:
         torch.set_num_threads(before)
 
@@ -238,10 +232,6 @@ def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
 # ---- a whole model from a GGUF file --------------------------------------------------------------
 
 
-def _runner(model_dir: Path, **kw) -> ModelRunner:
-    return ModelRunner.from_dir(model_dir, num_blocks=64, block_size=4, **kw)
-
-
 def test_gguf_is_read_under_hugging_face_names_unpermuted(gguf_model):
     cfg = json.loads((gguf_model / "config.json").read_text())
     read = read_gguf(gguf_model / GGUF_FILE, cfg["num_attention_heads"], cfg["num_key_value_heads"])
@@ -255,9 +245,9 @@ def test_gguf_is_read_under_hugging_face_names_unpermuted(gguf_model):
 
 
 def test_the_blocks_give_the_float32_models_logits_bit_for_bit(gguf_model, variant):
-    blocks = _runner(gguf_model, activations="float32")
-    float32 = _runner(gguf_model, weights="float32")
-    torch_pass = _runner(gguf_model, kernels="torch")
+    blocks = small_runner(gguf_model, activations="float32")
+    float32 = small_runner(gguf_model, weights="float32")
+    torch_pass = small_runner(gguf_model, kernels="torch")
     assert isinstance(blocks.model, LeanModel) and "q4_1" in blocks.model.source
     assert isinstance(float32.model, LeanModel) and "float32" in float32.model.source
     prompt = [int(t) for t in torch.randint(0, TINY_CONFIG["vocab_size"], (21,), generator=torch.Generator())]
@@ -272,18 +262,18 @@ def test_a_tree_verifies_exactly_what_decoding_one_token_at_a_time_gives(gguf_mo
     gen = torch.Generator().manual_seed(11)
     context = torch.randint(0, TINY_CONFIG["vocab_size"], (30,), generator=gen).tolist()
     path = torch.randint(0, TINY_CONFIG["vocab_size"], (5,), generator=gen).tolist()
-    alone = _runner(gguf_model, activations=activations)
+    alone = small_runner(gguf_model, activations=activations)
     assert alone.model.activations == activations
     alone.forward([Chunk("r", context)])
     decoded = [alone.forward([Chunk("r", [t], logits_at=[0])])[0][0] for t in path]
-    shared = _runner(gguf_model, activations=activations)
+    shared = small_runner(gguf_model, activations=activations)
     shared.forward([Chunk("r", context), Chunk("other", context[:7])])
     tokens = path + [path[1], path[2]]  # a chain and a side branch under node 0
     parents = [-1, 0, 1, 2, 3, 0, 5]
     (tree, prefill) = shared.forward([Tree("r", tokens, parents), Chunk("other", context[7:19], logits_at=[0, 3])])
     for node in range(5):
         assert torch.equal(tree[node], decoded[node]), node
-    lone = _runner(gguf_model, activations=activations)
+    lone = small_runner(gguf_model, activations=activations)
     lone.forward([Chunk("other", context[:7])])
     (ref,) = lone.forward([Chunk("other", context[7:19], logits_at=[0, 3])])
     assert torch.equal(prefill, ref)
@@ -296,7 +286,7 @@ def test_int8_a_token_in_a_tree_of_1_to_16_equals_it_decoded_alone(gguf_model, t
     gen = torch.Generator().manual_seed(12)
     context = torch.randint(0, TINY_CONFIG["vocab_size"], (9,), generator=gen).tolist()
     path = torch.randint(0, TINY_CONFIG["vocab_size"], (16,), generator=gen).tolist()
-    runner = _runner(gguf_model, activations="int8")
+    runner = small_runner(gguf_model, activations="int8")
     runner.forward([Chunk("r", context)])
     decoded = [runner.forward([Chunk("r", [t], logits_at=[0])])[0][0] for t in path]
     runner.release("r")
@@ -319,16 +309,16 @@ def test_the_activation_mode_switch(gguf_model):
     float32 on float32 weights; int8 logits within 5% of the logits' scale of the float32 ones, with mostly
     the same argmax; int8 with the torch pass is refused."""
     by_default = "int8" if kernels.int8_by_default() else "float32"
-    assert _runner(gguf_model).model.activations == by_default
-    assert _runner(gguf_model, weights="q8_0").model.activations == by_default
-    auto = _runner(gguf_model, activations="int8")
+    assert small_runner(gguf_model).model.activations == by_default
+    assert small_runner(gguf_model, weights="q8_0").model.activations == by_default
+    auto = small_runner(gguf_model, activations="int8")
     assert "int8 activations" in describe(auto.model)
-    assert _runner(gguf_model, weights="float32").model.activations == "float32"
-    assert _runner(gguf_model, weights="float32", activations="int8").model.activations == "int8"
+    assert small_runner(gguf_model, weights="float32").model.activations == "float32"
+    assert small_runner(gguf_model, weights="float32", activations="int8").model.activations == "int8"
     prompt = torch.randint(0, TINY_CONFIG["vocab_size"], (40,), generator=torch.Generator().manual_seed(4)).tolist()
     entry = [Chunk("r", prompt, logits_at=range(len(prompt)))]
     (int8,) = auto.forward(entry)
-    float32 = _runner(gguf_model, activations="float32")
+    float32 = small_runner(gguf_model, activations="float32")
     (exact,) = float32.forward(entry)
     assert not torch.equal(int8, exact)
     assert (int8 - exact).abs().max() <= 0.05 * exact.abs().max()
@@ -339,4 +329,4 @@ def test_the_activation_mode_switch(gguf_model):
     with pytest.raises(ValueError, match="activations must be"):
         auto.model.activations = "int4"
     with pytest.raises(ModelLoadError, match="cannot run this model"):
-        _runner(gguf_model, kernels="torch", activations="int8")
+        small_runner(gguf_model, kernels="torch", activations="int8")

@@ -17,6 +17,10 @@ The operators (see cpu_ops.cpp for their exactness rules):
   `variants()`: those this CPU runs; `set_variant(name)`: switch within this process (tests);
 - `int8_variant()`: the int8 products' code: "avx512_vnni", "avx2" or "generic"
   (SPECSERVE_CPU_INT8_VARIANT=avx2 / generic picks a lesser one).
+- `set_parallel(name)`: how the matrix products and attention split their work over torch's intra-op
+  threads: "pool" (the default: the library's worker pool, where threads take chunks from a shared counter
+  and the caller computes what no thread took, so a descheduled thread holds nobody up) or "openmp"
+  (at::parallel_for, for measurements).
 
 The best variant the CPU runs is chosen when the library loads. SPECSERVE_CPU_KERNELS_VARIANT=avx512|avx2|generic
 forces one (SPECSERVE_CPU_KERNELS_GENERIC=1 is an alias of =generic); one this CPU lacks, or an unknown name,
@@ -149,6 +153,12 @@ def set_variant(name: str) -> str:
     """Run variant `name` from now on in this process; returns the one that ran before. RuntimeError where
     `name` is unknown or this CPU cannot run it."""
     return str(torch.ops.specserve_cpu.set_variant(name))
+
+
+def set_parallel(name: str) -> str:
+    """Split the operators' parallel loops by "pool" (the default) or "openmp" (at::parallel_for) from now on in
+    this process; returns the mode used before. RuntimeError for another name (load() must have succeeded)."""
+    return str(torch.ops.specserve_cpu.set_parallel(name))
 
 
 def int8_by_default() -> bool:

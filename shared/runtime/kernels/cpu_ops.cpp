@@ -44,8 +44,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -682,14 +685,185 @@ struct PhaseTimer {
   }
 };
 
+// ==== the worker pool ===========================================================================
+//
+// The operators' parallel loops (the matrix products and attention) run their chunks here. A call
+// publishes a job (a function over chunk indices and a chunk count); the pool's workers and the calling
+// thread take chunk indices from one atomic counter until none is left, and the caller returns once
+// every chunk taken is done. Nothing waits for a thread to arrive: a worker that is not running (its
+// core busy with another process) takes nothing and is not waited for, and the caller computes what
+// nobody took. Which thread computes a chunk changes no value (a chunk's outputs are computed whole by
+// the thread that takes it).
+// - Threads: torch's intra-op thread count (torch.set_num_threads) at each call, the caller included;
+//   workers (std::thread) are started once, when a call first asks for them, and kept.
+// - Idle workers (and a caller waiting for chunks taken by workers) sleep on a condition variable at
+//   once, leaving the core to other processes; SPECSERVE_CPU_POOL_SPIN_US=n spins n microseconds first
+//   (measured on 2 shared cores, docs/lab/cpu_pass.md: no faster than 0, and 200 slower).
+// - A call made while another thread's call runs (or from inside a chunk) runs its chunks serially.
+// - `set_parallel("openmp")` runs the same loops with at::parallel_for instead (measurements); "pool" is
+//   the default.
+
+namespace pool {
+
+using ChunkFn = void (*)(void* ctx, int64_t chunk);
+
+inline void cpu_relax() {
+#if SPECSERVE_X86
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+int64_t spin_us() {
+  static const int64_t us = [] {
+    const char* env = std::getenv("SPECSERVE_CPU_POOL_SPIN_US");
+    return env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : int64_t{0};
+  }();
+  return us;
+}
+
+class Pool {
+ public:
+  // Runs fn(ctx, i) for every i in [0, count) on up to `threads` threads (this one included).
+  void run(ChunkFn fn, void* ctx, int64_t count, int threads) {
+    std::unique_lock<std::mutex> caller(call_mu_, std::try_to_lock);
+    if (threads <= 1 || count <= 1 || in_chunk_ || !caller.owns_lock()) {
+      for (int64_t i = 0; i < count; ++i) fn(ctx, i);
+      return;
+    }
+    start_workers(threads - 1);
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      gen = ++gen_;
+      job_ = Job{fn, ctx, count, threads - 1, gen};
+      done_.store(0, std::memory_order_relaxed);
+      next_.store(gen << 32, std::memory_order_release);
+      gen_seen_.store(gen, std::memory_order_release);
+    }
+    wake_.notify_all();
+    const int64_t mine = work(job_);
+    if (done_.fetch_add(mine, std::memory_order_acq_rel) + mine == count) return;
+    // The rest were taken by workers that are running them: wait for those chunks (only those).
+    const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
+    while (done_.load(std::memory_order_acquire) < count) {
+      if (std::chrono::steady_clock::now() < spin_end) {
+        cpu_relax();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      finished_.wait(lock, [&] { return done_.load(std::memory_order_acquire) >= count; });
+    }
+  }
+
+ private:
+  struct Job {
+    ChunkFn fn = nullptr;
+    void* ctx = nullptr;
+    int64_t count = 0;
+    int helpers = 0;  // workers 0..helpers-1 join this job
+    uint64_t gen = 0;
+  };
+
+  // Takes chunks of job `j` (its generation in the counter's high bits) until none is left; returns how many.
+  int64_t work(const Job& j) {
+    int64_t taken = 0;
+    uint64_t v = next_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((v >> 32) != (j.gen & 0xffffffffu) || static_cast<int64_t>(v & 0xffffffffu) >= j.count) break;
+      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      in_chunk_ = true;
+      j.fn(j.ctx, static_cast<int64_t>(v & 0xffffffffu));
+      in_chunk_ = false;
+      ++taken;
+      v = next_.load(std::memory_order_acquire);
+    }
+    return taken;
+  }
+
+  void start_workers(int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (static_cast<int>(workers_.size()) < n) {
+      const int id = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, id] { loop(id); });
+      workers_.back().detach();  // they live as long as the process
+    }
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      // Spin a little for the next job, then sleep until one is published.
+      const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
+      while (gen_seen_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < spin_end)
+        cpu_relax();
+      Job j;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return gen_ != seen; });
+        seen = gen_;
+        j = job_;
+      }
+      if (id >= j.helpers) continue;
+      const int64_t taken = work(j);
+      if (taken == 0) continue;
+      // Whoever finishes the job's last chunks tells the caller (it may be asleep).
+      if (done_.fetch_add(taken, std::memory_order_acq_rel) + taken == j.count) {
+        std::lock_guard<std::mutex> lock(mu_);
+        finished_.notify_all();
+      }
+    }
+  }
+
+  std::mutex call_mu_;  // one call at a time
+  std::mutex mu_;  // guards job_, gen_, workers_
+  std::condition_variable wake_, finished_;
+  std::vector<std::thread> workers_;
+  Job job_;
+  uint64_t gen_ = 0;
+  std::atomic<uint64_t> gen_seen_{0};  // gen_, readable without the lock (the workers' spin)
+  std::atomic<uint64_t> next_{0};  // (generation << 32) | next chunk index
+  std::atomic<int64_t> done_{0};  // chunks of this job finished (the caller's counted once it has no more)
+  static thread_local bool in_chunk_;
+};
+
+thread_local bool Pool::in_chunk_ = false;
+
+Pool& instance() {
+  static Pool* p = new Pool();  // never destroyed: detached workers use it until the process ends
+  return *p;
+}
+
+std::atomic<bool> g_openmp{false};
+
+// fn(chunk) for chunk in [0, count), over torch's intra-op threads: by the pool, or by at::parallel_for
+// where set_parallel("openmp") chose it.
+template <typename F>
+void parallel_chunks(int64_t count, const F& fn) {
+  if (count <= 0) return;
+  if (g_openmp.load(std::memory_order_relaxed)) {
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) fn(i);
+    });
+    return;
+  }
+  instance().run([](void* ctx, int64_t i) { (*static_cast<const F*>(ctx))(i); },
+                 const_cast<void*>(static_cast<const void*>(&fn)), count, at::get_num_threads());
+}
+
+}  // namespace pool
+
+// ==== end of the worker pool ====================================================================
+
 // ---- building blocks ---------------------------------------------------------------------------
 
-// Y[T, rows] (+)= X[T, cols] @ W^T, rows split over torch's intra-op threads (a row is one thread's).
+// Y[T, rows] (+)= X[T, cols] @ W^T, rows in chunks of 32 over the worker pool (a chunk is one thread's).
 void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate) {
   const int64_t chunk = 32;
   const int64_t tasks = (w.rows + chunk - 1) / chunk;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    int64_t r0 = begin * chunk, r1 = std::min(w.rows, end * chunk);
+  pool::parallel_chunks(tasks, [&](int64_t c) {
+    const int64_t r0 = c * chunk, r1 = std::min(w.rows, r0 + chunk);
     DISPATCH(rows, w, r0, r1, X, T, ldx, Y, ldy, accumulate);
   });
 }
@@ -1361,14 +1535,14 @@ std::string variant_name() {
 }
 
 // Y[T, rows] (+)= X[T, cols] @ W^T with X quantized per token per block (scratch: `a`); rows split over
-// torch's intra-op threads as matmul splits them.
+// the worker pool as matmul splits them.
 void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate, Acts& a) {
   quantize(X, T, ldx, w.cols, w.kind, a);
   const int64_t chunk = 32;
   const int64_t tasks = (w.rows + chunk - 1) / chunk;
   const Variant v = variant();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t r0 = begin * chunk, r1 = std::min(w.rows, end * chunk);
+  pool::parallel_chunks(tasks, [&](int64_t c) {
+    const int64_t r0 = c * chunk, r1 = std::min(w.rows, r0 + chunk);
 #if SPECSERVE_X86
     if (v == Variant::kAvx512Vnni)
       avx512_q8::rows(w, r0, r1, a, T, Y, ldy, accumulate);
@@ -1502,14 +1676,12 @@ void decoder_layers(const at::Tensor& x, at::TensorList layers, at::IntArrayRef 
         std::memcpy(vc + (h * slots_total + slot_map[t]) * D, row + kvsize, D * sizeof(float));
       }
     timer.lap(kKvWrite);
-    at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      std::vector<int64_t> slots;
-      for (int64_t item = begin; item < end; ++item) {
-        int64_t t = item / KVH, g = item % KVH;
-        attend(qkv.data() + t * ldqkv, attn.data() + t * qsize, t, g, kl, kc, vc, slots_total, D, group, scale, scores,
-               slots);
-      }
+    pool::parallel_chunks(T * KVH, [&](int64_t item) {  // one (token, kv head) a chunk
+      thread_local std::vector<float> scores;
+      thread_local std::vector<int64_t> slots;
+      const int64_t t = item / KVH, g = item % KVH;
+      attend(qkv.data() + t * ldqkv, attn.data() + t * qsize, t, g, kl, kc, vc, slots_total, D, group, scale, scores,
+             slots);
     });
     timer.lap(kAttention);
     matmul_as(wo, attn.data(), T, qsize, X, H, true, activations, scratch);
@@ -1549,6 +1721,13 @@ std::string set_variant(const std::string& name) {
   return {};
 }
 
+// Runs the operators' parallel loops on "pool" (the worker pool) or "openmp" (at::parallel_for) from now on;
+// returns the one used before.
+std::string set_parallel(const std::string& name) {
+  TORCH_CHECK(name == "pool" || name == "openmp", "unknown parallel mode '", name, "' (pool or openmp)");
+  return pool::g_openmp.exchange(name == "openmp") ? "openmp" : "pool";
+}
+
 // Turns the phase timers on (clearing them) or off; returns "phase seconds" lines of what they summed.
 std::string profile(bool on) {
   std::string report;
@@ -1574,5 +1753,6 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("variants() -> str[]", &variants);
   m.def("set_variant(str name) -> str", &set_variant);
   m.def("profile(bool on) -> str", &profile);
+  m.def("set_parallel(str name) -> str", &set_parallel);
   m.def("int8_variant() -> str", &q8::variant_name);
 }
