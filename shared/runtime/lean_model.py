@@ -92,7 +92,7 @@ class LeanModel(torch.nn.Module):
     @property
     def activations(self) -> str:
         """How the products with Q4_1 / Q8_0 weights run: "int8" or "float32" (set "auto": int8 where any
-        projection or the head is quantized and the CPU has AVX-512 VNNI, else float32)."""
+        projection or the head is quantized and `kernels.int8_by_default()`, else float32)."""
         return self._activations
 
     @activations.setter

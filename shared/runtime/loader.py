@@ -41,8 +41,7 @@ KERNELS = {
 }
 
 ACTIVATIONS = {
-    "auto": "int8 where the compiled CPU pass runs Q4_1 / Q8_0 weights (a GGUF file's blocks, --weights q8_0 / "
-            "q4_1) on a CPU with AVX-512 VNNI, else float32",
+    "auto": "float32 (int8 is faster with AVX-512 VNNI but its greedy answers are not float32's: ask for it)",
     "int8": "the compiled CPU pass multiplies Q4_1 / Q8_0 weights on activations quantized to int8 per token per "
             "32-wide block: faster, close to float32 (not equal), batch invariant",
     "float32": "float32 activations throughout: the products equal float32 ones over the dequantized weights up "

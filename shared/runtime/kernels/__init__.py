@@ -162,10 +162,11 @@ def set_parallel(name: str) -> str:
 
 
 def int8_by_default() -> bool:
-    """Whether int8 activations are the faster mode here (load() must have succeeded): with AVX-512 VNNI
-    (measured 0.6-0.7x the float32 pass at 1-16 tokens). The AVX2 int8 code on an AVX-512 CPU measured 0.9x
-    at one token but 1.5x at 4-8, so float32 stays the default elsewhere (docs/lab/cpu_pass.md)."""
-    return bool(torch.ops.specserve_cpu.int8_variant() == "avx512_vnni")
+    """Whether `--activations auto` picks int8: never. int8 is faster with AVX-512 VNNI (0.6-0.7x the float32
+    pass at 1-16 tokens) but its greedy answers are not float32's: on SmolLM2 it turns the quick start's
+    answer (a near tie between its first tokens) into another one. With the AVX2 code it is dearer than
+    float32 for every tree (docs/lab/cpu_pass.md). `--activations int8` asks for it."""
+    return False
 
 
 def main() -> int:
