@@ -211,7 +211,6 @@ def _parallel_main(args: argparse.Namespace) -> int:
     import torch
 
     from specserve.shared.runtime import kernels
-    from specserve.shared.runtime.batch import Chunk, Tree
     from specserve.shared.runtime.model_store import resolve
     from specserve.shared.runtime.runner import ModelRunner
 
@@ -220,18 +219,6 @@ def _parallel_main(args: argparse.Namespace) -> int:
     counts = [int(n) for n in args.thread_counts.split(",")]
     runner = ModelRunner.from_dir(resolve("smollm2-135m-instruct"), num_blocks=256, kernels="cpu")
     context = [(i * 7) % 4000 + 10 for i in range(args.context)]
-
-    def tree_ms(tokens: int, repeats: int = 13) -> float:
-        """Median ms of a pass of a `tokens`-node chain over the context, after 3 warm-up passes."""
-        runner.forward([Chunk("ctx", context)])
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.forward([Tree("ctx", [5] * tokens, [-1, *range(tokens - 1)])])
-            runner.discard_tree("ctx")
-            times.append(time.perf_counter() - t0)
-        runner.release("ctx")
-        return statistics.median(times[3:]) * 1e3
 
     rounds = []
     for r in range(args.rounds):
@@ -247,7 +234,7 @@ def _parallel_main(args: argparse.Namespace) -> int:
                         for act in ("float32", "int8"):
                             runner.model.activations = act
                             for t in (1, 4):
-                                row[f"{load}/{act}/{threads}/{mode}/{t}"] = tree_ms(t)
+                                row[f"{load}/{act}/{threads}/{mode}/{t}"] = tree_ms(runner, context, t, 13)
             finally:
                 if hog is not None:
                     hog.kill()
