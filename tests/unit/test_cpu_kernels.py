@@ -305,9 +305,9 @@ def test_int8_a_token_in_a_tree_of_1_to_16_equals_it_decoded_alone(gguf_model, t
 
 
 def test_the_activation_mode_switch(gguf_model):
-    """auto: float32 (kernels.int8_by_default()); int8 logits within 5% of the logits' scale of the float32
+    """auto: float32; int8 logits within 5% of the logits' scale of the float32
     ones, with mostly the same argmax; int8 with the torch pass is refused."""
-    by_default = "int8" if kernels.int8_by_default() else "float32"
+    by_default = "float32"
     assert small_runner(gguf_model).model.activations == by_default
     assert small_runner(gguf_model, weights="q8_0").model.activations == by_default
     auto = small_runner(gguf_model, activations="int8")

@@ -161,14 +161,6 @@ def set_parallel(name: str) -> str:
     return str(torch.ops.specserve_cpu.set_parallel(name))
 
 
-def int8_by_default() -> bool:
-    """Whether `--activations auto` picks int8: never. int8 is faster with AVX-512 VNNI (0.6-0.7x the float32
-    pass at 1-16 tokens) but its greedy answers are not float32's: on SmolLM2 it turns the quick start's
-    answer (a near tie between its first tokens) into another one. With the AVX2 code it is dearer than
-    float32 for every tree (docs/lab/cpu_pass.md). `--activations int8` asks for it."""
-    return False
-
-
 def main() -> int:
     """`specserve kernels build`: build now, saying so, and exit 0 even where it fails (a fallback exists)."""
     if not (build_dir() / f"{NAME}.so").is_file():
