@@ -25,6 +25,7 @@ import torch
 from specserve.draft.beam import BeamRequest, BeamTree, beam_search
 from specserve.draft.config import DraftConfig
 from specserve.draft.entry_check import check_entry
+from specserve.draft.prefix import cache_committed, cache_stats, take_cached
 from specserve.draft.static_step import StaticBeamStep
 from specserve.shared.host.service_base import ms_since, split_counts
 from specserve.shared.runtime.batch import Chunk
@@ -249,6 +250,7 @@ class DraftEngine:
         A request whose check raises goes into `failed` and takes no blocks.
         """
         blocks = self._pool().blocks
+        take_cached(self.config.prefix_caching, self._pool(), self.requests, entries, failed, _failure)  # prefix.py
         free = blocks.num_free_blocks
         skip = set()
         for entry in entries:
@@ -310,6 +312,7 @@ class DraftEngine:
                     root_logits[chunk.request_id] = logits[0]
             forwards += 1
             todo = {rid: req for rid, req in todo.items() if req.synced < len(req.tokens)}
+        cache_committed(self.config.prefix_caching, runner, self.requests, [e for e in entries if e.rid not in failed])
         return root_logits, forwards
 
     # ---- release, stats ----------------------------------------------------------------------
@@ -330,7 +333,7 @@ class DraftEngine:
         return StatsReply("draft", total, free, total - free, self.config.block_size, len(self.requests),
                           self.calls, self.entry_errors, offloaded=self.runner is None,
                           last_offload_s=self.last_offload_s, last_reload_s=self.last_reload_s,
-                          request_ids=sorted(self.requests))
+                          request_ids=sorted(self.requests), **cache_stats(self.runner, self.config.prefix_caching))
 
     # ---- offload, reload ---------------------------------------------------------------------
     def offload(self, _msg: Offload | None = None,

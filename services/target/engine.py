@@ -8,6 +8,14 @@ Entries are checked one by one before the pass; a refused entry gets an error in
 changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
 KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
 
+**Prefix cache** (`--no-prefix-caching` turns it off): a prefill chunk starts from the cached blocks of
+its longest cached prefix (block_manager.py; a new request's first chunk, or a later chunk of one whose
+KV fills whole cached blocks), less its last token, whose logits a last chunk needs; only the rest is
+computed, and its result says how many tokens came from the cache (`StepResult.num_cached`). Committed
+KV enters the cache block by block: the prompt as it is prefilled, the accepted output as trees are
+committed (every token's KV but the newest, the next tree's root). A call that asks for the features
+(an EAGLE draft reads every prompt token's) takes nothing from the cache.
+
 No request can fail another: an exception while checking or accepting one entry (sampling,
 acceptance, the KV commit) ends that request alone. Its result carries `ErrorInfo("internal")`, it
 is released on the spot (no state, no KV blocks), and the other entries' results stand. Only a
@@ -81,7 +89,9 @@ class TargetEngine:
         start = time.perf_counter()
         self.calls += 1
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
-        entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors)
+        cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
+        use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
+        entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors, cached, use_cache)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         t0 = time.perf_counter()
         passed = [e for _, e in entries]
@@ -103,10 +113,11 @@ class TargetEngine:
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
         accept_ms = ms_since(t0)
-        results, payload = self._results(all_entries, errors, emitted, kept)
+        results, payload = self._results(all_entries, errors, emitted, kept, cached)
         self.entry_errors += len(errors)
         warmup = graphs is not None and graphs.captures > captures
-        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup)
+        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup,
+                             cached_blocks=self.runner.blocks.num_cached_blocks)
         return reply, payload
 
     def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor],
@@ -136,8 +147,8 @@ class TargetEngine:
 
     @staticmethod
     def _results(all_entries: list[PrefillEntry | VerifyEntry], errors: dict[int, ErrorInfo],
-                 emitted: dict[int, tuple[list[int], int]],
-                 kept: dict[int, torch.Tensor]) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
+                 emitted: dict[int, tuple[list[int], int]], kept: dict[int, torch.Tensor],
+                 cached: dict[int, int]) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
         """Each entry's result in order, and the payload: the emitted tokens, and the features where kept."""
         results, out, feats = [], [], []
         for index, message in enumerate(all_entries):
@@ -150,7 +161,7 @@ class TargetEngine:
             if rows is not None:
                 feats.append(rows)
             results.append(StepResult(message.rid, message.step, len(tokens), accepted,
-                                      num_features=0 if rows is None else len(rows)))
+                                      num_features=0 if rows is None else len(rows), num_cached=cached.get(index, 0)))
         payload = {"tokens": torch.tensor(out, dtype=torch.int32)}
         if feats:
             payload["features"] = torch.cat(feats)
@@ -234,24 +245,48 @@ class TargetEngine:
         return ErrorInfo("too_large", f"{rid!r} needs {tokens} tokens of KV; the pool holds "
                          f"{self.config.kv_blocks * self.config.block_size}. The request was released.")
 
-    def _fit_to_pool(self, entries: list[tuple[int, Chunk | Tree]],
-                     errors: dict[int, ErrorInfo]) -> list[tuple[int, Chunk | Tree]]:
-        """Admit tree steps, then prefill chunks, while free blocks last; refuse the rest (retryable)."""
+    def _fit_to_pool(self, entries: list[tuple[int, Chunk | Tree]], errors: dict[int, ErrorInfo],
+                     cached: dict[int, int], use_cache: bool) -> list[tuple[int, Chunk | Tree]]:
+        """Admit tree steps, then prefill chunks, while free blocks last; refuse the rest (retryable). With
+        `use_cache`, a chunk first takes what the prefix cache holds of it (`_from_cache`; the tokens taken go
+        to `cached`), and gives it back if it is refused."""
         free = self.runner.num_free_blocks
         admitted = []
         for index, entry in sorted(entries, key=lambda x: not isinstance(x[1], Tree)):
+            undo: Callable[[], None] | None = None
             try:
+                if use_cache and isinstance(entry, Chunk):
+                    before = self.runner.num_free_blocks
+                    entry, cached[index], undo = self._from_cache(entry)
+                    free -= before - self.runner.num_free_blocks  # evictable blocks it holds now
                 need = self.runner.blocks.extra_blocks_for(entry.request_id, len(entry.tokens))
             except Exception as exc:
                 errors[index] = self._failed(entry.request_id, "the KV check", exc)
                 continue
             if need > free:
+                if undo is not None:
+                    before = self.runner.num_free_blocks
+                    undo()
+                    free += self.runner.num_free_blocks - before
+                    del cached[index]
                 errors[index] = ErrorInfo("out_of_blocks", f"{entry.request_id!r} needs {need} KV blocks, "
                                           f"{free} are free now; retry after others finish")
                 continue
             free -= need
             admitted.append((index, entry))
         return sorted(admitted, key=lambda x: x[0])
+
+    def _from_cache(self, chunk: Chunk) -> tuple[Chunk, int, Callable[[], None] | None]:
+        """The chunk less what the prefix cache holds of its start (its last token always computed), the
+        tokens taken, and how to give them back (None when none were taken)."""
+        rid, runner = chunk.request_id, self.runner
+        had = runner.num_tokens(rid) if runner.has_request(rid) else None
+        taken = runner.adopt_prefix(rid, chunk.tokens, len(chunk.tokens) - 1)
+        if not taken:
+            return chunk, 0, None
+        rest = chunk.tokens[taken:]
+        undo = (lambda: runner.release(rid)) if had is None else (lambda: runner.truncate(rid, had))
+        return Chunk(rid, rest, logits_at=[len(rest) - 1] if chunk.logits_at else []), taken, undo
 
     # ---- acceptance --------------------------------------------------------------------------
     def _accept(self, message: PrefillEntry | VerifyEntry, entry: Chunk | Tree,
@@ -267,8 +302,10 @@ class TargetEngine:
                 assert spec is not None  # _check_prefill refused a first chunk without sampling parameters
                 params = SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
                 req = self.requests[rid] = _Request(params, params.make_generator())
-            req.prefilled += len(entry.tokens)
+            req.prefilled += message.num_tokens  # (the chunk's tokens taken from the prefix cache included)
             req.last_step = message.step
+            if self.config.prefix_caching:
+                self.runner.cache_prefix(rid, req.prefilled)
             if not message.last:
                 return ([], 0), None
             if message.resume_token is not None:  # a preempted request: its next token is already known
@@ -282,6 +319,8 @@ class TargetEngine:
         acceptance = (self.accept or accept_tree)(entry.tokens, entry.parents, logits, req.params, req.generator)
         self.runner.commit_tree(rid, acceptance.path)
         req.committed += len(acceptance.tokens)
+        if self.config.prefix_caching:
+            self.runner.cache_prefix(rid, req.committed - 1)  # the KV: every committed token but the newest
         req.last_token = acceptance.tokens[-1]
         req.last_step = message.step
         return (acceptance.tokens, acceptance.num_accepted_drafts), list(acceptance.path)
@@ -302,4 +341,6 @@ class TargetEngine:
         total = self.config.kv_blocks - (1 if getattr(self.runner, "graphs", None) is not None else 0)  # padding's
         return StatsReply("target", total, free, total - free,
                           self.config.block_size, len(self.requests), self.calls, self.entry_errors,
-                          request_ids=sorted(self.requests))
+                          request_ids=sorted(self.requests), prefix_caching=self.config.prefix_caching,
+                          cached_blocks=self.runner.blocks.num_cached_blocks,
+                          evictable_blocks=self.runner.blocks.num_evictable_blocks)

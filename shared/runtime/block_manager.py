@@ -1,8 +1,24 @@
-"""Paged-KV block allocator: fixed-size blocks, per-request block tables, an exact free count.
+"""Paged-KV block allocator: fixed-size blocks, per-request block tables, an exact free count, and an
+automatic prefix cache.
 
 The block manager only does bookkeeping (which physical block holds which request's slots); the
 tensors live in `kv_cache.KVCache`. A request's slots are numbered 0..num_slots-1 in the order of
 its sequence; slot s lives in physical block `table[s // block_size]` at offset `s % block_size`.
+
+**Prefix cache** (vLLM's automatic prefix caching): `cache` gives a request's full blocks of committed
+tokens a key (block_hash.py: the hash of the block's tokens and of every token before them). A keyed
+block is immutable and may be shared: `adopt` gives a request the cached blocks of the longest cached
+prefix of its next tokens, each block counting its holders (a reference count). When its last holder
+lets it go, a keyed block is not freed but kept, evictable, in least-recently-used order; an allocation
+that finds no plain free block evicts the least recently used one (its key is forgotten). A request
+frees its blocks tail first, so a sequence's last blocks are evicted before its first ones (a prefix is
+useful without its tail, a tail never without its prefix). Evictable blocks count as free: they are
+allocatable at once (`num_free_blocks`; `num_evictable_blocks` says how many of them hold a cached block).
+
+Only the caller decides what is keyed (the runner keys committed tokens only), and a request never
+writes into a keyed block: `adopt` takes whole blocks, so its own writes start in a new block, and
+`truncate` into a keyed block forgets the key when the request is its only holder (it may write there
+again) and refuses when the block is shared.
 
 NOTE: every mutating call either succeeds completely or raises before changing anything, so an
 `OutOfBlocks` error leaves the manager exactly as it was and the caller can act (preempt, queue,
@@ -11,8 +27,11 @@ refuse) without cleaning up.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from specserve.shared.runtime.block_hash import ROOT, chain
 
 
 class OutOfBlocks(RuntimeError):
@@ -33,6 +52,7 @@ class UnknownRequest(KeyError):
 class _Allocation:
     num_slots: int = 0
     blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # the keys of its leading full blocks that `cache` keyed
 
 
 class BlockManager:
@@ -41,18 +61,34 @@ class BlockManager:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # LIFO free list: recently freed blocks are reused first (warm in cache).
+        # LIFO free list of blocks holding nothing: recently freed blocks are reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks  # requests holding each block
+        self._key_of: dict[int, bytes] = {}  # block -> its prefix-cache key (keyed blocks only)
+        self._block_of: dict[bytes, int] = {}  # key -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, held by nobody; least recently used first
         self._requests: dict[str, _Allocation] = {}
+        self.evictions = 0  # cached blocks evicted since start
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now: plain free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a prefix-cache key, held by requests or evictable."""
+        return len(self._block_of)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no request holds (counted in `num_free_blocks`)."""
+        return len(self._evictable)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -65,6 +101,10 @@ class BlockManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id).blocks)
+
+    def block_keys(self, request_id: str) -> list[bytes]:
+        """The keys of the request's leading full blocks that `cache` (or `adopt`) keyed."""
+        return list(self._get(request_id).hashes)
 
     def blocks_needed(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
@@ -94,36 +134,123 @@ class BlockManager:
         """Grow each request by counts[request_id] slots, atomically across all of them.
 
         Requests not yet known are added. Raises OutOfBlocks (changing nothing) when the free
-        blocks cannot cover the whole batch.
+        blocks (evictable cached ones included) cannot cover the whole batch.
         """
         needed = 0
         for rid, n in counts.items():
             if n < 0:
                 raise ValueError(f"negative slot count {n} for {rid!r}")
             needed += self.extra_blocks_for(rid, n)
-        if needed > len(self._free):
-            raise OutOfBlocks(needed, len(self._free), list(counts))
+        if needed > self.num_free_blocks:
+            raise OutOfBlocks(needed, self.num_free_blocks, list(counts))
         for rid, n in counts.items():
             alloc = self._requests.setdefault(rid, _Allocation())
             alloc.num_slots += n
             for _ in range(self.blocks_needed(alloc.num_slots) - len(alloc.blocks)):
-                alloc.blocks.append(self._free.pop())
+                alloc.blocks.append(self._take())
 
     def truncate(self, request_id: str, num_slots: int) -> None:
-        """Shrink the request to its first `num_slots` slots and free the blocks past them."""
+        """Shrink the request to its first `num_slots` slots and let go of the blocks past them. A kept
+        block cut part way that is keyed loses its key (the request writes there again); a shared one
+        cannot be cut (ValueError, nothing changed)."""
         alloc = self._get(request_id)
         if not 0 <= num_slots <= alloc.num_slots:
             raise ValueError(f"cannot truncate {request_id!r} from {alloc.num_slots} to {num_slots} slots")
-        alloc.num_slots = num_slots
         keep = self.blocks_needed(num_slots)
+        cut = alloc.blocks[keep - 1] if num_slots % self.block_size else None  # the last kept block, partial now
+        if cut is not None and cut in self._key_of and self._refs[cut] > 1:
+            raise ValueError(f"cannot truncate {request_id!r} to {num_slots} slots: block {cut} is a shared "
+                             "cached block")
+        alloc.num_slots = num_slots
         while len(alloc.blocks) > keep:
-            self._free.append(alloc.blocks.pop())
+            self._drop(alloc.blocks.pop())
+        del alloc.hashes[num_slots // self.block_size:]
+        if cut is not None and cut in self._key_of:
+            del self._block_of[self._key_of.pop(cut)]
 
     def free(self, request_id: str) -> None:
         alloc = self._requests.pop(request_id, None)
         if alloc is None:
             raise UnknownRequest(request_id)
-        self._free.extend(reversed(alloc.blocks))
+        for block in reversed(alloc.blocks):  # tail first: the least recently used among them
+            self._drop(block)
+
+    # ---- the prefix cache ----------------------------------------------------------------
+    def cache(self, request_id: str, tokens: Sequence[int], num_tokens: int) -> int:
+        """Key the request's full blocks among its first `num_tokens` slots (`tokens[s]`: slot s's token),
+        beyond those keyed already; returns how many blocks entered the cache. A block whose key another
+        block holds stays out of the cache (the request keeps its own copy; the chain goes on)."""
+        alloc = self._get(request_id)
+        bs, have = self.block_size, len(alloc.hashes)
+        full = min(num_tokens, alloc.num_slots, len(tokens)) // bs
+        if full <= have:
+            return 0
+        added = 0
+        parent = alloc.hashes[-1] if have else ROOT
+        for i, key in enumerate(chain(tokens[have * bs: full * bs], bs, parent), start=have):
+            alloc.hashes.append(key)
+            block = alloc.blocks[i]
+            if key not in self._block_of and block not in self._key_of:
+                self._block_of[key], self._key_of[block] = block, key
+                added += 1
+        return added
+
+    def cached_tokens(self, tokens: Sequence[int], parent: bytes = ROOT) -> int:
+        """How many leading tokens of `tokens` (a whole number of blocks) the cache holds."""
+        n = 0
+        for key in chain(tokens, self.block_size, parent):
+            if key not in self._block_of:
+                break
+            n += self.block_size
+        return n
+
+    def adopt(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
+        """Give the request the cached blocks of the longest cached prefix of `tokens`, its next tokens (at
+        most `limit` of them): a new request, or one whose slots fill whole keyed blocks (else nothing is
+        taken). Returns the tokens it now holds from the cache, a whole number of blocks."""
+        alloc = self._requests.get(request_id)
+        bs = self.block_size
+        if alloc is not None and (alloc.num_slots % bs or len(alloc.hashes) * bs != alloc.num_slots):
+            return 0
+        parent = alloc.hashes[-1] if alloc is not None and alloc.hashes else ROOT
+        found: list[tuple[bytes, int]] = []
+        for key in chain(tokens[: max(0, min(limit, len(tokens)))], bs, parent):
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            found.append((key, block))
+        if not found:
+            return 0
+        alloc = self._requests.setdefault(request_id, _Allocation())
+        for key, block in found:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            alloc.blocks.append(block)
+            alloc.hashes.append(key)
+        alloc.num_slots += len(found) * bs
+        return len(found) * bs
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take(self) -> int:
+        """One block for a new slot: a plain free one, else the least recently used cached one (evicted)."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.evictions += 1
+        self._refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        """One holder lets the block go: with none left it is free, or evictable (most recently used) if cached."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def _get(self, request_id: str) -> _Allocation:
         try:
@@ -132,9 +259,20 @@ class BlockManager:
             raise UnknownRequest(request_id) from None
 
     def check_invariants(self) -> None:
-        """Every block is either free or owned by exactly one request; counts match slots."""
-        owned = [b for a in self._requests.values() for b in a.blocks]
-        everything = owned + self._free
-        assert len(everything) == self.num_blocks == len(set(everything)), "block leaked or double-owned"
+        """Every block is free, evictable or held; a held block's count is its holders; keys are consistent;
+        counts match slots."""
+        holders = [0] * self.num_blocks
         for rid, a in self._requests.items():
             assert len(a.blocks) == self.blocks_needed(a.num_slots), f"{rid}: blocks do not match slots"
+            assert len(set(a.blocks)) == len(a.blocks), f"{rid}: a block twice in one table"
+            assert len(a.hashes) <= a.num_slots // self.block_size, f"{rid}: a key past its full blocks"
+            for b in a.blocks:
+                holders[b] += 1
+        assert holders == self._refs, "reference counts do not match the tables"
+        held = {b for b, n in enumerate(holders) if n}
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block twice in the free list"
+        assert not (free & evictable) and not (free & held) and not (evictable & held), "block double-owned"
+        assert len(free) + len(evictable) + len(held) == self.num_blocks, "block leaked"
+        assert evictable <= self._key_of.keys() and not (free & self._key_of.keys()), "cache state mismatch"
+        assert {k: b for b, k in self._key_of.items()} == self._block_of, "keys and blocks disagree"

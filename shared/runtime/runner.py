@@ -5,6 +5,11 @@ once. A tree's KV stays pending until commit_tree(request_id, path) keeps the ac
 root-to-node path (copying those KV rows into sequence order, no recompute) and frees the rest.
 DraftNodes (the draft's beam search) grow one pending forest over several passes, one beam layer
 per pass, until discard_tree drops it.
+
+It keeps each request's committed tokens (`history`: the token of every committed slot), so that
+`cache_prefix` can key its full blocks of committed tokens in the block manager's prefix cache, and
+`adopt_prefix` can start a request (or continue one) from the cached blocks of its next tokens.
+Pending trees and draft nodes are never cached: only committed slots have a token in `history`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.shared.runtime.batch import DraftNodes, Entry, ModelInputs, Tree, build_inputs, validate_entry
+from specserve.shared.runtime.batch import Chunk, DraftNodes, Entry, ModelInputs, Tree, build_inputs, validate_entry
 from specserve.shared.runtime.block_manager import BlockManager, OutOfBlocks, UnknownRequest
 from specserve.shared.runtime.cuda_graphs import MAX_TOKENS, GraphedPasses
 from specserve.shared.runtime.kv_cache import KVCache
@@ -60,6 +65,8 @@ class ModelRunner:
                           head_major=self.inputs_for == "lean")
         self.windows = set(self.config.sliding_windows) or {None}
         self._pending: dict[str, _Pending] = {}
+        self.history: dict[str, list[int]] = {}  # per request, the token of each committed slot
+        self._pending_tokens: dict[str, list[int]] = {}  # per request, its pending tree's tokens
         self.graphs: GraphedPasses | None = None  # Triton passes at bucketed shapes (`use_graphs`)
 
     def use_graphs(self, capture: bool = True, max_tokens: int = MAX_TOKENS) -> None:
@@ -108,11 +115,35 @@ class ModelRunner:
         if request_id in self._pending:
             raise PendingTree(f"request {request_id!r} has an uncommitted tree")
         self.blocks.truncate(request_id, num_tokens)
+        if request_id in self.history:
+            del self.history[request_id][num_tokens:]
 
     def release(self, request_id: str) -> None:
-        """Free every KV block of the request (raises UnknownRequest if it has none)."""
+        """Free every KV block of the request (raises UnknownRequest if it has none); its cached blocks
+        stay in the prefix cache."""
         self._pending.pop(request_id, None)
+        self._pending_tokens.pop(request_id, None)
+        self.history.pop(request_id, None)
         self.blocks.free(request_id)
+
+    # ---- the prefix cache ------------------------------------------------------------------
+    def cache_prefix(self, request_id: str, num_tokens: int) -> int:
+        """Key the request's full blocks among its first `num_tokens` committed tokens in the prefix cache
+        (blocks keyed before are skipped); returns the blocks that entered it. Callers keep the newest
+        committed token out (its slot is written again when the next pass re-runs or replaces it)."""
+        committed = min(num_tokens, self.num_tokens(request_id))
+        return self.blocks.cache(request_id, self.history.get(request_id, ()), committed)
+
+    def adopt_prefix(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
+        """Start the request's next `tokens` from the prefix cache: the cached blocks of their longest cached
+        prefix (at most `limit` tokens) become its own, as if computed. The request is new, or holds whole
+        keyed blocks and no pending tree (else nothing is taken). Returns the tokens taken."""
+        if request_id in self._pending:
+            return 0
+        taken = self.blocks.adopt(request_id, tokens, limit)
+        if taken:
+            self.history.setdefault(request_id, []).extend(tokens[:taken])
+        return taken
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, entries: Sequence[Entry], run_model: RunModel | None = None) -> list[torch.Tensor]:
@@ -155,8 +186,11 @@ class ModelRunner:
                     self.blocks.truncate(entry.request_id, start)
             raise
         for i, (entry, start) in enumerate(zip(entries, starts)):
-            if isinstance(entry, Tree):
+            if isinstance(entry, Chunk):
+                self.history.setdefault(entry.request_id, []).extend(entry.tokens)
+            elif isinstance(entry, Tree):
                 self._pending[entry.request_id] = _Pending(start, list(entry.parents))
+                self._pending_tokens[entry.request_id] = list(entry.tokens)
             elif isinstance(entry, DraftNodes):
                 if i in prior_parents:  # only DraftNodes entries have prior parents
                     self._pending[entry.request_id].parents.extend(entry.parents)
@@ -224,6 +258,8 @@ class ModelRunner:
             self._move_kv(list(s), list(d))
         self.blocks.truncate(request_id, start + len(path))
         del self._pending[request_id]
+        tokens = self._pending_tokens.pop(request_id, [])
+        self.history.setdefault(request_id, []).extend(tokens[n] for n in path)
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy KV rows from physical slots `src` to `dst` (commit_tree's compaction)."""
@@ -234,6 +270,7 @@ class ModelRunner:
         pending = self._pending.pop(request_id, None)
         if pending is None:
             raise PendingTree(f"request {request_id!r} has no pending tree to discard")
+        self._pending_tokens.pop(request_id, None)
         self.blocks.truncate(request_id, pending.start)
 
 

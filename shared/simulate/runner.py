@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specserve.shared.runtime.batch import Chunk, DraftNodes, Entry, Tree, entry_logits_at
+from specserve.shared.runtime.batch import DraftNodes, Entry, Tree, entry_logits_at
 from specserve.shared.runtime.block_manager import BlockManager
 from specserve.shared.runtime.runner import ModelRunner, RunModel
 from specserve.shared.simulate.latency import LatencyModel
@@ -38,12 +38,7 @@ class SimulatedRunner(ModelRunner):
     def _compute(self, entries: Sequence[Entry], starts: list[int], prior_parents: dict[int, list[int]],
                  run_model: RunModel | None) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        outputs = [self._rows(entry, start) for entry, start in zip(entries, starts)]
-        for entry in entries:
-            if isinstance(entry, Chunk):
-                self.history.setdefault(entry.request_id, []).extend(entry.tokens)
-            elif isinstance(entry, Tree):
-                self._pending_tokens[entry.request_id] = list(entry.tokens)
+        outputs = [self._rows(entry, start) for entry, start in zip(entries, starts)]  # (`forward` keeps the tokens)
         ms = self.latency.pass_ms([(len(e.tokens), s) for e, s in zip(entries, starts)])
         self.modelled_ms += ms
         left = ms / 1e3 - (time.perf_counter() - t0)
@@ -70,22 +65,3 @@ class SimulatedRunner(ModelRunner):
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         pass  # there are no KV rows to move
-
-    def commit_tree(self, request_id: str, path: Sequence[int]) -> None:
-        super().commit_tree(request_id, path)
-        tokens = self._pending_tokens.pop(request_id, [])
-        self.history.setdefault(request_id, []).extend(tokens[n] for n in path)
-
-    def discard_tree(self, request_id: str) -> None:
-        super().discard_tree(request_id)
-        self._pending_tokens.pop(request_id, None)
-
-    def truncate(self, request_id: str, num_tokens: int) -> None:
-        super().truncate(request_id, num_tokens)
-        if request_id in self.history:
-            del self.history[request_id][num_tokens:]
-
-    def release(self, request_id: str) -> None:
-        super().release(request_id)
-        self.history.pop(request_id, None)
-        self._pending_tokens.pop(request_id, None)

@@ -82,6 +82,9 @@ class StatsReply(Struct, tag=True):
     last_offload_s: float = 0.0  # draft only: seconds the last offload took
     last_reload_s: float = 0.0  # draft only: seconds the last reload took
     request_ids: list[str] = []  # the requests it holds state for (a gateway that (re)connects releases strays)
+    prefix_caching: bool = False  # its KV blocks of committed tokens are kept in a prefix cache (block_manager.py)
+    cached_blocks: int = 0  # blocks holding a prefix-cache entry, held by requests or evictable
+    evictable_blocks: int = 0  # cached blocks no request holds: counted in free_blocks (allocatable at once)
 
 
 class Release(Struct, tag=True):
@@ -198,6 +201,7 @@ class StepResult(Struct):
     num_accepted: int  # accepted draft nodes (tree steps only)
     error: ErrorInfo | None = None
     num_features: int = 0  # with Forward.features: its rows of "features" (every chunk token; the accepted path)
+    num_cached: int = 0  # a prefill chunk: its leading tokens taken from the prefix cache (not computed)
 
 
 class ForwardReply(Struct, tag=True):
@@ -208,8 +212,9 @@ class ForwardReply(Struct, tag=True):
     forward_ms: float  # the model pass, milliseconds
     accept_ms: float  # acceptance and KV commit, milliseconds
     total_ms: float  # the whole call inside the service (checks, pass, acceptance, reply), milliseconds
-    free_blocks: int  # target KV blocks free after the step
+    free_blocks: int  # target KV blocks free after the step (evictable prefix-cache blocks included)
     warmup: bool = False  # the pass captured a CUDA graph for a new shape: a one-off cost, not its time again
+    cached_blocks: int = 0  # blocks holding a prefix-cache entry after the step (held or evictable)
 
 
 Message = (

@@ -105,6 +105,7 @@ class StepOutput:
     num_accepted: int = 0
     error: ErrorInfo | None = None
     features: torch.Tensor | None = None  # with forward(features=True): see StepResult.num_features
+    num_cached: int = 0  # a prefill chunk: its leading tokens the target took from its prefix cache
 
 
 class _ServiceClient:
@@ -170,5 +171,5 @@ class TargetClient(_ServiceClient):
         rows: list[torch.Tensor | None] = [None] * len(reply.results)
         if "features" in out:
             rows = list(out["features"].split([r.num_features for r in reply.results]))
-        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error, f if r.num_features else None)
+        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error, f if r.num_features else None, r.num_cached)
                 for r, toks, f in zip(reply.results, tokens, rows)], reply

@@ -33,6 +33,8 @@ EXPORTED = {
     "vllm:generation_tokens_total": ("counter", M, "Number of generation tokens processed."),
     "vllm:request_success_total": ("counter", (*M, "finished_reason"), "Count of successfully processed requests."),
     "vllm:num_preemptions_total": ("counter", M, "Cumulative number of preemption from the engine."),
+    "vllm:prefix_cache_queries_total": ("counter", M, "Prefix cache queries, in terms of number of queried tokens."),
+    "vllm:prefix_cache_hits_total": ("counter", M, "Prefix cache hits, in terms of number of cached tokens."),
     "vllm:time_to_first_token_seconds": ("histogram", M, "Histogram of time to first token in seconds."),
     "vllm:inter_token_latency_seconds": ("histogram", M, "Histogram of inter-token latency in seconds."),
     "vllm:request_time_per_output_token_seconds": ("histogram", M,
@@ -171,6 +173,8 @@ def drive(m: GatewayMetrics) -> None:
     m.on_error("bad_request")
     m.on_preempted()
     m.on_preempted(2)
+    m.on_prefix_cache(40, 32)
+    m.on_prefix_cache(24, 16)
     m.on_admission("refused", {"chat": 2})
     m.on_admission("best_effort", {"urgent": 1})
     m.set_load(running=2, waiting=5, kv_usage=0.375)
@@ -210,6 +214,7 @@ def test_fresh_metrics_have_the_zero_series_dashboards_query():
     s = parse(GatewayMetrics(MODEL).render())
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total", "specserve:iteration_draft_seconds_total",
                  "specserve:iteration_target_seconds_total", "specserve:iteration_schedule_seconds_total",
@@ -268,6 +273,7 @@ def test_values_after_a_known_sequence():
     assert value(s, "vllm:request_success_total", finished_reason="length") == 1
     assert value(s, "vllm:request_success_total", finished_reason="abort") == 0
     assert value(s, "vllm:num_preemptions_total") == 3
+    assert value(s, "vllm:prefix_cache_queries_total") == 64 and value(s, "vllm:prefix_cache_hits_total") == 48
     assert value(s, "specserve:request_errors_total", code="too_large") == 2
     assert value(s, "specserve:request_errors_total", code="bad_request") == 1
     assert value(s, "specserve:admission_total", tier="chat", outcome="refused") == 2

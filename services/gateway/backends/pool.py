@@ -2,8 +2,9 @@
 health, reconnect and the releases it is owed.
 
 - `TargetReplica`: one target service. Its client, its KV ledger (pool size, blocks reserved by the
-  requests bound to it, blocks free after its last call), its own `PassCost`, the requests
-  bound to it for their whole life, and the releases it is owed.
+  requests bound to it, blocks free after its last call: evictable prefix-cache blocks count as free),
+  its own `PassCost`, the requests bound to it for their whole life, the releases it is owed, and the
+  mirror of its prefix cache (prefix.py).
 - `DraftService`: the one draft service that serves every replica (request ids are unique across
   replicas). Its client, whether its weights are offloaded, and the releases it is owed.
 
@@ -40,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from specserve.gateway.backends.prefix import PrefixMirror
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.plan import DraftView, ReplicaView
 from specserve.shared.wire.service_client import DraftClient, TargetClient
@@ -101,6 +103,7 @@ class TargetReplica(_Service):
         # the requests bound to it (the engine's GenRequest), in admission order (engine/table.py binds them)
         self.requests: dict[str, Any] = {}
         self.retired = False  # its address vanished: no new requests; dropped once drained
+        self.prefix = PrefixMirror()  # what its prefix cache holds, as the gateway can tell (prefix.py)
 
     @property
     def state(self) -> str:
@@ -119,6 +122,7 @@ class TargetReplica(_Service):
         self.client = client
         self.last_ok = time.monotonic()
         self.total_blocks, self.block_size, self.free_blocks = stats.total_blocks, stats.block_size, stats.free_blocks
+        self.prefix.reset(stats.prefix_caching)  # a restarted replica's cache is empty
         # Whatever it holds that no request of ours is bound to (a gateway restarted, a call that timed
         # out after it ran) is released with the next owed releases.
         self.owed_releases.update(set(stats.request_ids) - self.requests.keys())

@@ -49,6 +49,7 @@ class Admitter:
             r = self.table.requests[a.rid]
             assert a.replica is not None
             self.table.bind(r, a.replica)
+            self.table.prefix.admitted(r, self.pool.targets[a.replica])  # what its prefix cache holds of it
             r.admitted_at = now
             r.served_best_effort = r.served_best_effort or a.rid in best_effort
             self.wake(a.replica)  # its loop prefills it

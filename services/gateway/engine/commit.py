@@ -3,7 +3,8 @@
 Per output: an error ends the request (an `out_of_blocks` one is retried up to `MAX_OUT_OF_BLOCKS`
 iterations first); a prompt chunk that was not the last only advances `prefilled`; the last chunk and a
 verified tree emit their tokens, cut at a stop id and at max_tokens. The features a pass returned are
-written into the request's FeatureLog by position.
+written into the request's FeatureLog by position. A prompt chunk's tokens taken from the target's prefix
+cache are counted and taught to the mirror of it (prefix.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class Commit:
             if out.features is not None:  # at the chunk's start, or at the verified tree's root
                 r.features = r.features or FeatureLog()
                 r.features.write(r.committed - 1 if entry.verified else r.prefilled, out.features)
+            if not entry.verified and r.replica is not None:  # a prompt chunk: what it found in the prefix cache
+                entry.prompt_tokens = prefill_len[out.rid] - out.num_cached
+                self.table.prefix.chunk_done(r, self.table.pool.targets[r.replica], r.prefilled,
+                                             r.prefilled + prefill_len[out.rid], out.num_cached)
             if entry.verified:
                 entry.accepted = out.num_accepted
                 r.accepted.append(out.num_accepted)

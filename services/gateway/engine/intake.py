@@ -75,13 +75,16 @@ class Intake:
 
     def _refuse_a_lost_first_token(self, req: GenRequest) -> None:
         """SLO-aware admission: 503 on arrival when no plan can meet the request's TTFT, counting the
-        prompt tokens due before it (those waiting with a TTFT deadline no later, those prefilling)."""
+        prompt tokens due before it (those waiting with a TTFT deadline no later, those prefilling) and its
+        own less what a replica's prefix cache is expected to hold."""
         deadline = req.arrival + req.slo.ttft_ms / 1e3
         due_before = sum(len(r.context) - r.prefilled for r in self.table.waiting
                          if not r.best_effort_ok and r.arrival + r.slo.ttft_ms / 1e3 <= deadline)
-        due_before += sum(len(r.context) - r.prefilled for r in self.table.running.values() if not r.decoding)
+        due_before += sum(len(r.context) - max(r.prefilled, r.cached) for r in self.table.running.values()
+                          if not r.decoding)
         costs = [t.cost for t in self.pool.targets if t.up and not t.retired]
-        bound = first_token_bound_ms(len(req.prompt), due_before, costs, self.config.max_prefill_tokens)
+        cached = max(self.table.prefix.per_replica(req), default=0)  # its prompt in a replica's prefix cache
+        bound = first_token_bound_ms(len(req.prompt) - cached, due_before, costs, self.config.max_prefill_tokens)
         if bound > req.slo.ttft_ms:
             self.metrics.on_admission("refused", {req.slo.name: 1})
             raise ServiceUnavailable(f"no target replica can meet this request's TTFT SLO now ({req.slo.ttft_ms:g} ms; "

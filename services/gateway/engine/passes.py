@@ -49,8 +49,9 @@ class Passes:
             if n <= 0 or r.finish_reason is not None:
                 continue
             context = r.context
-            last = r.prefilled + n == len(context)
-            p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: r.prefilled + n], last,
+            end = max(r.prefilled, r.cached) + n  # a first chunk covers what the prefix cache holds, then n more
+            last = end == len(context)
+            p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: end], last,
                                          r.sampling if r.prefilled == 0 else None,
                                          r.output[-1] if last and r.resuming else None))
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
@@ -113,6 +114,8 @@ class Passes:
             step.service_ms, step.forward_ms = min(reply.total_ms, result.ms), reply.forward_ms
             step.warmup = reply.warmup
             p.replica.free_blocks = reply.free_blocks
+            step.prefill_tokens -= sum(o.num_cached for o in outputs)  # computed: the cached ones were not
+            self.table.prefix.trim(p.replica, reply.cached_blocks)
             self.commit.outputs(outputs, {i.rid: len(i.tokens) for i in p.prefill}, steps, now, record.step)
         if drafted:
             keep_hits(self.table, ahead, drafted, record)

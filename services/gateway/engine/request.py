@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specserve.gateway.sched.slo_classes import SloClass
+from specserve.shared.runtime.block_hash import ROOT, chain
 from specserve.shared.spec.feature_log import FeatureLog
 from specserve.shared.wire.messages import SamplingSpec
 
@@ -75,6 +76,7 @@ class GenRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Tokens / Finished for the handler
     admitted_at: float | None = None
     prefilled: int = 0  # prompt tokens already in the target's KV
+    cached: int = 0  # prompt tokens its replica's prefix cache is expected to hold (set at admission; see prefix.py)
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # perf_counter seconds, one per output token
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
@@ -91,6 +93,7 @@ class GenRequest:
     served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
     trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks (prefix.py)
 
     @classmethod
     def of(cls, sub: Submission, events: asyncio.Queue | None = None) -> GenRequest:
@@ -110,6 +113,15 @@ class GenRequest:
         """The tokens its target KV is built from by prefill: the prompt, or after a preemption the
         prompt and every output token but the newest (which is the next tree's root)."""
         return self.prompt + self.output[:-1] if self.resuming else self.prompt
+
+    def keys(self, block_size: int, tokens: int) -> list[bytes]:
+        """The prefix-cache keys of the full blocks among its first `tokens` tokens of prompt + output (the
+        services' keys: shared/runtime/block_hash.py), hashed once and kept."""
+        keys, want = self.block_keys, min(tokens, self.committed) // block_size
+        if len(keys) < want:
+            seq = (self.prompt + self.output)[len(keys) * block_size: want * block_size]
+            keys += chain(seq, block_size, keys[-1] if keys else ROOT)
+        return keys[:want]
 
     @property
     def decoding(self) -> bool:

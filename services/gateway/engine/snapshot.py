@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from specserve.gateway.backends.pool import ServicePool
 from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine.prefix import PRICED_WAITING
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.sched.plan import DraftView, Limits, PrefillView, SchedulerView, WaitingView
 from specserve.gateway.sched.policy import RequestView
@@ -26,9 +27,11 @@ class Snapshots:
                       draft.max_depth if draft is not None else 0, draft.max_width if draft is not None else 0)
 
     def take(self, replica: int, now: float) -> SchedulerView:
+        prefix = self.table.prefix
         waiting = [WaitingView(r.rid, len(r.context), r.remaining, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
-                               r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok or r.resuming)
-                   for r in self.table.waiting]  # a preempted request is never refused: it has streamed already
+                               r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok or r.resuming,
+                               prefix.per_replica(r) if i < PRICED_WAITING else ())
+                   for i, r in enumerate(self.table.waiting)]  # a preempted request is never refused: it has streamed
         prefilling: list[PrefillView] = []
         decoding: list[RequestView] = []
         for r in self.table.bound(replica):
@@ -36,8 +39,8 @@ class Snapshots:
                 decoding.append(RequestView(r.rid, r.slo.name, r.slo.tpot_ms, r.slo.ttft_ms, len(r.output) - 1,
                                             (now - r.token_times[0]) * 1e3, r.remaining, r.accepted, replica,
                                             len(r.draft_unsent), r.kv_blocks))
-            elif r.prefilled < len(r.context):
-                prefilling.append(PrefillView(r.rid, replica, len(r.context), r.prefilled, r.slo.name,
+            elif r.prefilled < len(r.context):  # (what its replica's prefix cache holds counts as prefilled)
+                prefilling.append(PrefillView(r.rid, replica, len(r.context), max(r.prefilled, r.cached), r.slo.name,
                                               r.slo.tpot_ms, r.slo.ttft_ms, (now - r.arrival) * 1e3))
         self.last[replica] = (decoding, prefilling)
         if self.table.waiting and len(self.last) > 1:  # admission weighs every replica's load

@@ -15,6 +15,7 @@ import time
 
 from specserve.gateway.backends.pool import ServicePool
 from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine.prefix import PrefixCaches
 from specserve.gateway.engine.request import Finished, GenRequest
 from specserve.gateway.obs.metrics import GatewayMetrics
 
@@ -25,6 +26,7 @@ class RequestTable:
         self.requests: dict[str, GenRequest] = {}  # every request not yet finished
         self.waiting: list[GenRequest] = []  # not bound to a replica, in the order admission sees them
         self.running: dict[str, GenRequest] = {}  # bound to a replica, in admission order
+        self.prefix = PrefixCaches(pool, metrics)  # the replicas' prefix caches as the gateway sees them
         self.mean_latency_s = 1.0  # moving average of finished requests' latency (Retry-After)
 
     # ---- KV ---------------------------------------------------------------------------------------
@@ -74,6 +76,7 @@ class RequestTable:
             target.requests.pop(r.rid, None)
             target.reserved_blocks -= r.kv_blocks
             target.owed_releases.add(r.rid)
+            self.prefix.released(r, target)  # its blocks stay in the replica's prefix cache
 
     def finish(self, r: GenRequest, reason: str, error: str | None = None,
                retry_after_s: float | None = None) -> None:

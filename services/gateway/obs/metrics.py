@@ -234,6 +234,9 @@ class GatewayMetrics:
         self.request_success = counter("vllm:request_success_total", "Count of successfully processed requests.",
                                        (*MODEL, "finished_reason"))
         self.preemptions = counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.")  # every prompt token, once, as its chunk is prefilled
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         # ---- vLLM: histograms
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
@@ -341,6 +344,11 @@ class GatewayMetrics:
 
     def on_preempted(self, count: int = 1) -> None:
         self.preemptions.inc(count)
+
+    def on_prefix_cache(self, queried: int, hits: int) -> None:
+        """A prompt chunk looked up in its replica's prefix cache (`queried` tokens), `hits` of them found there."""
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hits)
 
     # ---- engine iterations -------------------------------------------------------------------
     def on_iteration(self, record: IterationRecord) -> None:

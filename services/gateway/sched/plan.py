@@ -75,7 +75,7 @@ class PrefillView:
     rid: str
     replica: int
     prompt_tokens: int
-    prefilled: int  # prompt tokens already in the target's KV
+    prefilled: int  # prompt tokens already in the target's KV (or expected in its prefix cache before its first chunk)
     tier: str
     tpot_ms: float  # TPOT SLO, ms (it decodes at it once its prompt is in)
     ttft_ms: float  # TTFT SLO, ms
@@ -95,6 +95,12 @@ class WaitingView:
     ttft_ms: float  # TTFT SLO, ms
     waited_ms: float  # since arrival
     best_effort: bool = False  # it may be served without an SLO when no replica can meet it (service_tier flex)
+    cached: tuple[int, ...] = ()  # per replica index: its prompt tokens that replica's prefix cache holds (expected)
+
+    def uncached(self, replica: int | None) -> int:
+        """Its prompt tokens that replica would compute: what its prefix cache holds is not priced."""
+        held = self.cached[replica] if replica is not None and 0 <= replica < len(self.cached) else 0
+        return self.prompt_tokens - held
 
 
 @dataclass(slots=True)

@@ -10,12 +10,22 @@ replica can take the request now.
   requests, then the lowest index.
 - `slo`: with `--admission slo`, SLOs-Serve's routing: the replicas' planners are asked in turn
   (admission/slo.py); with FIFO admission it is round-robin.
+
+Every router has prefix affinity (`route`): a request whose prompt a replica's prefix cache holds more
+of (by at least a block, as the gateway's mirror of the caches says: engine/prefix.py) goes there instead
+of to the router's pick when loads allow, i.e. that replica can take it and runs at most
+`AFFINITY_RUNNING_SLACK` more requests and `AFFINITY_KV_SLACK` more of its KV pool reserved than the
+pick. So a conversation comes back to the replica that holds its history, and a shared system prompt's
+requests gather where it is cached, until that replica is loaded enough for the balance to matter more.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+AFFINITY_RUNNING_SLACK = 2  # prefix affinity: at most this many more requests than the router's pick
+AFFINITY_KV_SLACK = 0.25  # and at most this much more of its KV pool reserved
 
 
 @dataclass(slots=True)
@@ -43,6 +53,23 @@ class Router:
 
     def picked(self, index: int) -> None:
         """Called when the request the router placed was really admitted."""
+
+    def route(self, ledgers: list[Ledger], kv_blocks: int, max_running: int,
+              cached: Sequence[int] = ()) -> int | None:
+        """`pick`, with prefix affinity: `cached[i]`, the prompt tokens replica i's prefix cache holds."""
+        pick = self.pick(ledgers, kv_blocks, max_running)
+        if pick is None or not cached:
+            return pick
+        best = max(range(min(len(cached), len(ledgers))), key=lambda i: cached[i], default=pick)
+        if cached[best] <= (cached[pick] if pick < len(cached) else 0):  # (a whole number of blocks)
+            return pick
+        mine, there = ledgers[pick], ledgers[best]
+        if (not there.fits(kv_blocks, max_running)
+                or there.running > mine.running + AFFINITY_RUNNING_SLACK
+                or there.reserved_blocks / max(there.total_blocks, 1)
+                > mine.reserved_blocks / max(mine.total_blocks, 1) + AFFINITY_KV_SLACK):
+            return pick
+        return best
 
 
 class RoundRobin(Router):

@@ -6,7 +6,9 @@
    some replica has room (KV blocks reserved for prompt + max_tokens + slack, `max_running`); the
    first that fits nowhere stops admission (later ones stay waiting, so a large request is not
    starved). Prompt chunks are cut per replica within `max_prefill_tokens`: requests already
-   prefilling first, then the new ones, in order.
+   prefilling first, then the new ones, in order. A prompt is counted less what its replica's prefix
+   cache is expected to hold (`WaitingView.cached`), and the router sends it where that is most when
+   loads allow (`Router.route`).
 2. **decide**: the policy's one hook, `Policy.decide(view)`, sees the proposal in the view and
    returns a `Decision`: admissions (with replica hints), deferrals and rejections with reasons,
    prompt chunks, speculation shapes, the draft's residency.
@@ -65,7 +67,7 @@ class Scheduler:
         defer: dict[str, str] = {}
         max_running = view.limits.max_running
         for w in view.waiting:
-            replica = router.pick(ledgers, w.kv_blocks, max_running)
+            replica = router.route(ledgers, w.kv_blocks, max_running, w.cached)
             if replica is None:
                 defer[w.rid] = _no_room(ledgers)
                 break  # FIFO: nobody overtakes the head of the queue
@@ -83,7 +85,7 @@ class Scheduler:
         router = copy.copy(self.router)
         first: dict[str, int] = {}
         for w in view.waiting[:admission.max_new]:  # the planner offers no more this iteration
-            replica = router.pick(ledgers, w.kv_blocks, view.limits.max_running)
+            replica = router.route(ledgers, w.kv_blocks, view.limits.max_running, w.cached)
             if replica is not None:
                 ledgers[replica].take(w.kv_blocks)
                 router.picked(replica)
@@ -93,9 +95,9 @@ class Scheduler:
 
     def _fifo_chunks(self, view: SchedulerView, admitted: list[Admit]) -> tuple[dict[str, int], list[int]]:
         budget = [view.limits.max_prefill_tokens] * len(view.replicas)
-        prompt = {w.rid: w.prompt_tokens for w in view.waiting}
+        waiting = {w.rid: w for w in view.waiting}
         todo = [(p.rid, p.replica, p.prompt_tokens - p.prefilled) for p in view.prefilling]
-        todo += [(a.rid, a.replica, prompt[a.rid]) for a in admitted if a.replica is not None]
+        todo += [(a.rid, a.replica, waiting[a.rid].uncached(a.replica)) for a in admitted if a.replica is not None]
         chunks: dict[str, int] = {}
         for rid, replica, left in todo:
             take = min(left, budget[replica])
@@ -161,7 +163,7 @@ class Scheduler:
             replica = a.replica
             if replica is None or not 0 <= replica < len(ledgers) or not ledgers[replica].fits(w.kv_blocks,
                                                                                               limits.max_running):
-                replica = self.router.pick(ledgers, w.kv_blocks, limits.max_running)
+                replica = self.router.route(ledgers, w.kv_blocks, limits.max_running, w.cached)
             if replica is None:
                 deferred[a.rid] = _no_room(ledgers)
                 if decision.strict_order:
@@ -196,8 +198,8 @@ class Scheduler:
                      wanted: dict[str, int]) -> tuple[dict[str, int], list[int]]:
         """The policy's chunks, cut to each prompt's rest and each replica's `max_prefill_tokens`."""
         left = {p.rid: (p.replica, p.prompt_tokens - p.prefilled) for p in view.prefilling}
-        prompt = {w.rid: w.prompt_tokens for w in view.waiting}
-        left.update({a.rid: (a.replica, prompt[a.rid]) for a in admitted if a.replica is not None})
+        waiting = {w.rid: w for w in view.waiting}
+        left.update({a.rid: (a.replica, waiting[a.rid].uncached(a.replica)) for a in admitted if a.replica is not None})
         budget = [view.limits.max_prefill_tokens] * len(view.replicas)
         chunks: dict[str, int] = {}
         for rid, n in wanted.items():

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
-from specserve.gateway.sched.plan import SchedulerView, WaitingView
+from specserve.gateway.sched.plan import SchedulerView
 
 MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
 
@@ -97,7 +98,7 @@ def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[Repl
 
 
 def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
-                   held: dict[int, list[Node]], offered: list[WaitingView],
+                   held: dict[int, list[Node]], offered: AbstractSet[str],
                    best_effort_tier: int | None = None) -> tuple[dict[str, int], list[int]]:
     """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the operating
     point whose batches hold its decoders with the most room), raised to what keeps every SLO prompt not
@@ -107,7 +108,8 @@ def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]],
     chunks: dict[str, int] = {}
     per_replica = [0] * len(view.replicas)
     left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
-    left.update({w.rid: w.prompt_tokens for w in offered})
+    # an offered request admitted in this plan is a held node of its replica, priced at what it computes there
+    left.update({n.rid: n.prompt for nodes in held.values() for n in nodes if n.rid in offered})
     for replica, points in budgets.items():
         shapes = [b.shape(tuple(base[replica])) for b in points]
         shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])

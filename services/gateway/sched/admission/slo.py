@@ -123,7 +123,7 @@ class SloAdmission:
         """Whether a replica with nothing else to run could meet the request's SLO (its cost model: the
         prompt in passes of `chunk`, then decode passes of one token or of the policy's prior)."""
         nodes, tokens = self.spec_prior
-        return any(w.waited_ms + first_token_bound_ms(w.prompt_tokens, 0, [rep.cost], chunk) <= w.ttft_ms
+        return any(w.waited_ms + first_token_bound_ms(w.uncached(rep.index), 0, [rep.cost], chunk) <= w.ttft_ms
                    and min(rep.cost.planned_ms(1), rep.cost.planned_ms(math.ceil(nodes), 1) / tokens) <= w.tpot_ms
                    for rep in up)
 

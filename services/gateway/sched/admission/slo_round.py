@@ -141,9 +141,11 @@ class SloRound:
         """Its prefill deadline: none in the best-effort tier if it allows that, else its TTFT's."""
         return BEST_EFFORT_DEADLINE_MS if best_effort and w.rid in self.best_effort_ok else w.ttft_ms - w.waited_ms
 
-    def nodes(self, cands: list[WaitingView], best_effort: bool, slots: int, free: int, unit: int) -> list[Node]:
-        """The DP's new nodes: the candidates that fit this replica's free slots and blocks."""
-        return [Node(w.rid, self.at_slo(BEST_EFFORT_TPOT_MS if best_effort else w.tpot_ms), w.prompt_tokens,
+    def nodes(self, replica: int, cands: list[WaitingView], best_effort: bool, slots: int, free: int,
+              unit: int) -> list[Node]:
+        """The DP's new nodes: the candidates that fit this replica's free slots and blocks, each priced at the
+        prompt tokens it would compute there (what the replica's prefix cache holds is not)."""
+        return [Node(w.rid, self.at_slo(BEST_EFFORT_TPOT_MS if best_effort else w.tpot_ms), w.uncached(replica),
                      self.deadline(w, best_effort), math.ceil(w.kv_blocks / unit))
                 for w in cands[:slots] if w.kv_blocks <= free]
 
@@ -153,7 +155,7 @@ class SloRound:
         """The DP's admissions among these candidates on this replica beside its forced nodes, and the
         operating points it planned at (`budgets`: with the cost model's margin by default, or without)."""
         unit = max(1, math.ceil(self.free[replica] / self.adm.memory_buckets))
-        new = self.nodes(cands, best_effort, self.slots[replica], self.free[replica], unit)
+        new = self.nodes(replica, cands, best_effort, self.slots[replica], self.free[replica], unit)
         # the passes attend to the KV held now plus an arrival's prompt: exact for one arrival (the
         # usual case); when several are admitted at once, the next plans see all their prompts
         attending = self.attend[replica] + max((self.rep_of[replica].blocks_for(w.prompt_tokens) for w in cands),
@@ -167,8 +169,8 @@ class SloRound:
         node from now on, its blocks and slot taken."""
         tpot = BEST_EFFORT_TPOT_MS if best_effort else w.tpot_ms
         self.admit.append(Admit(w.rid, replica))
-        self.held[replica].append(Node(w.rid, self.at_slo(tpot), w.prompt_tokens, self.deadline(w, best_effort), 0,
-                                       True))
+        self.held[replica].append(Node(w.rid, self.at_slo(tpot), w.uncached(replica), self.deadline(w, best_effort),
+                                       0, True))
         self.free[replica] -= w.kv_blocks
         self.slots[replica] -= 1
         self.attend[replica] += self.rep_of[replica].blocks_for(w.prompt_tokens)
@@ -217,7 +219,7 @@ class SloRound:
                 base[self.index[self.key_of[r.rid]]] -= 1
             free = self.free[replica] + sum(r.kv_blocks for r in going)
             unit = max(1, math.ceil(free / self.adm.memory_buckets))
-            new = self.nodes(cands, False, self.slots[replica] + k, free, unit)
+            new = self.nodes(replica, cands, False, self.slots[replica] + k, free, unit)
             took2 = best_plan(self.held[replica] + new, base, free // unit, points)
             if len(took2) > len(took):
                 self.preempt.extend(r.rid for r in going)
@@ -290,7 +292,8 @@ class SloRound:
     def proposal(self) -> Proposal:
         """What the plan decided, with each replica's prompt chunks; the preempted leave the best-effort tier."""
         chunks, per_replica = prefill_chunks(self.view, self.budgets, self.base, self.held,
-                                             self.offered + self.ahead, self.at_slo(BEST_EFFORT_TPOT_MS))
+                                             {w.rid for w in self.offered + self.ahead},
+                                             self.at_slo(BEST_EFFORT_TPOT_MS))
         for rid in self.preempt:
             self.adm.best_effort.discard(rid)
             self.adm.tier_of.pop(rid, None)
