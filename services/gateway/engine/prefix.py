@@ -59,6 +59,8 @@ class PrefixCaches:
         the counters, and the mirror learns what the replica held and what it holds now."""
         if not replica.prefix.enabled:
             return
+        if not r.resuming:  # (a preempted request's prompt is served already)
+            r.cached_tokens += num_cached
         self.metrics.on_prefix_cache(end - start, num_cached)  # every prompt token is queried once, in its chunk
         bs = replica.block_size
         if bs != self.pool.block_size:

@@ -77,6 +77,7 @@ class GenRequest:
     admitted_at: float | None = None
     prefilled: int = 0  # prompt tokens already in the target's KV
     cached: int = 0  # prompt tokens its replica's prefix cache is expected to hold (set at admission; see prefix.py)
+    cached_tokens: int = 0  # prompt tokens its replica took from its prefix cache (what the target said)
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # perf_counter seconds, one per output token
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
@@ -139,10 +140,12 @@ class GenRequest:
 
     def report(self) -> dict:
         """The `specserve` extension object of a response: SLO (and whether both its targets were met),
-        time to first token and per output token after it, and speculation per step."""
+        time to first token and per output token after it, prompt tokens served from the prefix cache, and
+        speculation per step."""
         tpot, ttft = self.tpot_s(), self.ttft_s()
         return {"slo": {"tier": self.slo.name, "tpot_ms": self.slo.tpot_ms, "ttft_ms": self.slo.ttft_ms},
                 "replica": self.replica,
+                "cached_tokens": self.cached_tokens,
                 "best_effort": self.served_best_effort,
                 "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
                 "tpot_ms": None if tpot is None else round(tpot * 1e3, 3),

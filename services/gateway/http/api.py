@@ -167,7 +167,11 @@ class Generation:
 
     def usage(self) -> dict:
         p, c = len(self.sub.prompt), self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        usage: dict = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = (self.report or {}).get("cached_tokens")
+        if cached:  # OpenAI's field: prompt tokens served from the prefix cache
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def span_attributes(self) -> dict[str, Any]:
         """The request span's attributes (OpenTelemetry GenAI names, and specserve's), as of now: times as
