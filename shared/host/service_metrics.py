@@ -2,7 +2,9 @@
 
 - `specserve:service_call_seconds{service, call}`: a histogram of the time each model call
   (`Forward`, `Speculate`, `Release`, `Offload`, `Reload`) spent on the model thread: the pass time;
-- `specserve:service_kv_blocks_used` / `specserve:service_kv_blocks_total{service}`: its KV pool;
+- `specserve:service_kv_blocks_used` / `specserve:service_kv_blocks_total{service}`: its KV pool (blocks its
+  requests hold); `specserve:service_kv_blocks_cached{service}`: blocks holding a prefix-cache entry,
+  held or evictable (the evictable ones are free for allocation);
 - `specserve:service_requests{service}`: requests it holds state for;
 - `specserve:service_offloaded{service}`: 1 while a draft's weights are in host memory;
 - `specserve:service_calls_total` / `specserve:service_entry_errors_total{service}`: from its Stats.
@@ -59,6 +61,8 @@ class _StatsCollector:
         yield gauge("specserve:service_kv_blocks_used", "KV blocks in use.", s.used_blocks)
         yield gauge("specserve:service_kv_blocks_total", "KV pool size, blocks (0 while a draft is offloaded).",
                     s.total_blocks)
+        yield gauge("specserve:service_kv_blocks_cached", "KV blocks holding a prefix-cache entry (in use, or "
+                    "evictable: free for allocation).", s.cached_blocks)
         yield gauge("specserve:service_requests", "Requests the service holds state for.", s.resident_requests)
         yield gauge("specserve:service_offloaded", "1 while the draft's weights are in host memory.",
                     float(s.offloaded))

@@ -189,3 +189,80 @@ def test_cached_start_gives_the_computed_logits(runner: ModelRunner) -> None:
     assert torch.equal(got, full)  # the compiled CPU pass: bit for bit
     runner.release("y")
     runner.blocks.check_invariants()
+
+
+# ---- the services' engines, in process, on the bundled demo pair -------------------------------------------
+def _greedy(engine, rid: str, prompt: list[int], chunks: list[int], steps: int, first_step: int = 1):
+    """A request prefilled in `chunks`, then `steps` root-only verify steps: its tokens, and the tokens each
+    chunk took from the prefix cache."""
+    from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
+
+    step, start, cached, out = first_step, 0, [], []
+    for n in chunks:
+        entry = PrefillEntry(rid, step, start, n, start + n == len(prompt), SamplingSpec() if start == 0 else None)
+        reply, payload = engine.forward(Forward(prefill=[entry]), {
+            "prefill_tokens": torch.tensor(prompt[start:start + n], dtype=torch.int32)})
+        assert reply.results[0].error is None, reply.results[0].error
+        cached.append(reply.results[0].num_cached)
+        out += payload["tokens"].tolist()
+        start, step = start + n, step + 1
+    for _ in range(steps):
+        reply, payload = engine.forward(Forward(verify=[VerifyEntry(rid, step, len(prompt) + len(out), 1)]), {
+            "tree_tokens": torch.tensor([out[-1]], dtype=torch.int32),
+            "tree_parents": torch.tensor([-1], dtype=torch.int32)})
+        out += payload["tokens"].tolist()
+        step += 1
+    return out, cached
+
+
+def test_the_target_serves_cached_prefixes_with_the_same_greedy_output() -> None:
+    from specserve.target.config import TargetConfig
+    from specserve.target.engine import TargetEngine
+
+    on, off = (TargetEngine(TargetConfig(kv_blocks=64, threads=1, prefix_caching=c)) for c in (True, False))
+    prompt = [(37 * i + 11) % 4000 for i in range(70)]
+    other = prompt[:40] + [5, 6, 7, 8, 9]
+    for engine in (on, off):
+        first, cached = _greedy(engine, "a", prompt, [70], 8)
+        assert cached == [0]
+        engine.release("a")
+    turn2 = prompt + first  # a conversation re-sends its history
+    cases = [("b", other, [45], [32]),  # the shared 40 tokens' whole blocks
+             ("c", turn2, [len(turn2)], [(len(turn2) - 2) // 16 * 16]),  # the prompt and the output but its newest
+             ("d", prompt, [32, 38], [16, 32]),  # a chunk that starts on a block boundary goes on from the cache
+             ("e", prompt, [20, 50], [16, 0])]  # one that does not computes its tokens
+    for rid, seq, chunks, want in cases:
+        got, cached = _greedy(on, rid, seq, chunks, 6)
+        ref, none = _greedy(off, rid, seq, chunks, 6)
+        assert got == ref and cached == want and none == [0] * len(chunks), rid
+        on.release(rid)
+        off.release(rid)
+    on.runner.blocks.check_invariants()
+    stats = on.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.evictable_blocks == stats.cached_blocks > 0
+    assert off.stats().cached_blocks == 0 and not off.stats().prefix_caching
+
+
+def test_the_draft_catches_up_from_its_cache_with_the_same_trees() -> None:
+    from specserve.draft.config import DraftConfig
+    from specserve.draft.engine import DraftEngine
+    from specserve.shared.wire.messages import Speculate, SpeculateEntry
+
+    prompt = [(53 * i + 7) % 4000 for i in range(50)]
+
+    def tree(engine: DraftEngine, rid: str) -> tuple[list, list]:
+        reply, payload = engine.speculate(Speculate([SpeculateEntry(rid, 1, len(prompt), len(prompt), 3, 2)]),
+                                          {"tokens": torch.tensor(prompt, dtype=torch.int32)})
+        assert reply.trees[0].error is None and reply.trees[0].depth == 3
+        return payload["tokens"].tolist(), payload["path_prob"].tolist()
+
+    on, off = (DraftEngine(DraftConfig(kv_blocks=64, threads=1, prefix_caching=c)) for c in (True, False))
+    first = tree(on, "a")
+    blocks = on.runner.blocks.block_table("a")[:3]  # the newest token's block (the 4th) is never cached
+    on.release("a")
+    assert on.runner.blocks.cached_tokens(prompt) == 48 and on.stats().evictable_blocks == 3
+    assert tree(on, "b") == first == tree(off, "b")
+    assert on.runner.blocks.block_table("b")[:3] == blocks  # taken from the cache, not computed
+    on.release("b")
+    on.runner.blocks.check_invariants()
+    assert on.stats().free_blocks == on.stats().total_blocks
