@@ -49,7 +49,8 @@ class Passes:
             if n <= 0 or r.finish_reason is not None:
                 continue
             context = r.context
-            end = max(r.prefilled, r.cached) + n  # a first chunk covers what the prefix cache holds, then n more
+            # a first chunk covers what its replica's prefix cache is expected to hold (r.cached), then n more
+            end = min(max(r.prefilled, r.cached) + n, len(context))
             last = end == len(context)
             p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: end], last,
                                          r.sampling if r.prefilled == 0 else None,
