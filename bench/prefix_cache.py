@@ -137,7 +137,7 @@ def summarize(rounds: list[dict]) -> dict:
     return out
 
 
-def table(summary: dict) -> str:
+def table(summary: dict, concurrency: int) -> str:
     lines = ["| chat turn | prompt tokens | cached (on) | TTFT on, ms | TTFT off, ms | off / on |",
              "|---|---|---|---|---|---|"]
     for row in summary["chat"]:
@@ -147,8 +147,8 @@ def table(summary: dict) -> str:
     s_on, s_off = summary["system"]["on"], summary["system"]["off"]
     lines += ["", "| shared system prompt | cached per request (on) | TTFT p50 on, ms | TTFT p50 off, ms | off / on |",
               "|---|---|---|---|---|",
-              f"| 8 at once | {s_on['cached_tokens']:.0f} | {s_on['ttft_p50_ms']:.1f} | {s_off['ttft_p50_ms']:.1f} | "
-              f"{s_off['ttft_p50_ms'] / s_on['ttft_p50_ms']:.2f}x |",
+              f"| {concurrency} at once | {s_on['cached_tokens']:.0f} | {s_on['ttft_p50_ms']:.1f} | "
+              f"{s_off['ttft_p50_ms']:.1f} | {s_off['ttft_p50_ms'] / s_on['ttft_p50_ms']:.2f}x |",
               "", f"answers identical on and off: {summary['identical']}"]
     return "\n".join(lines)
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(table(summary))
+    print(table(summary, args.concurrency))
     print(f"\nwrote {args.out}")
     return 0
 
