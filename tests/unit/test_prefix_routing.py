@@ -35,8 +35,9 @@ def test_the_mirror_matches_prefixes_and_drops_the_least_recently_used() -> None
     m.insert(reversed(keys))  # tail first: the head is the most recently used
     m.trim(3)
     assert m.match(keys) == 3 and len(m) == 3
-    m.forget(keys[1:2])
-    assert m.match(keys) == 1
+    m.insert(keys[1:])  # all but the head used again: the head is now the least recently used
+    m.trim(3)
+    assert m.match(keys) == 0 and len(m) == 3
     m.reset(True)
     assert len(m) == 0 and m.enabled
 
@@ -71,10 +72,10 @@ def test_a_conversation_finds_its_history_where_it_ran() -> None:
     assert caches.per_replica(turn2) == (0, 128)
     caches.admitted(turn2, pool.targets[1])
     assert turn2.cached == 128
-    # the replica held less than the mirror said (it evicted some): the mirror forgets the rest
+    # the replica held less than the mirror said (it evicted some) and computed the rest: it holds them all now
     turn2.prefilled = 170
     caches.chunk_done(turn2, pool.targets[1], 0, 170, 64)
-    assert pool.targets[1].prefix.match(turn2.keys(BS, 169)) == 10  # the 4 found, then the 6 it computed
+    assert pool.targets[1].prefix.match(turn2.keys(BS, 169)) == 10
     assert turn2.cached_tokens == 64
     same = _request("t3", list(turn2.prompt))
     assert caches.expected(same, pool.targets[1]) == 160  # its last token is always computed

@@ -6,10 +6,10 @@ recently used when it needs the room (shared/runtime/block_manager.py). The gate
 sends, so it keeps the same keys per replica, as SGLang's router keeps an approximate radix tree of each
 worker's cache: the keys of the blocks a replica's requests filled (their prompt as it is prefilled, their
 output when they end), least recently used first, trimmed to the count the replica reports after each
-pass (`ForwardReply.cached_blocks`; its own LRU evicts in about the same order), and corrected when a
-replica reports holding less than the mirror said (`StepResult.num_cached`). It is an estimate for
-pricing and routing only: the target takes from its cache whatever it really holds, so a wrong guess
-costs time, never correctness. A replica that (re)connects starts with an empty mirror.
+pass (`ForwardReply.cached_blocks`; its own LRU evicts in about the same order). It is an estimate for
+pricing and routing only: the target takes from its cache whatever it really holds and computes the rest
+(which it then holds), so a wrong guess costs time, never correctness. A replica that (re)connects starts
+with an empty mirror.
 """
 
 from __future__ import annotations
@@ -42,10 +42,6 @@ class PrefixMirror:
         for key in keys:
             held[key] = None
             held.move_to_end(key)
-
-    def forget(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            self._keys.pop(key, None)
 
     def trim(self, count: int) -> None:
         """Keep at most `count` keys, dropping the least recently used (the replica holds that many)."""

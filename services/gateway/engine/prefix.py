@@ -10,8 +10,8 @@ and the mirror of it (backends/prefix.py) kept up to date from what the passes d
   covers those tokens and the planned ones after them; the target takes what it really holds from its
   cache and computes the rest (`StepResult.num_cached`, counted in vLLM's `prefix_cache_queries` /
   `prefix_cache_hits`).
-- The mirror learns the blocks a request fills: its prompt as chunks come back, its output when it
-  leaves the replica; a first chunk that found less than expected drops the keys it did not find.
+- The mirror learns the blocks a request fills: its prompt as chunks come back (a chunk that found less
+  than expected computed the rest, which the replica holds now), its output when it leaves the replica.
 
 Nothing is expected while the passes return features (an EAGLE draft reads every prompt token's, and the
 target computes them all).
@@ -56,18 +56,14 @@ class PrefixCaches:
 
     def chunk_done(self, r: GenRequest, replica: TargetReplica, start: int, end: int, num_cached: int) -> None:
         """A prompt chunk of tokens `start` to `end` came back, `num_cached` of them from the replica's cache:
-        the counters, and the mirror learns what the replica held and what it holds now."""
+        the counters, and the mirror learns the chunk's whole blocks (the replica keeps what it computed)."""
         if not replica.prefix.enabled:
             return
         if not r.resuming:  # (a preempted request's prompt is served already)
             r.cached_tokens += num_cached
         self.metrics.on_prefix_cache(end - start, num_cached)  # every prompt token is queried once, in its chunk
-        bs = replica.block_size
-        if bs != self.pool.block_size:
-            return
-        if start == 0 and num_cached < r.cached:  # it holds less than the mirror said: forget the rest
-            replica.prefix.forget(r.keys(bs, r.cached)[num_cached // bs:])
-        replica.prefix.insert(r.keys(bs, end))
+        if replica.block_size == self.pool.block_size:
+            replica.prefix.insert(r.keys(replica.block_size, end))
 
     def released(self, r: GenRequest, replica: TargetReplica) -> None:
         """The request left the replica: the blocks of every committed token but the newest stay in its cache
