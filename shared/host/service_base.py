@@ -67,9 +67,9 @@ class ServiceConfig(Settings):
     unix_socket: str | None = option(None, "listen on this Unix socket path instead of TCP")
     kv_blocks: int = option(4096, "KV pool size, blocks")
     block_size: int = option(16, "tokens per KV block")
-    prefix_caching: bool = option(True, "keep no prefix cache: without it, full KV blocks of committed tokens are "
-                                  "kept after their request ends (evicted least recently used when a new allocation "
-                                  "needs the room) and a new prompt starts from its longest cached prefix",
+    prefix_caching: bool = option(True, "turn the prefix cache off (on by default: full KV blocks of committed "
+                                  "tokens are kept after their request ends, evicted least recently used when an "
+                                  "allocation needs the room, and a new prompt starts from its longest cached prefix)",
                                   negate=True)
     threads: int = option(default_factory=default_threads, help="torch intra-op threads",
                           default_text="half the cores")
