@@ -90,17 +90,14 @@ class TargetEngine:
         self.calls += 1
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
+        undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
-        entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors, cached, use_cache)
+        entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors, cached if use_cache else None, undo)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         t0 = time.perf_counter()
-        passed = [e for _, e in entries]
         graphs = getattr(self.runner, "graphs", None)  # the simulated runner has none
         captures = graphs.captures if graphs is not None else 0
-        if msg.features:
-            logits, features = self.runner.forward_features(passed)
-        else:
-            logits, features = (self.runner.forward(passed) if entries else []), []
+        logits, features = self._pass(msg, [e for _, e in entries], undo)
         forward_ms = ms_since(t0)
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
@@ -119,6 +116,19 @@ class TargetEngine:
         reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup,
                              cached_blocks=self.runner.blocks.num_cached_blocks)
         return reply, payload
+
+    def _pass(self, msg: Forward, passed: list[Chunk | Tree],
+              undo: list[Callable[[], None]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model pass: each entry's logits (and features, when asked); if it fails, the chunks give back
+        what they took from the prefix cache (the runner gives back the slots it took)."""
+        try:
+            if msg.features:
+                return self.runner.forward_features(passed)
+            return (self.runner.forward(passed) if passed else []), []
+        except BaseException:
+            for give_back in undo:
+                give_back()
+            raise
 
     def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor],
                  errors: dict[int, ErrorInfo]) -> list[tuple[int, Chunk | Tree]]:
@@ -246,16 +256,16 @@ class TargetEngine:
                          f"{self.config.kv_blocks * self.config.block_size}. The request was released.")
 
     def _fit_to_pool(self, entries: list[tuple[int, Chunk | Tree]], errors: dict[int, ErrorInfo],
-                     cached: dict[int, int], use_cache: bool) -> list[tuple[int, Chunk | Tree]]:
+                     cached: dict[int, int] | None, undos: list[Callable[[], None]]) -> list[tuple[int, Chunk | Tree]]:
         """Admit tree steps, then prefill chunks, while free blocks last; refuse the rest (retryable). With
-        `use_cache`, a chunk first takes what the prefix cache holds of it (`_from_cache`; the tokens taken go
-        to `cached`), and gives it back if it is refused."""
+        `cached` (the prefix cache in use), a chunk first takes what the cache holds of it (`_from_cache`; the
+        tokens taken go to `cached`, how to give them back to `undos`), and gives it back if it is refused."""
         free = self.runner.num_free_blocks
         admitted = []
         for index, entry in sorted(entries, key=lambda x: not isinstance(x[1], Tree)):
             undo: Callable[[], None] | None = None
             try:
-                if use_cache and isinstance(entry, Chunk):
+                if cached is not None and isinstance(entry, Chunk):
                     before = self.runner.num_free_blocks
                     entry, cached[index], undo = self._from_cache(entry)
                     free -= before - self.runner.num_free_blocks  # evictable blocks it holds now
@@ -264,7 +274,7 @@ class TargetEngine:
                 errors[index] = self._failed(entry.request_id, "the KV check", exc)
                 continue
             if need > free:
-                if undo is not None:
+                if undo is not None and cached is not None:
                     before = self.runner.num_free_blocks
                     undo()
                     free += self.runner.num_free_blocks - before
@@ -274,6 +284,8 @@ class TargetEngine:
                 continue
             free -= need
             admitted.append((index, entry))
+            if undo is not None:
+                undos.append(undo)
         return sorted(admitted, key=lambda x: x[0])
 
     def _from_cache(self, chunk: Chunk) -> tuple[Chunk, int, Callable[[], None] | None]:

@@ -241,6 +241,16 @@ def test_the_target_serves_cached_prefixes_with_the_same_greedy_output() -> None
     stats = on.stats()
     assert stats.free_blocks == stats.total_blocks and stats.evictable_blocks == stats.cached_blocks > 0
     assert off.stats().cached_blocks == 0 and not off.stats().prefix_caching
+    # a pass that fails gives back what its chunks took from the cache, as it gives back the slots it took
+    def broken(*_args):
+        raise RuntimeError("the model pass failed")
+
+    on.runner._compute = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the model pass failed"):
+        _greedy(on, "f", prompt, [70], 0)
+    assert not on.runner.has_request("f")
+    on.runner.blocks.check_invariants()
+    assert on.stats().free_blocks == on.stats().total_blocks and on.stats().evictable_blocks == stats.cached_blocks
 
 
 def test_the_draft_catches_up_from_its_cache_with_the_same_trees() -> None:
