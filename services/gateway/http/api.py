@@ -163,6 +163,8 @@ class Generation:
                 if stopped:
                     self.engine.abort(self.sub.rid, "stop")
                     self.finish_reason = "stop"
+                    # the engine may have ended it already, its Finished taken in this same batch
+                    self.report = next((e.report or {} for e in events if isinstance(e, Finished)), None)
                     return
 
     def usage(self) -> dict:
