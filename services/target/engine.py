@@ -14,7 +14,8 @@ KV fills whole cached blocks), less its last token, whose logits a last chunk ne
 computed, and its result says how many tokens came from the cache (`StepResult.num_cached`). Committed
 KV enters the cache block by block: the prompt as it is prefilled, the accepted output as trees are
 committed (every token's KV but the newest, the next tree's root). A call that asks for the features
-(an EAGLE draft reads every prompt token's) takes nothing from the cache.
+(an EAGLE draft reads every prompt token's) takes nothing from the cache, nor does a chunk that asks for
+the logits of every row (prompt logprobs).
 
 No request can fail another: an exception while checking or accepting one entry (sampling,
 acceptance, the KV commit) ends that request alone. Its result carries `ErrorInfo("internal")`, it
@@ -43,11 +44,13 @@ from specserve.shared.wire.messages import (
     Forward,
     ForwardReply,
     PrefillEntry,
+    SamplingSpec,
     StatsReply,
     StepResult,
     VerifyEntry,
 )
 from specserve.target.config import TargetConfig
+from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, every_row
 
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator)
 
@@ -60,6 +63,7 @@ class _Request:
     committed: int = 0  # prompt + output tokens once decoding (the KV holds committed - 1)
     last_token: int = -1  # the newest committed token: the next tree's root
     last_step: int = -1
+    logprobs: LogprobState | None = None  # only for a request that asked for logprobs
 
     @property
     def decoding(self) -> bool:
@@ -102,15 +106,19 @@ class TargetEngine:
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
         kept: dict[int, torch.Tensor] = {}  # by result index: the features returned
+        scored = CallLogprobs()
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
                 emitted[index], path = self._accept(all_entries[index], entry, entry_logits)
                 if features:
                     kept[index] = features[i] if path is None else features[i][path]
+                req = self.requests.get(entry.request_id)
+                scored.add(index, None if req is None else req.logprobs, all_entries[index], entry.tokens,
+                           entry_logits, emitted[index][0], path)
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
         accept_ms = ms_since(t0)
-        results, payload = self._results(all_entries, errors, emitted, kept, cached)
+        results, payload = self._results(all_entries, errors, emitted, kept, scored, cached)
         self.entry_errors += len(errors)
         warmup = graphs is not None and graphs.captures > captures
         reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup,
@@ -143,9 +151,11 @@ class TargetEngine:
             error = self._isolated(prefill.rid, "check", self._check_prefill, prefill, toks, seen)
             if error:
                 errors[i] = error
-            else:
-                last = [len(toks) - 1] if prefill.last else []
-                entries.append((i, Chunk(prefill.rid, toks, logits_at=last)))
+                continue
+            req = self.requests.get(prefill.rid)
+            state = req.logprobs if req is not None else LogprobState.of(prefill.sampling or SamplingSpec())
+            at = range(len(toks)) if every_row(state) else [len(toks) - 1] if prefill.last else []
+            entries.append((i, Chunk(prefill.rid, toks, logits_at=at)))
         base = len(msg.prefill)
         for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
             error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
@@ -158,8 +168,9 @@ class TargetEngine:
     @staticmethod
     def _results(all_entries: list[PrefillEntry | VerifyEntry], errors: dict[int, ErrorInfo],
                  emitted: dict[int, tuple[list[int], int]], kept: dict[int, torch.Tensor],
-                 cached: dict[int, int]) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
-        """Each entry's result in order, and the payload: the emitted tokens, and the features where kept."""
+                 scored: CallLogprobs, cached: dict[int, int]) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
+        """Each entry's result in order, and the payload: the emitted tokens, the features where kept,
+        the logprobs where asked."""
         results, out, feats = [], [], []
         for index, message in enumerate(all_entries):
             if index in errors:
@@ -170,11 +181,15 @@ class TargetEngine:
             rows = kept.get(index)
             if rows is not None:
                 feats.append(rows)
+            num_prompt, num_out, width = scored.fields(index)
             results.append(StepResult(message.rid, message.step, len(tokens), accepted,
-                                      num_features=0 if rows is None else len(rows), num_cached=cached.get(index, 0)))
+                                      num_features=0 if rows is None else len(rows), num_prompt_logprobs=num_prompt,
+                                      num_logprobs=num_out, top_logprobs=width,
+                                      num_cached=cached.get(index, 0)))
         payload = {"tokens": torch.tensor(out, dtype=torch.int32)}
         if feats:
             payload["features"] = torch.cat(feats)
+        payload.update(scored.payload([i for i in range(len(all_entries)) if i not in errors]))
         return results, payload
 
     # ---- isolation ---------------------------------------------------------------------------
@@ -221,6 +236,9 @@ class TargetEngine:
                 SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
             except ValueError as exc:
                 return ErrorInfo("bad_sampling", f"{entry.rid!r}: {exc}")
+            refused = check_spec(spec)
+            if refused:
+                return ErrorInfo("bad_sampling", f"{entry.rid!r}: {refused}")
         elif req.decoding or entry.start != req.prefilled:
             return ErrorInfo("out_of_sync", f"{entry.rid!r}: chunk starts at {entry.start}, but "
                              + ("the prompt is done" if req.decoding else f"{req.prefilled} tokens are prefilled"))
@@ -292,6 +310,8 @@ class TargetEngine:
         """The chunk less what the prefix cache holds of its start (its last token always computed), the
         tokens taken, and how to give them back (None when none were taken)."""
         rid, runner = chunk.request_id, self.runner
+        if any(i != len(chunk.tokens) - 1 for i in chunk.logits_at):  # prompt logprobs: every row is computed
+            return chunk, 0, None
         had = runner.num_tokens(rid) if runner.has_request(rid) else None
         taken = runner.adopt_prefix(rid, chunk.tokens, len(chunk.tokens) - 1)
         if not taken:
@@ -313,7 +333,7 @@ class TargetEngine:
                 spec = message.sampling
                 assert spec is not None  # _check_prefill refused a first chunk without sampling parameters
                 params = SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
-                req = self.requests[rid] = _Request(params, params.make_generator())
+                req = self.requests[rid] = _Request(params, params.make_generator(), logprobs=LogprobState.of(spec))
             req.prefilled += message.num_tokens  # (the chunk's tokens taken from the prefix cache included)
             req.last_step = message.step
             if self.config.prefix_caching:
@@ -323,7 +343,7 @@ class TargetEngine:
             if message.resume_token is not None:  # a preempted request: its next token is already known
                 token = message.resume_token
             else:
-                token = (self.accept or accept_tree)([entry.tokens[-1]], [-1], logits, req.params,
+                token = (self.accept or accept_tree)([entry.tokens[-1]], [-1], logits[-1:], req.params,
                                                      req.generator).tokens[0]
             req.committed, req.last_token = req.prefilled + 1, token
             return ([token], 0), None

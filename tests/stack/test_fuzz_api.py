@@ -117,8 +117,8 @@ FIELDS = {
     "function_call": st.sampled_from(["none", "auto"]),
     "best_of": st.integers(0, 3),
     "echo": st.booleans(),
-    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)),
-    "top_logprobs": st.integers(0, 5),
+    "logprobs": st.one_of(st.booleans(), st.integers(-3, 25), st.sampled_from([20, 21, 1.5, "3", 10**30])),
+    "top_logprobs": st.one_of(st.integers(-3, 25), st.sampled_from([20, 21, 2.0, True, 10**30])),
     "suffix": st.sampled_from(["", "x"]),
     "min_p": st.sampled_from([0, 0.1]),
     "min_tokens": st.sampled_from([0, 2]),
@@ -179,6 +179,14 @@ def valid_body(draw) -> dict:
                                         st.lists(st.integers(0, 4095), min_size=1, max_size=16)))
     for name in draw(st.lists(st.sampled_from(sorted(VALID_FIELDS)), max_size=4, unique=True)):
         body[name] = draw(VALID_FIELDS[name])
+    if draw(st.booleans()):  # logprobs: completions' count and echo, chat's flag and count
+        if "messages" in body:
+            body["logprobs"] = draw(st.booleans())
+            if body["logprobs"] and draw(st.booleans()):
+                body["top_logprobs"] = draw(st.integers(0, 20))
+        else:
+            body["logprobs"] = draw(st.one_of(st.none(), st.integers(0, 20)))
+            body["echo"] = draw(st.booleans())
     return body
 
 
@@ -258,6 +266,9 @@ def check(status: int, ctype: str, body: bytes, headers: dict, path: str, sent: 
         assert events and events[-1] == "[DONE]", where
         chunks = [json.loads(e) for e in events[:-1]]
         assert all("error" not in c for c in chunks), where
+        for c in chunks:
+            if c.get("choices"):
+                check_logprobs(c["choices"][0].get("logprobs"), c["object"] == "chat.completion.chunk", where)
         finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
         assert finishes and finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1]), where
         usage = [c["usage"] for c in chunks if "usage" in c]
@@ -267,11 +278,28 @@ def check(status: int, ctype: str, body: bytes, headers: dict, path: str, sent: 
     assert ctype.startswith("application/json"), where
     out = json.loads(body)
     choice = out["choices"][0]
+    check_logprobs(choice.get("logprobs"), out["object"] == "chat.completion", where)
     assert out["object"] in ("text_completion", "chat.completion") and len(out["choices"]) == 1, where
     assert choice["finish_reason"] in ("stop", "length"), where
     text = choice["text"] if out["object"] == "text_completion" else choice["message"]["content"]
     bound = most_tokens(path, sent)
     assert isinstance(text, str) and (bound is None or out["usage"]["completion_tokens"] <= bound), where
+
+
+def check_logprobs(lp, chat: bool, where: str) -> None:
+    """A choice's `logprobs`, when present, in OpenAI's shape."""
+    if lp is None:
+        return
+    if chat:
+        assert isinstance(lp["content"], list), where
+        for entry in lp["content"]:
+            assert {"token", "logprob", "bytes", "top_logprobs"} <= set(entry), where
+            assert isinstance(entry["logprob"], float) and isinstance(entry["bytes"], list), where
+        return
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    assert len({len(lp[f]) for f in fields}) == 1, where
+    assert lp["text_offset"] == sorted(lp["text_offset"]), where
+    assert all(v is None or isinstance(v, float) for v in lp["token_logprobs"]), where
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ class Passes:
             end = min(max(r.prefilled, r.cached) + n, len(context))
             last = end == len(context)
             p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: end], last,
-                                         r.sampling if r.prefilled == 0 else None,
+                                         r.prefill_sampling if r.prefilled == 0 else None,
                                          r.output[-1] if last and r.resuming else None))
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
         for r in decoding:

@@ -14,7 +14,7 @@ and the mirror of it (backends/prefix.py) kept up to date from what the passes d
   than expected computed the rest, which the replica holds now), its output when it leaves the replica.
 
 Nothing is expected while the passes return features (an EAGLE draft reads every prompt token's, and the
-target computes them all).
+target computes them all), nor for a request that asks for prompt logprobs (every prompt row is computed).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class PrefixCaches:
 
     def expected(self, r: GenRequest, replica: TargetReplica) -> int:
         """Tokens of the request's context the replica is expected to hold in its prefix cache."""
-        if not self._usable(replica):
+        if not self._usable(replica) or r.prefill_sampling.prompt_logprobs:  # (those need every prompt row)
             return 0
         bs = replica.block_size
         return replica.prefix.match(r.keys(bs, len(r.context) - 1)) * bs

@@ -12,9 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from specserve.gateway.sched.slo_classes import SloClass
 from specserve.shared.runtime.block_hash import ROOT, chain
 from specserve.shared.spec.feature_log import FeatureLog
+from specserve.shared.wire.logprobs import TokenLogprobs
 from specserve.shared.wire.messages import SamplingSpec
 
 if TYPE_CHECKING:
@@ -25,9 +28,12 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Tokens:
-    """New output tokens of one step (already cut at EOS, max_tokens and the context length)."""
+    """New output tokens of one step (already cut at EOS, max_tokens and the context length); for a request
+    that asked for logprobs, theirs, and in its first `Tokens` the prompt's (`echo`; it may have no tokens)."""
 
     tokens: list[int]
+    logprobs: TokenLogprobs | None = None  # one row per token
+    prompt_logprobs: TokenLogprobs | None = None  # one row per prompt token but the first
 
 
 @dataclass(slots=True)
@@ -94,6 +100,7 @@ class GenRequest:
     served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
     trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
+    prompt_logprobs: TokenLogprobs | None = None  # with sampling.prompt_logprobs: the prompt's, until its first token
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks (prefix.py)
 
     @classmethod
@@ -123,6 +130,14 @@ class GenRequest:
             seq = (self.prompt + self.output)[len(keys) * block_size: want * block_size]
             keys += chain(seq, block_size, keys[-1] if keys else ROOT)
         return keys[:want]
+
+    @property
+    def prefill_sampling(self) -> SamplingSpec:
+        """The sampling its first prompt chunk carries: without prompt logprobs when it rebuilds its KV after a
+        preemption (they went out with its first token)."""
+        if self.resuming and self.sampling.prompt_logprobs:
+            return msgspec.structs.replace(self.sampling, prompt_logprobs=False)
+        return self.sampling
 
     @property
     def decoding(self) -> bool:

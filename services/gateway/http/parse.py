@@ -4,7 +4,7 @@ They turn the JSON body of ``POST /v1/completions`` and ``POST /v1/chat/completi
 Structs of protocol.py and validate every field the gateway acts on; anything invalid raises
 `ApiError`, which the server turns into an HTTP response in OpenAI's error shape. Fields the gateway
 does not know are ignored (clients send many), but a known feature the gateway does not implement
-(n > 1, best_of, echo, logprobs, suffix, penalties, logit bias, response formats, tools and function
+(n > 1, best_of, suffix, chat's echo, penalties, logit bias, response formats, tools and function
 calls, vLLM's min_p / min_tokens / stop_token_ids / guided decoding, ...) is refused with a 400 naming
 it unless it is absent, null or its neutral value (`UNSUPPORTED`), rather than silently dropped. Every
 malformed body (not UTF-8, not JSON, nested too deep, a wrong type anywhere) is a 400 too, never an
@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from specserve.gateway.http.protocol import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from specserve.shared.spec.logprobs import MAX_LOGPROBS
 
 __all__ = ["UNSUPPORTED", "parse_chat", "parse_completion"]
 
@@ -72,8 +73,10 @@ def parse_completion(body: bytes) -> CompletionRequest:
     _check_common(req)
     _check_prompt(req.prompt)
     _check_max_tokens(req.max_tokens, "max_tokens")
-    if req.logprobs is not None:
-        raise ApiError("logprobs are not supported", param="logprobs")
+    _check_logprob_count(req.logprobs, "logprobs")
+    if req.top_logprobs:
+        raise ApiError(f"top_logprobs is a chat parameter; completions take logprobs: N (0..{MAX_LOGPROBS}), got "
+                       f"top_logprobs {_short(req.top_logprobs)}", param="top_logprobs")
     if req.suffix:
         raise ApiError("suffix is not supported (must be empty or absent)", param="suffix")
     return req
@@ -86,8 +89,11 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
     _check_messages(req.messages)
     _check_max_tokens(req.max_tokens, "max_tokens")
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
-    if req.logprobs:
-        raise ApiError("logprobs are not supported", param="logprobs")
+    _check_logprob_count(req.top_logprobs, "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.echo:
+        raise ApiError("echo is not supported in chat completions (must be false or absent)", param="echo")
     return req
 
 
@@ -152,8 +158,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "repetition_penalty": (_is(1), "must be 1 or absent"),
     "logit_bias": (_is({}), "must be empty or absent"),
     "best_of": (_is(1), "must be 1 or absent"),
-    "echo": (_is(False), "must be false or absent"),
-    "top_logprobs": (_is(0), "must be 0 or absent"),
     "response_format": (_is({"type": "text"}), 'must be {"type": "text"} or absent'),
     "tools": (_is([]), "must be empty or absent"),
     "tool_choice": (_is("none"), 'must be "none" or absent'),
@@ -180,6 +184,11 @@ def _short(value: object, limit: int = 80) -> str:
 def _check_finite(value: float, param: str) -> None:
     if not math.isfinite(value):
         raise ApiError(f"{param} must be a finite number, got {value}", param=param)
+
+
+def _check_logprob_count(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {_short(value)}", param=param)
 
 
 def _check_max_tokens(value: int | None, param: str) -> None:

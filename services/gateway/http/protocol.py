@@ -92,14 +92,14 @@ class _SamplingFields(Struct, kw_only=True):
     slo: SloSpec | None = None
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past EOS (benchmarks use it)
     user: str | None = None  # metadata: accepted and not used
+    echo: bool | None = None  # completions: the prompt before the completion (chat refuses it)
+    top_logprobs: int | None = None  # chat: ranked tokens per position with logprobs: true (completions refuse it)
     # Known features the gateway does not implement: refused unless absent, null or neutral (UNSUPPORTED).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    echo: bool | None = None  # a completions field; vLLM's chat has it too
-    top_logprobs: int | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -127,8 +127,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     model: str
     prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None = until the context is full
-    # Known features we do not implement: refused when they ask for anything.
-    logprobs: int | None = None  # refused unless null (0 asks for the chosen token's logprob)
+    logprobs: int | None = None  # null: none; N: each token's logprob and the N most likely tokens there
+    # A known feature we do not implement: refused when it asks for anything.
     suffix: str | None = None  # refused unless null or empty
 
 
@@ -139,8 +139,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    # Known features we do not implement: refused when they ask for anything.
-    logprobs: bool | None = None
+    logprobs: bool | None = None  # each token's logprob, with `top_logprobs` ranked tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +153,8 @@ class Sampling:
     max_tokens: int | None  # None = until the context is full (the server fills it in)
     stop: tuple[str, ...]  # empty strings dropped
     ignore_eos: bool = False  # EOS tokens do not end the output (they are generated like any token)
+    logprobs: int | None = None  # None: none; N: each output token's logprob and the N most likely tokens there
+    echo: bool = False  # completions: the prompt (with logprobs: and its tokens' logprobs) before the completion
 
 
 # ---------------------------------------------------------------------------------------------- normalization
@@ -163,8 +164,9 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest) -> Sampling:
     """The normalized sampling parameters of a parsed (validated) request."""
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        max_tokens = req.max_tokens
+        max_tokens, logprobs = req.max_tokens, req.logprobs
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return Sampling(
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -174,6 +176,8 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest) -> Sampling:
         max_tokens=max_tokens,
         stop=tuple(s for s in stops if s),
         ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        echo=bool(req.echo),
     )
 
 

@@ -22,6 +22,7 @@ from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.frontend.local import EngineApi
 from specserve.gateway.http.api import Generation, ModelInfo, allows_best_effort, build_request, resolve_slo
+from specserve.gateway.http.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from specserve.gateway.http.parse import parse_chat, parse_completion
 from specserve.gateway.http.protocol import (
     ApiError,
@@ -58,6 +59,7 @@ class Gateway:
         if config.frontend_of:
             self.stream_headers["X-Specserve-Frontend"] = str(os.getpid())
         self.tokenizing = Tokenizing(tokenizer, info.max_model_len)  # off the event loop
+        self.strings = TokenStrings(tokenizer)  # tokens' texts and bytes, for logprobs
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 * 2**20,
@@ -139,7 +141,8 @@ class Gateway:
         slo = resolve_slo(self.engine.classes, req.service_tier, req.slo)
         sub = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix,
                             allows_best_effort(req.service_tier, req.slo))
-        gen = Generation(self.engine, sub, self.tokenizer, sampling.stop)
+        gen = Generation(self.engine, sub, self.tokenizer, sampling.stop, self._echo(req, prompt_ids),
+                         None if sampling.logprobs is None else self.strings)
         request[spans.ATTRIBUTES] = gen.span_attributes  # the request span's attributes at the end (tracing on)
         await gen.admitted()  # refused before admission: 503 before any response byte
         if req.stream:
@@ -148,7 +151,8 @@ class Gateway:
         text = "".join([piece async for piece in gen.pieces()])
         if gen.finish_reason == "error":
             raise web.HTTPInternalServerError(reason=gen.error or "generation failed")
-        choice: dict[str, object] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        choice: dict[str, object] = {"index": 0, "finish_reason": gen.finish_reason,
+                                     "logprobs": self._logprobs(gen, chat)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -164,15 +168,18 @@ class Gateway:
         base = {"id": gen.sub.rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": gen.created, "model": self.info.name}
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+        def chunk(text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None) -> bytes:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return b"data: " + _json.encode({**base, "choices": [choice]}) + b"\n\n"
 
-        piece_chunk = framed(lambda text: chunk(text, None))
+        def with_logprobs(text: str) -> bytes:  # a chunk with the logprobs of the tokens whose text it carries
+            return chunk(text, None, logprobs=self._logprobs(gen, chat))
+
+        piece_chunk = framed(lambda text: chunk(text, None)) if gen.logprobs is None else with_logprobs
         pieces = gen.pieces()
         try:
             if chat:  # the role chunk first (anchors.md §3)
@@ -198,6 +205,23 @@ class Gateway:
             return self._cut(request, resp, gen)
         await resp.write_eof()
         return resp
+
+    def _echo(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> str | None:
+        """The text `echo` returns before the completion: the prompt as sent, or its token ids decoded."""
+        if not isinstance(req, CompletionRequest) or not req.echo:
+            return None
+        prompt = prompt_of(req)
+        if isinstance(prompt, str):
+            return prompt
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        return text if isinstance(text, str) else "".join(text)
+
+    def _logprobs(self, gen: Generation, chat: bool) -> dict | None:
+        """The `logprobs` object of the tokens released since the last call (None where not asked)."""
+        if gen.logprobs is None:
+            return None
+        entries = gen.logprobs.take()
+        return chat_logprobs(entries, self.strings) if chat else completion_logprobs(entries, self.strings)
 
     def _bound(self, request: web.Request) -> None:
         """Cap what a stream's connection holds unsent: the socket's send buffer and the transport's."""
