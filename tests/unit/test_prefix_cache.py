@@ -192,18 +192,21 @@ def test_cached_start_gives_the_computed_logits(runner: ModelRunner) -> None:
 
 
 # ---- the services' engines, in process, on the bundled demo pair -------------------------------------------
-def _greedy(engine, rid: str, prompt: list[int], chunks: list[int], steps: int, first_step: int = 1):
+def _greedy(engine, rid: str, prompt: list[int], chunks: list[int], steps: int, spec=None, logprobs=None):
     """A request prefilled in `chunks`, then `steps` root-only verify steps: its tokens, and the tokens each
-    chunk took from the prefix cache."""
+    chunk took from the prefix cache (`logprobs`: a list the replies' logprobs rows are added to)."""
     from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
 
-    step, start, cached, out = first_step, 0, [], []
+    step, start, cached, out = 1, 0, [], []
     for n in chunks:
-        entry = PrefillEntry(rid, step, start, n, start + n == len(prompt), SamplingSpec() if start == 0 else None)
+        first = spec or SamplingSpec()
+        entry = PrefillEntry(rid, step, start, n, start + n == len(prompt), first if start == 0 else None)
         reply, payload = engine.forward(Forward(prefill=[entry]), {
             "prefill_tokens": torch.tensor(prompt[start:start + n], dtype=torch.int32)})
         assert reply.results[0].error is None, reply.results[0].error
         cached.append(reply.results[0].num_cached)
+        if logprobs is not None:
+            logprobs.append(payload["logprobs"].tolist() if "logprobs" in payload else [])
         out += payload["tokens"].tolist()
         start, step = start + n, step + 1
     for _ in range(steps):
@@ -241,6 +244,18 @@ def test_the_target_serves_cached_prefixes_with_the_same_greedy_output() -> None
     stats = on.stats()
     assert stats.free_blocks == stats.total_blocks and stats.evictable_blocks == stats.cached_blocks > 0
     assert off.stats().cached_blocks == 0 and not off.stats().prefix_caching
+    # logprobs of the output tokens are those of the cache-off engine; a request that asks for the prompt's
+    # logprobs needs every prompt row's logits, so it takes nothing from the cache
+    from specserve.shared.wire.messages import SamplingSpec
+
+    for rid, spec, want in (("g", SamplingSpec(logprobs=2), [64]), ("h", SamplingSpec(logprobs=0, prompt_logprobs=True),
+                                                                     [0])):
+        rows_on, rows_off = [], []
+        got, cached = _greedy(on, rid, prompt, [70], 0, spec, rows_on)
+        ref, _ = _greedy(off, rid, prompt, [70], 0, spec, rows_off)
+        assert got == ref and cached == want and rows_on == rows_off and len(rows_on[0]) == (70 if want == [0] else 1)
+        on.release(rid)
+        off.release(rid)
     # a pass that fails gives back what its chunks took from the cache, as it gives back the slots it took
     def broken(*_args):
         raise RuntimeError("the model pass failed")
