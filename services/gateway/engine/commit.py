@@ -2,7 +2,8 @@
 
 Per output: an error ends the request (an `out_of_blocks` one is retried up to `MAX_OUT_OF_BLOCKS`
 iterations first); a prompt chunk that was not the last only advances `prefilled`; the last chunk and a
-verified tree emit their tokens, cut at a stop id and at max_tokens. The features a pass returned are
+verified tree emit their tokens, cut at a stop id (an EOS id, dropped; one of the request's stop_token_ids,
+kept; neither before min_tokens) and at max_tokens. The features a pass returned are
 written into the request's FeatureLog by position.
 """
 
@@ -61,14 +62,18 @@ class Commit:
     def emit(self, r: GenRequest, tokens: list[int], now: float) -> None:
         """New tokens to the request and its handler, up to a stop id or max_tokens (which end it)."""
         first = not r.output
-        keep, reason = [], None
+        keep: list[int] = []
+        reason: str | None = None
         for t in tokens:
-            if t in r.stop_ids:
+            if t in r.stop_ids and len(r.output) + len(keep) >= r.sampling.min_tokens:
                 reason = "stop"
                 break
             keep.append(t)
             if len(r.output) + len(keep) >= r.max_tokens:
                 reason = "length"
+                break
+            if t in r.stop_kept and len(r.output) + len(keep) > r.sampling.min_tokens:
+                reason = "stop"
                 break
         if not first and keep:
             self.metrics.on_tokens(len(keep), now - r.token_times[-1])

@@ -8,11 +8,14 @@ formats them as SSE chunks or one JSON body.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Event, Finished, Submission
@@ -32,6 +35,7 @@ class ModelInfo:
     max_model_len: int  # context length, tokens
     vocab_size: int
     stop_ids: frozenset[int]  # EOS token ids
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # the model's (generation_config)
 
 
 def new_id(prefix: str) -> str:
@@ -76,10 +80,29 @@ def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], samplin
     too_large = kv_pool_error(engine, len(prompt), max_tokens)
     if too_large is not None:
         raise ApiError(too_large, param="max_tokens")
+    if sampling.min_tokens > max_tokens:
+        raise ApiError(f"min_tokens {sampling.min_tokens} exceeds max_tokens {max_tokens}", param="min_tokens")
+    outside = [t for t in sampling.stop_token_ids if t >= info.vocab_size]
+    if outside:
+        raise ApiError(f"stop token id {outside[0]} is outside the vocabulary (size {info.vocab_size})",
+                       param="stop_token_ids")
+    eos = frozenset() if sampling.ignore_eos else info.stop_ids
     spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
-                        None if sampling.seed is None else sampling.seed % 2**63)
-    return Submission(new_id(prefix), list(prompt), spec, max_tokens, slo,
-                      frozenset() if sampling.ignore_eos else info.stop_ids, best_effort_ok)
+                        None if sampling.seed is None else sampling.seed % 2**63, sampling.min_p,
+                        sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty,
+                        sampling.min_tokens, list(sampling.stop_token_ids),
+                        sorted(eos) if sampling.min_tokens else [], len(prompt))
+    return Submission(new_id(prefix), list(prompt), spec, max_tokens, slo, eos, best_effort_ok)
+
+
+def choice_submissions(sub: Submission, n: int) -> list[Submission]:
+    """The n generations of a request with `n` choices: choice i is `sub` with its own id (the response's id,
+    "-i" appended) and, with a seed, seed + i (as vLLM derives it), so that each choice is reproducible."""
+    if n == 1:
+        return [sub]
+    seed = sub.sampling.seed
+    return [dataclasses.replace(sub, rid=f"{sub.rid}-{i}", sampling=msgspec.structs.replace(
+        sub.sampling, seed=None if seed is None else (seed + i) % 2**63)) for i in range(n)]
 
 
 class Generation:
@@ -92,6 +115,7 @@ class Generation:
         self.events = engine.submit(sub)  # ServiceUnavailable: refused at once
         self.detok = IncrementalDetokenizer(tokenizer, sub.prompt)
         self.stop = StopMatcher(stops)
+        self.min_tokens = sub.sampling.min_tokens  # stop strings are looked for only after these tokens
         self.completion_tokens = 0  # tokens consumed into the text (those after a stop string are not)
         self.created = int(time.time())
         self.finish_reason: str | None = None
@@ -150,7 +174,9 @@ class Generation:
             if isinstance(event, Admitted):
                 continue
             if isinstance(event, Finished):
-                tail, _ = self.stop.feed(self.detok.flush())
+                tail = self.detok.flush()
+                if self.completion_tokens > self.min_tokens:
+                    tail, _ = self.stop.feed(tail)
                 yield tail + self.stop.flush()
                 self.finish_reason, self.error, self.report = event.reason, event.error, event.report
                 return
@@ -158,7 +184,11 @@ class Generation:
                 self.first_token_at = time.perf_counter()
             for token in event.tokens:
                 self.completion_tokens += 1
-                piece, stopped = self.stop.feed(self.detok.add([token]))
+                piece = self.detok.add([token])
+                if self.completion_tokens <= self.min_tokens:  # vLLM's rule: no stop string before min_tokens
+                    yield piece
+                    continue
+                piece, stopped = self.stop.feed(piece)
                 yield piece
                 if stopped:
                     self.engine.abort(self.sub.rid, "stop")
