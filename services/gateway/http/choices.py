@@ -64,8 +64,12 @@ class Choices:
         """(index, text piece) as they come, and (index, None) once that choice has ended (its
         `finish_reason` set); every choice ends once."""
         if len(self.gens) == 1:
-            async for piece in self.first.pieces():
-                yield 0, piece
+            one = self.first.pieces()
+            try:
+                async for piece in one:
+                    yield 0, piece
+            finally:
+                await one.aclose()  # closed at once when the consumer leaves: the request ends now, not at GC
             yield 0, None
             return
         queue: asyncio.Queue[tuple[int, str | BaseException | None]] = asyncio.Queue()
