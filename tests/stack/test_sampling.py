@@ -6,7 +6,8 @@ Greedy output with every penalty is the same under the three policies (and diffe
 the penalties act); n = 4 gives four choices, streamed and whole, each reproducible with a seed, under
 every policy; stop_token_ids end the output at the id (kept, as vLLM keeps it); min_tokens holds EOS
 back; a request whose n choices the queue cannot all take is refused whole; a client that leaves an n = 4
-stream ends all four. Every test ends with both services holding nothing.
+stream ends all four; the model's generation_config.json fills what a request leaves out. Every test
+ends with both services holding nothing.
 """
 
 from __future__ import annotations
@@ -134,3 +135,20 @@ def test_n_choices_are_refused_whole_and_end_together(up):
         wait_all_free(up)
     finally:
         g.stop()
+
+
+def test_a_request_leaving_fields_out_gets_the_models_defaults(up, urls, tmp_path):
+    """--generation-config DIR: its generation_config.json's temperature and repetition_penalty fill what a
+    request leaves out; a directory without one stops the gateway at start, naming it."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "repetition_penalty": 1.2}')
+    g = gateway(up, "chain:4", "--budget", "24", "--generation-config", str(tmp_path))
+    try:
+        defaults = asyncio.run(completions(g.address, PROMPTS[:3], extra_body={"min_tokens": 30}))
+    finally:
+        g.stop()
+    explicit = asyncio.run(completions(urls["none"], PROMPTS[:3], temperature=0,
+                                       extra_body={"min_tokens": 30, "repetition_penalty": 1.2}))
+    assert [r.choices[0].text for r in defaults] == [r.choices[0].text for r in explicit]
+    with pytest.raises(RuntimeError, match="no generation_config.json there"):
+        gateway(up, "none", "--generation-config", str(tmp_path / "missing"))
+    wait_all_free(up)
