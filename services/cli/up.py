@@ -59,8 +59,9 @@ class UpConfig(Settings):
     model: str | None = option(None, "target model: a directory, or a named model (`specserve models list`; "
                                f"`{DEMO}`: the bundled demo pair, small and fast, for tests)",
                                default_text=f"{DEFAULT_MODEL} (installed on first use); {DEMO} under --simulate")
-    draft_model: str | None = option(None, "draft model: a directory, a named model, or `ngram` (no model: "
-                                     "trees drafted from the request's own prompt and output, for any target)",
+    draft_model: str | None = option(None, "draft model: a directory, a named model, `ngram` (no model: "
+                                     "trees drafted from the request's own prompt and output, for any target) "
+                                     "or `replay:FILE` (a benchmark's recorded outputs, services/draft/replay.py)",
                                      default_text="the target's own: the one `specserve models list` names for a "
                                      "named model, the bundled demo draft for `demo` or a directory")
     device: str = option("cpu", "cpu or cuda[:N], for both model services")
@@ -120,8 +121,9 @@ def _same_vocabulary(model: str, draft_model: str) -> bool:
     """Speculation needs a draft with the target's tokenizer; say so in one line when the vocabularies differ."""
     from specserve.draft.eagle_head import is_eagle_dir, target_of
     from specserve.draft.ngram import NGRAM
+    from specserve.draft.replay import is_replay
 
-    if draft_model == NGRAM:
+    if draft_model == NGRAM or is_replay(draft_model):
         return True  # it drafts the target's own token ids
     if is_eagle_dir(draft_model):  # a head reads its own target's features: the same shape of model is needed
         draft_model = resolve_or_exit(target_of(draft_model))

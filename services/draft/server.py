@@ -25,6 +25,7 @@ def build_host(config: DraftConfig) -> ServiceHost:
     from specserve.draft.eagle_head import is_eagle_dir
     from specserve.draft.engine import DraftEngine
     from specserve.draft.ngram import NGRAM, NgramDraftEngine
+    from specserve.draft.replay import ReplayDraftEngine, is_replay
 
     engine: DraftEngine
     if config.simulate is not None:  # the model pass replaced by the preset's models (no weights)
@@ -33,6 +34,8 @@ def build_host(config: DraftConfig) -> ServiceHost:
         engine = exit_on_load_error(lambda: simulated_engine(config))
     elif config.model == NGRAM:  # no model: trees from the request's own tokens
         engine = NgramDraftEngine(config)
+    elif is_replay(config.model):  # no model: a recording's greedy outputs, each token kept with probability alpha
+        engine = exit_on_load_error(lambda: ReplayDraftEngine(config))
     elif is_eagle_dir(config.model):  # a head over the target's features, which the calls carry
         engine = exit_on_load_error(lambda: EagleDraftEngine(config))
     else:

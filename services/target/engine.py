@@ -43,6 +43,7 @@ from specserve.shared.wire.messages import (
     VerifyEntry,
 )
 from specserve.target.config import TargetConfig
+from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, every_row
 
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
 
@@ -63,6 +64,7 @@ class _Request:
     last_token: int = -1  # the newest committed token: the next tree's root
     last_step: int = -1
     history: TokenHistory | None = None  # with penalties or min_tokens: its tokens as they read them
+    logprobs: LogprobState | None = None  # only for a request that asked for logprobs
 
     @property
     def decoding(self) -> bool:
@@ -106,15 +108,19 @@ class TargetEngine:
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
         kept: dict[int, torch.Tensor] = {}  # by result index: the features returned
+        scored = CallLogprobs()
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
                 emitted[index], path = self._accept(all_entries[index], entry, entry_logits)
                 if features:
                     kept[index] = features[i] if path is None else features[i][path]
+                req = self.requests.get(entry.request_id)
+                scored.add(index, None if req is None else req.logprobs, all_entries[index], entry.tokens,
+                           entry_logits, emitted[index][0], path)
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
         accept_ms = ms_since(t0)
-        results, payload = self._results(all_entries, errors, emitted, kept)
+        results, payload = self._results(all_entries, errors, emitted, kept, scored)
         self.entry_errors += len(errors)
         warmup = graphs is not None and graphs.captures > captures
         reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup)
@@ -133,9 +139,11 @@ class TargetEngine:
             error = self._isolated(prefill.rid, "check", self._check_prefill, prefill, toks, seen)
             if error:
                 errors[i] = error
-            else:
-                last = [len(toks) - 1] if prefill.last else []
-                entries.append((i, Chunk(prefill.rid, toks, logits_at=last)))
+                continue
+            req = self.requests.get(prefill.rid)
+            state = req.logprobs if req is not None else LogprobState.of(prefill.sampling or SamplingSpec())
+            at = range(len(toks)) if every_row(state) else [len(toks) - 1] if prefill.last else []
+            entries.append((i, Chunk(prefill.rid, toks, logits_at=at)))
         base = len(msg.prefill)
         for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
             error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
@@ -147,9 +155,10 @@ class TargetEngine:
 
     @staticmethod
     def _results(all_entries: list[PrefillEntry | VerifyEntry], errors: dict[int, ErrorInfo],
-                 emitted: dict[int, tuple[list[int], int]],
-                 kept: dict[int, torch.Tensor]) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
-        """Each entry's result in order, and the payload: the emitted tokens, and the features where kept."""
+                 emitted: dict[int, tuple[list[int], int]], kept: dict[int, torch.Tensor],
+                 scored: CallLogprobs) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
+        """Each entry's result in order, and the payload: the emitted tokens, the features where kept,
+        the logprobs where asked."""
         results, out, feats = [], [], []
         for index, message in enumerate(all_entries):
             if index in errors:
@@ -160,11 +169,14 @@ class TargetEngine:
             rows = kept.get(index)
             if rows is not None:
                 feats.append(rows)
+            num_prompt, num_out, width = scored.fields(index)
             results.append(StepResult(message.rid, message.step, len(tokens), accepted,
-                                      num_features=0 if rows is None else len(rows)))
+                                      num_features=0 if rows is None else len(rows), num_prompt_logprobs=num_prompt,
+                                      num_logprobs=num_out, top_logprobs=width))
         payload = {"tokens": torch.tensor(out, dtype=torch.int32)}
         if feats:
             payload["features"] = torch.cat(feats)
+        payload.update(scored.payload([i for i in range(len(all_entries)) if i not in errors]))
         return results, payload
 
     # ---- isolation ---------------------------------------------------------------------------
@@ -211,6 +223,9 @@ class TargetEngine:
                 params_of(spec)
             except ValueError as exc:
                 return ErrorInfo("bad_sampling", f"{entry.rid!r}: {exc}")
+            refused = check_spec(spec)
+            if refused:
+                return ErrorInfo("bad_sampling", f"{entry.rid!r}: {refused}")
         elif req.decoding or entry.start != req.prefilled:
             return ErrorInfo("out_of_sync", f"{entry.rid!r}: chunk starts at {entry.start}, but "
                              + ("the prompt is done" if req.decoding else f"{req.prefilled} tokens are prefilled"))
@@ -279,7 +294,8 @@ class TargetEngine:
                 params = params_of(spec)
                 history = (TokenHistory(self.vocab_size, params, spec.num_prompt)
                            if params.penalized or params.holds_stops else None)
-                req = self.requests[rid] = _Request(params, params.make_generator(), history=history)
+                req = self.requests[rid] = _Request(params, params.make_generator(), history=history,
+                                                    logprobs=LogprobState.of(spec))
             req.prefilled += len(entry.tokens)
             if req.history is not None:
                 req.history.add_context(entry.tokens)
@@ -289,7 +305,7 @@ class TargetEngine:
             if message.resume_token is not None:  # a preempted request: its next token is already known
                 token = message.resume_token
             else:
-                token = (self.accept or accept_tree)([entry.tokens[-1]], [-1], logits, req.params,
+                token = (self.accept or accept_tree)([entry.tokens[-1]], [-1], logits[-1:], req.params,
                                                      req.generator, req.history).tokens[0]
             if req.history is not None:
                 req.history.add_output([token])

@@ -170,6 +170,11 @@ class SamplingSpec(Struct):
     eos_ids: list[int] = []  # with min_tokens: the EOS ids it holds back too (none with ignore_eos)
     num_prompt: int | None = None  # prompt tokens of the context (a preempted request's context goes on with
     #                                its output, which the penalties count as output); None: all of it
+    # logprobs (shared/spec/logprobs.py): None = none; N in 0..MAX_LOGPROBS = each output token's logprob and
+    # the N most likely tokens at its position. prompt_logprobs (needs logprobs): the same for every prompt
+    # token but the first, computed during prefill.
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 class PrefillEntry(Struct):
@@ -208,11 +213,19 @@ class StepResult(Struct):
     num_accepted: int  # accepted draft nodes (tree steps only)
     error: ErrorInfo | None = None
     num_features: int = 0  # with Forward.features: its rows of "features" (every chunk token; the accepted path)
+    # With SamplingSpec.prompt_logprobs / logprobs: its rows of "logprobs", the prompt positions of this chunk
+    # (each chunk token but the prompt's first) then one per emitted token (none for a resume_token), and
+    # top_logprobs ranked tokens per row in "top_ids" and "top_logprobs".
+    num_prompt_logprobs: int = 0
+    num_logprobs: int = 0
+    top_logprobs: int = 0
 
 
 class ForwardReply(Struct, tag=True):
     """Payload: "tokens" int32, the emitted tokens of all results concatenated in order; with
-    Forward.features, "features" float32 [sum num_features, hidden] in the same order."""
+    Forward.features, "features" float32 [sum num_features, hidden] in the same order; where a result
+    has logprob rows, "logprobs" float32 [sum rows], "top_ids" int32 and "top_logprobs" float32
+    [sum rows * top_logprobs], in the same order (a result's prompt rows, then its emitted tokens')."""
 
     results: list[StepResult]  # prefill entries first, then verify entries, in request order
     forward_ms: float  # the model pass, milliseconds

@@ -13,6 +13,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 
+from specserve.shared.wire.logprobs import TokenLogprobs, cut
 from specserve.shared.wire.messages import (
     ErrorInfo,
     Forward,
@@ -105,6 +106,8 @@ class StepOutput:
     num_accepted: int = 0
     error: ErrorInfo | None = None
     features: torch.Tensor | None = None  # with forward(features=True): see StepResult.num_features
+    prompt_logprobs: TokenLogprobs | None = None  # with SamplingSpec.prompt_logprobs: this chunk's prompt positions
+    logprobs: TokenLogprobs | None = None  # with SamplingSpec.logprobs: one row per emitted token
 
 
 class _ServiceClient:
@@ -170,5 +173,6 @@ class TargetClient(_ServiceClient):
         rows: list[torch.Tensor | None] = [None] * len(reply.results)
         if "features" in out:
             rows = list(out["features"].split([r.num_features for r in reply.results]))
-        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error, f if r.num_features else None)
-                for r, toks, f in zip(reply.results, tokens, rows)], reply
+        scored = cut(out, reply.results)
+        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error, f if r.num_features else None, *lp)
+                for r, toks, f, lp in zip(reply.results, tokens, rows, scored)], reply

@@ -117,8 +117,8 @@ FIELDS = {
     "function_call": st.sampled_from(["none", "auto"]),
     "best_of": st.integers(-1, 5),
     "echo": st.booleans(),
-    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)),
-    "top_logprobs": st.integers(0, 5),
+    "logprobs": st.one_of(st.booleans(), st.integers(-3, 25), st.sampled_from([20, 21, 1.5, "3", 10**30])),
+    "top_logprobs": st.one_of(st.integers(-3, 25), st.sampled_from([20, 21, 2.0, True, 10**30])),
     "suffix": st.sampled_from(["", "x"]),
     "min_p": st.one_of(st.floats(-0.5, 1.5), st.sampled_from([0, 1, 5e-324, 1.0000001])),
     "min_tokens": st.one_of(st.integers(-2, 2 * MAX_NEW), st.sampled_from([10**6, 10**30])),
@@ -185,6 +185,14 @@ def valid_body(draw) -> dict:
                                         st.lists(st.integers(0, 4095), min_size=1, max_size=16)))
     for name in draw(st.lists(st.sampled_from(sorted(VALID_FIELDS)), max_size=4, unique=True)):
         body[name] = draw(VALID_FIELDS[name])
+    if draw(st.booleans()):  # logprobs: completions' count and echo, chat's flag and count
+        if "messages" in body:
+            body["logprobs"] = draw(st.booleans())
+            if body["logprobs"] and draw(st.booleans()):
+                body["top_logprobs"] = draw(st.integers(0, 20))
+        else:
+            body["logprobs"] = draw(st.one_of(st.none(), st.integers(0, 20)))
+            body["echo"] = draw(st.booleans())
     if "best_of" in body:
         body["best_of"] = body.get("n", 1)
     if "min_tokens" in body:
@@ -276,6 +284,7 @@ def check(status: int, ctype: str, body: bytes, headers: dict, path: str, sent: 
         finishes: dict[int, list] = {}  # per choice index, its chunks' finish reasons in order
         for c in chunks:
             for choice in c.get("choices") or []:
+                check_logprobs(choice.get("logprobs"), c["object"] == "chat.completion.chunk", where)
                 finishes.setdefault(choice["index"], []).append(choice["finish_reason"])
         assert sorted(finishes) == list(range(choices_of(sent))), where
         for f in finishes.values():
@@ -289,11 +298,28 @@ def check(status: int, ctype: str, body: bytes, headers: dict, path: str, sent: 
     assert out["object"] in ("text_completion", "chat.completion"), where
     assert [c["index"] for c in out["choices"]] == list(range(choices_of(sent))), where
     for choice in out["choices"]:
+        check_logprobs(choice.get("logprobs"), out["object"] == "chat.completion", where)
         assert choice["finish_reason"] in ("stop", "length"), where
         text = choice["text"] if out["object"] == "text_completion" else choice["message"]["content"]
         assert isinstance(text, str), where
     bound = most_tokens(path, sent)
     assert bound is None or out["usage"]["completion_tokens"] <= bound, where
+
+
+def check_logprobs(lp, chat: bool, where: str) -> None:
+    """A choice's `logprobs`, when present, in OpenAI's shape."""
+    if lp is None:
+        return
+    if chat:
+        assert isinstance(lp["content"], list), where
+        for entry in lp["content"]:
+            assert {"token", "logprob", "bytes", "top_logprobs"} <= set(entry), where
+            assert isinstance(entry["logprob"], float) and isinstance(entry["bytes"], list), where
+        return
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    assert len({len(lp[f]) for f in fields}) == 1, where
+    assert lp["text_offset"] == sorted(lp["text_offset"]), where
+    assert all(v is None or isinstance(v, float) for v in lp["token_logprobs"]), where
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,7 @@ def test_common_rule_messages():
 
 
 @pytest.mark.parametrize(
-    ("field", "good", "bad"), [("echo", False, True), ("logprobs", None, 0)]
+    ("field", "good", "bad"), [("logprobs", 20, 21), ("logprobs", 0, -1), ("top_logprobs", 0, 2)],
 )
 def test_completion_only_rules(field, good, bad):
     parse_completion(completion(**{field: good}))
@@ -175,7 +175,7 @@ def test_completion_only_rules(field, good, bad):
 
 @pytest.mark.parametrize(
     ("field", "good", "bad"),
-    [("logprobs", False, True), ("top_logprobs", 0, 2), ("max_completion_tokens", 1_000_000, 0)],
+    [("echo", False, True), ("top_logprobs", 0, 2), ("max_completion_tokens", 1_000_000, 0)],
 )
 def test_chat_only_rules(field, good, bad):
     parse_chat(chat(**{field: good}))
@@ -248,8 +248,6 @@ def test_duplicate_keys_last_one_wins_and_is_validated():
     ("field", "neutral", "bad"),
     [
         ("logit_bias", [{}], [{"50256": -100}]),
-        ("echo", [False], [True]),
-        ("top_logprobs", [0], [3]),
         ("response_format", [{"type": "text"}], [{"type": "json_object"}, {"type": "json_schema"}, "text", {}]),
         ("tools", [[]], [[{"type": "function", "function": {"name": "f"}}], {}, 1e30]),
         ("tool_choice", ["none"], ["auto", "required", {"type": "function", "function": {"name": "f"}}]),
@@ -273,11 +271,29 @@ def test_unsupported_features_refused_unless_neutral(field, neutral, bad):
             assert f"{field} is not supported" in err.message
 
 
-def test_completion_suffix_and_logprobs_refused():
+def test_completion_suffix_refused():
     parse_completion(completion(suffix=""))
     refused(parse_completion, completion(suffix="x"), "suffix")
-    refused(parse_completion, completion(logprobs=0), "logprobs")
-    refused(parse_chat, chat(logprobs=True), "logprobs")
+
+
+def test_logprob_fields():
+    """Completions: logprobs 0..20 and echo; chat: logprobs true with top_logprobs 0..20. Out of range, the
+    wrong type, or top_logprobs without logprobs: a 400 naming the field."""
+    for n in (0, 5, 20):
+        assert sampling_of(parse_completion(completion(logprobs=n, echo=True))) == Sampling(
+            1.0, 1.0, 0, None, 16, (), logprobs=n, echo=True)
+        assert sampling_of(parse_chat(chat(logprobs=True, top_logprobs=n))).logprobs == n
+    assert sampling_of(parse_completion(completion(echo=True))).logprobs is None
+    assert sampling_of(parse_chat(chat(logprobs=True))).logprobs == 0
+    assert sampling_of(parse_chat(chat(logprobs=False, top_logprobs=0))).logprobs is None
+    for value in (21, -1, True, 1.5, "3", [1]):
+        refused(parse_completion, completion(logprobs=value), "logprobs")
+        refused(parse_chat, chat(logprobs=True, top_logprobs=value), "top_logprobs")
+    for value in (1, "true", [True]):
+        refused(parse_chat, chat(logprobs=value), "logprobs")
+    refused(parse_completion, completion(echo=1), "echo")
+    assert "needs logprobs" in refused(parse_chat, chat(top_logprobs=3), "top_logprobs").message
+    assert "between 0 and 20" in refused(parse_completion, completion(logprobs=21), "logprobs").message
 
 
 def test_top_k_beyond_any_vocabulary_is_no_limit_and_user_is_metadata():

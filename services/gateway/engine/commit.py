@@ -3,8 +3,10 @@
 Per output: an error ends the request (an `out_of_blocks` one is retried up to `MAX_OUT_OF_BLOCKS`
 iterations first); a prompt chunk that was not the last only advances `prefilled`; the last chunk and a
 verified tree emit their tokens, cut at a stop id (an EOS id, dropped; one of the request's stop_token_ids,
-kept; neither before min_tokens) and at max_tokens. The features a pass returned are
-written into the request's FeatureLog by position.
+kept; neither before min_tokens) and at max_tokens. The features a pass returned are written into the
+request's FeatureLog by position. Logprobs follow their tokens (cut with them); a prompt's logprobs are
+kept by position until its first token carries them (a prompt chunk prefilled again after a preemption
+does not send its positions twice).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs.metrics import GatewayMetrics
 from specserve.gateway.perf.record import RequestStep
 from specserve.shared.spec.feature_log import FeatureLog
+from specserve.shared.wire.logprobs import TokenLogprobs
 from specserve.shared.wire.service_client import StepOutput
 
 MAX_OUT_OF_BLOCKS = 200  # iterations a request may be refused for KV room before it is ended
@@ -44,6 +47,8 @@ class Commit:
             if out.features is not None:  # at the chunk's start, or at the verified tree's root
                 r.features = r.features or FeatureLog()
                 r.features.write(r.committed - 1 if entry.verified else r.prefilled, out.features)
+            if out.prompt_logprobs is not None and not entry.verified:
+                keep_prompt_logprobs(r, r.prefilled, out.prompt_logprobs)
             if entry.verified:
                 entry.accepted = out.num_accepted
                 r.accepted.append(out.num_accepted)
@@ -57,10 +62,11 @@ class Commit:
             else:
                 r.prefilled = len(r.prompt)
                 self.metrics.on_first_token(now - r.arrival)
-            self.emit(r, out.tokens, now)
+            self.emit(r, out.tokens, now, out.logprobs)
 
-    def emit(self, r: GenRequest, tokens: list[int], now: float) -> None:
-        """New tokens to the request and its handler, up to a stop id or max_tokens (which end it)."""
+    def emit(self, r: GenRequest, tokens: list[int], now: float, logprobs: TokenLogprobs | None = None) -> None:
+        """New tokens to the request and its handler, up to a stop id or max_tokens (which end it), with their
+        logprobs; the first carry the prompt's, if it asked."""
         first = not r.output
         keep: list[int] = []
         reason: str | None = None
@@ -82,10 +88,24 @@ class Commit:
         r.output.extend(keep)
         r.token_times.extend([now] * len(keep))
         r.draft_unsent.extend(keep)
-        if keep:
-            r.events.put_nowait(Tokens(keep))
+        prompt_logprobs = r.prompt_logprobs if first else None
+        if keep or prompt_logprobs is not None:
+            r.events.put_nowait(Tokens(keep, None if logprobs is None else logprobs.head(len(keep)), prompt_logprobs))
+        if first:
+            r.prompt_logprobs = None
         if reason is not None:
             self.table.finish(r, reason)
 
 
-__all__ = ["MAX_OUT_OF_BLOCKS", "Commit"]
+def keep_prompt_logprobs(r: GenRequest, start: int, rows: TokenLogprobs) -> None:
+    """A prompt chunk's logprobs (from position max(start, 1) on) into the request's, the positions it has
+    already left out."""
+    have = r.prompt_logprobs
+    if have is None:
+        have = r.prompt_logprobs = TokenLogprobs([], [], [])
+    skip = len(have) + 1 - max(start, 1)  # the first position it lacks is len(have) + 1
+    if skip >= 0:
+        have.extend(rows.tail(skip))
+
+
+__all__ = ["MAX_OUT_OF_BLOCKS", "Commit", "keep_prompt_logprobs"]

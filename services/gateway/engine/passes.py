@@ -51,7 +51,7 @@ class Passes:
             context = r.context
             last = r.prefilled + n == len(context)
             p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: r.prefilled + n], last,
-                                         r.sampling if r.prefilled == 0 else None,
+                                         r.prefill_sampling if r.prefilled == 0 else None,
                                          r.output[-1] if last and r.resuming else None))
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
         for r in decoding:

@@ -12,8 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from specserve.gateway.sched.slo_classes import SloClass
 from specserve.shared.spec.feature_log import FeatureLog
+from specserve.shared.wire.logprobs import TokenLogprobs
 from specserve.shared.wire.messages import SamplingSpec
 
 if TYPE_CHECKING:
@@ -24,9 +27,12 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Tokens:
-    """New output tokens of one step (already cut at EOS, max_tokens and the context length)."""
+    """New output tokens of one step (already cut at EOS, max_tokens and the context length); for a request
+    that asked for logprobs, theirs, and in its first `Tokens` the prompt's (`echo`; it may have no tokens)."""
 
     tokens: list[int]
+    logprobs: TokenLogprobs | None = None  # one row per token
+    prompt_logprobs: TokenLogprobs | None = None  # one row per prompt token but the first
 
 
 @dataclass(slots=True)
@@ -92,6 +98,7 @@ class GenRequest:
     served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
     trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
+    prompt_logprobs: TokenLogprobs | None = None  # with sampling.prompt_logprobs: the prompt's, until its first token
 
     @classmethod
     def of(cls, sub: Submission, events: asyncio.Queue | None = None) -> GenRequest:
@@ -112,6 +119,14 @@ class GenRequest:
         """The tokens its target KV is built from by prefill: the prompt, or after a preemption the
         prompt and every output token but the newest (which is the next tree's root)."""
         return self.prompt + self.output[:-1] if self.resuming else self.prompt
+
+    @property
+    def prefill_sampling(self) -> SamplingSpec:
+        """The sampling its first prompt chunk carries: without prompt logprobs when it rebuilds its KV after a
+        preemption (they went out with its first token)."""
+        if self.resuming and self.sampling.prompt_logprobs:
+            return msgspec.structs.replace(self.sampling, prompt_logprobs=False)
+        return self.sampling
 
     @property
     def decoding(self) -> bool:

@@ -64,7 +64,8 @@ class _Sink(asyncio.Queue):
     def put_nowait(self, item: Event) -> None:
         rid = self.rid
         if isinstance(item, Tokens):
-            self.connection.emit(wire.Event(rid, wire.TOKENS, item.tokens))
+            self.connection.emit(wire.Event(rid, wire.TOKENS, item.tokens, logprobs=item.logprobs,
+                                            prompt_logprobs=item.prompt_logprobs))
         elif isinstance(item, Admitted):
             self.connection.emit(wire.Event(rid, wire.ADMITTED, replica=item.replica))
         else:

@@ -161,7 +161,7 @@ class RemoteEngine:
         if events is None:
             return
         if event.kind == wire.TOKENS:
-            events.put_nowait(Tokens(event.tokens))
+            events.put_nowait(Tokens(event.tokens, event.logprobs, event.prompt_logprobs))
         elif event.kind == wire.ADMITTED:
             events.put_nowait(Admitted(event.replica))
         else:

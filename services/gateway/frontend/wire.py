@@ -19,6 +19,7 @@ from typing import TypeVar, cast
 
 import msgspec
 
+from specserve.shared.wire.logprobs import TokenLogprobs
 from specserve.shared.wire.messages import AuthChallenge, AuthHello, AuthProof, SamplingSpec
 from specserve.shared.wire.rpc import parse_address
 
@@ -72,6 +73,8 @@ class Event(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     retry_after_s: float | None = None
     report: bytes = b""  # FINISHED: the request's `specserve` report, JSON
+    logprobs: TokenLogprobs | None = None  # TOKENS: theirs, for a request that asked
+    prompt_logprobs: TokenLogprobs | None = None  # TOKENS: the prompt's, in the request's first
 
 
 class Events(msgspec.Struct, tag=True, array_like=True):

@@ -1,8 +1,9 @@
 """Turning a parsed OpenAI request into a Submission, and the engine's events into response pieces.
 
 `Generation` runs one request: it feeds emitted tokens through the incremental detokenizer and
-the stop-string matcher and yields (text, finish_reason) pieces; the HTTP layer (server.py) only
-formats them as SSE chunks or one JSON body.
+the stop-string matcher and yields (text, finish_reason) pieces, the echoed prompt first where asked,
+and with logprobs places each token's row at its text (logprobs.py's `LogprobTrack`); the HTTP layer
+(server.py) only formats them as SSE chunks or one JSON body.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from specserve.gateway.engine.intake import ServiceUnavailable
-from specserve.gateway.engine.request import Admitted, Event, Finished, Submission
+from specserve.gateway.engine.request import Admitted, Event, Finished, Submission, Tokens
 from specserve.gateway.frontend.local import EngineApi, kv_pool_error
 from specserve.gateway.http.detokenize import IncrementalDetokenizer, StopMatcher
+from specserve.gateway.http.logprobs import LogprobTrack, TokenStrings
 from specserve.gateway.http.protocol import ApiError, Sampling, SloSpec
 from specserve.gateway.sched.slo_classes import SloClass, resolve
 from specserve.shared.wire.messages import SamplingSpec
@@ -91,7 +93,8 @@ def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], samplin
                         None if sampling.seed is None else sampling.seed % 2**63, sampling.min_p,
                         sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty,
                         sampling.min_tokens, list(sampling.stop_token_ids),
-                        sorted(eos) if sampling.min_tokens else [], len(prompt))
+                        sorted(eos) if sampling.min_tokens else [], len(prompt),
+                        logprobs=sampling.logprobs, prompt_logprobs=sampling.echo and sampling.logprobs is not None)
     return Submission(new_id(prefix), list(prompt), spec, max_tokens, slo, eos, best_effort_ok)
 
 
@@ -107,10 +110,15 @@ def choice_submissions(sub: Submission, n: int) -> list[Submission]:
 
 class Generation:
     """One submitted request's output as text pieces, from its events; aborts the request if the
-    consumer leaves. Its times (arrival, admission, first token) are the handler's own."""
+    consumer leaves. Its times (arrival, admission, first token) are the handler's own. `echo`: the prompt's
+    text, returned before the output; `strings`: where the request asked for logprobs, the tokens' texts
+    (`logprobs` then tracks them)."""
 
-    def __init__(self, engine: EngineApi, sub: Submission, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]):
+    def __init__(self, engine: EngineApi, sub: Submission, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...],
+                 echo: str | None = None, strings: TokenStrings | None = None):
         self.engine, self.sub = engine, sub
+        self.echo, self.strings = echo, strings
+        self.logprobs = None if strings is None else LogprobTrack(len(echo or ""))
         self.arrival = time.perf_counter()
         self.events = engine.submit(sub)  # ServiceUnavailable: refused at once
         self.detok = IncrementalDetokenizer(tokenizer, sub.prompt)
@@ -157,7 +165,7 @@ class Generation:
                 while not events.empty():
                     taken.append(events.get_nowait())
                 text = "".join(self._text(taken))
-                if text:
+                if text or (self.logprobs is not None and self.logprobs.ready):
                     yield text
             while self.report is None and self.finish_reason == "stop":  # ended here: the engine's report follows
                 event = await events.get()
@@ -170,30 +178,48 @@ class Generation:
     def _text(self, events: list[Event]) -> Iterator[str]:
         """The text of events in order, through the detokenizer and the stop matcher; sets
         finish_reason at a Finished event or a stop string (what follows is dropped)."""
+        track = self.logprobs
         for event in events:
             if isinstance(event, Admitted):
                 continue
+            if self.echo is not None:  # before the first tokens (or the end)
+                yield self.echo
+                self.echo = None
             if isinstance(event, Finished):
-                tail = self.detok.flush()
+                tail, stopped = self.detok.flush(), False
                 if self.completion_tokens > self.min_tokens:
-                    tail, _ = self.stop.feed(tail)
-                yield tail + self.stop.flush()
+                    tail, stopped = self.stop.feed(tail)
+                tail += self.stop.flush()
+                if track is not None:
+                    track.out(len(tail), stopped, final=not stopped)
+                yield tail
                 self.finish_reason, self.error, self.report = event.reason, event.error, event.report
                 return
             if self.first_token_at is None and event.tokens:
                 self.first_token_at = time.perf_counter()
+            if track is not None:
+                self._rows(track, event)
             for token in event.tokens:
                 self.completion_tokens += 1
-                piece = self.detok.add([token])
+                made = self.detok.add([token])
                 if self.completion_tokens <= self.min_tokens:  # vLLM's rule: no stop string before min_tokens
-                    yield piece
-                    continue
-                piece, stopped = self.stop.feed(piece)
+                    piece, stopped = made, False
+                else:
+                    piece, stopped = self.stop.feed(made)
+                if track is not None:
+                    track.fed(token, len(made), len(piece), stopped)
                 yield piece
                 if stopped:
                     self.engine.abort(self.sub.rid, "stop")
                     self.finish_reason = "stop"
+                    # the engine may have ended it already, its Finished taken in this same batch
+                    self.report = next((e.report or {} for e in events if isinstance(e, Finished)), None)
                     return
+
+    def _rows(self, track: LogprobTrack, event: Tokens) -> None:
+        if event.prompt_logprobs is not None and self.strings is not None:
+            track.prompt(self.sub.prompt, event.prompt_logprobs, self.strings)
+        track.receive(event)
 
     def usage(self) -> dict:
         p, c = len(self.sub.prompt), self.completion_tokens

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from specserve.gateway.engine.request import Submission
 from specserve.gateway.frontend.local import EngineApi
 from specserve.gateway.http.api import Generation
+from specserve.gateway.http.logprobs import TokenStrings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -24,14 +25,14 @@ if TYPE_CHECKING:
 
 class Choices:
     def __init__(self, engine: EngineApi, rid: str, subs: list[Submission], tokenizer: PreTrainedTokenizerBase,
-                 stops: tuple[str, ...]):
-        """rid: the response's id. Submits every choice; ServiceUnavailable (503) when one is refused at once
-        (those submitted before it are aborted)."""
+                 stops: tuple[str, ...], echo: str | None = None, strings: TokenStrings | None = None):
+        """rid: the response's id; echo, strings: each choice's (`Generation`'s). Submits every choice;
+        ServiceUnavailable (503) when one is refused at once (those submitted before it are aborted)."""
         self.engine, self.rid = engine, rid
         self.gens: list[Generation] = []
         try:
             for sub in subs:
-                self.gens.append(Generation(engine, sub, tokenizer, stops))
+                self.gens.append(Generation(engine, sub, tokenizer, stops, echo, strings))
         except BaseException:
             self.abort()
             raise

@@ -4,7 +4,7 @@ They turn the JSON body of ``POST /v1/completions`` and ``POST /v1/chat/completi
 Structs of protocol.py and validate every field the gateway acts on; anything invalid raises
 `ApiError`, which the server turns into an HTTP response in OpenAI's error shape. Fields the gateway
 does not know are ignored (clients send many), but a known feature the gateway does not implement
-(best_of above n, echo, logprobs, suffix, logit bias, response formats, tools and function calls, vLLM's
+(best_of above n, suffix, chat's echo, logit bias, response formats, tools and function calls, vLLM's
 guided decoding, ...) is refused with a 400 naming it unless it is absent, null or its neutral value
 (`UNSUPPORTED`), rather than silently dropped. The sampling fields (penalties, min_p, min_tokens,
 stop_token_ids, n) are checked against vLLM's limits (`_check_sampling`). Every
@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from specserve.gateway.http.protocol import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from specserve.shared.spec.logprobs import MAX_LOGPROBS
 from specserve.shared.spec.sampling import PENALTY_LIMIT
 
 __all__ = ["UNSUPPORTED", "parse_chat", "parse_completion"]
@@ -77,8 +78,10 @@ def parse_completion(body: bytes) -> CompletionRequest:
     _check_prompt(req.prompt)
     _check_max_tokens(req.max_tokens, "max_tokens")
     _check_sampling(req)
-    if req.logprobs is not None:
-        raise ApiError("logprobs are not supported", param="logprobs")
+    _check_logprob_count(req.logprobs, "logprobs")
+    if req.top_logprobs:
+        raise ApiError(f"top_logprobs is a chat parameter; completions take logprobs: N (0..{MAX_LOGPROBS}), got "
+                       f"top_logprobs {_short(req.top_logprobs)}", param="top_logprobs")
     if req.suffix:
         raise ApiError("suffix is not supported (must be empty or absent)", param="suffix")
     return req
@@ -92,8 +95,11 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
     _check_max_tokens(req.max_tokens, "max_tokens")
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     _check_sampling(req)
-    if req.logprobs:
-        raise ApiError("logprobs are not supported", param="logprobs")
+    _check_logprob_count(req.top_logprobs, "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.echo:
+        raise ApiError("echo is not supported in chat completions (must be false or absent)", param="echo")
     return req
 
 
@@ -152,8 +158,6 @@ def _is(neutral: object) -> Callable[[Any], bool]:
 # that is neither absent, null nor neutral is refused with a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (_is({}), "must be empty or absent"),
-    "echo": (_is(False), "must be false or absent"),
-    "top_logprobs": (_is(0), "must be 0 or absent"),
     "response_format": (_is({"type": "text"}), 'must be {"type": "text"} or absent'),
     "tools": (_is([]), "must be empty or absent"),
     "tool_choice": (_is("none"), 'must be "none" or absent'),
@@ -220,6 +224,11 @@ def _max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         return req.max_completion_tokens
     return req.max_tokens
+
+
+def _check_logprob_count(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {_short(value)}", param=param)
 
 
 def _check_max_tokens(value: int | None, param: str) -> None:

@@ -99,6 +99,8 @@ class _SamplingFields(Struct, kw_only=True):
     slo: SloSpec | None = None
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past EOS (benchmarks use it)
     user: str | None = None  # metadata: accepted and not used
+    echo: bool | None = None  # completions: the prompt before the completion (chat refuses it)
+    top_logprobs: int | None = None  # chat: ranked tokens per position with logprobs: true (completions refuse it)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's sampling extensions, with min_p, min_tokens, stop_token_ids
@@ -108,8 +110,6 @@ class _SamplingFields(Struct, kw_only=True):
     best_of: int | None = None  # only best_of = n (each choice is one generation)
     # Known features the gateway does not implement: refused unless absent, null or neutral (UNSUPPORTED).
     logit_bias: dict[str, float] | None = None
-    echo: bool | None = None  # a completions field; vLLM's chat has it too
-    top_logprobs: int | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -134,8 +134,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     model: str
     prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None = until the context is full
-    # Known features we do not implement: refused when they ask for anything.
-    logprobs: int | None = None  # refused unless null (0 asks for the chosen token's logprob)
+    logprobs: int | None = None  # null: none; N: each token's logprob and the N most likely tokens there
+    # A known feature we do not implement: refused when it asks for anything.
     suffix: str | None = None  # refused unless null or empty
 
 
@@ -146,8 +146,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    # Known features we do not implement: refused when they ask for anything.
-    logprobs: bool | None = None
+    logprobs: bool | None = None  # each token's logprob, with `top_logprobs` ranked tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +167,8 @@ class Sampling:
     min_tokens: int = 0  # output tokens before EOS, a stop id or a stop string may end it
     stop_token_ids: tuple[int, ...] = ()  # more ids that end the output (kept in it, as vLLM does)
     n: int = 1  # choices, each its own generation
+    logprobs: int | None = None  # None: none; N: each output token's logprob and the N most likely tokens there
+    echo: bool = False  # completions: the prompt (with logprobs: and its tokens' logprobs) before the completion
 
 
 # ---------------------------------------------------------------------------------------------- normalization
@@ -179,8 +180,9 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest,
     it leaves out (absent or null) is `model_defaults`' value (the model's generation_config) if it has one."""
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        max_tokens = req.max_tokens
+        max_tokens, logprobs = req.max_tokens, req.logprobs
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     defaults = {**SAMPLING_DEFAULTS, **(model_defaults or {})}
     given = {name: getattr(req, name) for name in SAMPLING_DEFAULTS}
@@ -201,6 +203,8 @@ def sampling_of(req: CompletionRequest | ChatCompletionRequest,
         min_tokens=req.min_tokens or 0,
         stop_token_ids=tuple(dict.fromkeys(req.stop_token_ids or ())),
         n=req.n or 1,
+        logprobs=logprobs,
+        echo=bool(req.echo),
     )
 
 

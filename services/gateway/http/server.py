@@ -22,8 +22,16 @@ from aiohttp import web
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.frontend.local import EngineApi
-from specserve.gateway.http.api import ModelInfo, allows_best_effort, build_request, choice_submissions, resolve_slo
+from specserve.gateway.http.api import (
+    Generation,
+    ModelInfo,
+    allows_best_effort,
+    build_request,
+    choice_submissions,
+    resolve_slo,
+)
 from specserve.gateway.http.choices import Choices
+from specserve.gateway.http.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from specserve.gateway.http.parse import parse_chat, parse_completion
 from specserve.gateway.http.protocol import (
     ApiError,
@@ -60,6 +68,7 @@ class Gateway:
         if config.frontend_of:
             self.stream_headers["X-Specserve-Frontend"] = str(os.getpid())
         self.tokenizing = Tokenizing(tokenizer, info.max_model_len)  # off the event loop
+        self.strings = TokenStrings(tokenizer)  # tokens' texts and bytes, for logprobs
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 * 2**20,
@@ -141,7 +150,8 @@ class Gateway:
         slo = resolve_slo(self.engine.classes, req.service_tier, req.slo)
         sub = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix,
                             allows_best_effort(req.service_tier, req.slo))
-        choices = Choices(self.engine, sub.rid, choice_submissions(sub, sampling.n), self.tokenizer, sampling.stop)
+        choices = Choices(self.engine, sub.rid, choice_submissions(sub, sampling.n), self.tokenizer, sampling.stop,
+                          self._echo(req, prompt_ids), None if sampling.logprobs is None else self.strings)
         request[spans.ATTRIBUTES] = choices.span_attributes  # the request span's attributes at the end (tracing on)
         await choices.admitted()  # refused before admission: 503 before any response byte
         if req.stream:
@@ -153,7 +163,8 @@ class Gateway:
             raise web.HTTPInternalServerError(reason=failed.error or "generation failed")
         out = []
         for i, (gen, text) in enumerate(zip(choices.gens, texts)):
-            choice: dict[str, object] = {"index": i, "finish_reason": gen.finish_reason, "logprobs": None}
+            choice: dict[str, object] = {"index": i, "finish_reason": gen.finish_reason,
+                                         "logprobs": self._logprobs(gen, chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -174,7 +185,12 @@ class Gateway:
         base = {"id": choices.rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": gens[0].created, "model": self.info.name}
         chunk = chunk_encoder(base, chat)
-        piece_chunks = [framed(functools.partial(chunk, i, finish=None)) for i in range(len(gens))]
+
+        def with_logprobs(index: int, text: str) -> bytes:  # with the logprobs of the tokens whose text it carries
+            return chunk(index, text, None, logprobs=self._logprobs(gens[index], chat))
+
+        piece_chunks = [framed(functools.partial(chunk, i, finish=None)) if gen.logprobs is None
+                        else functools.partial(with_logprobs, i) for i, gen in enumerate(gens)]
         pieces = choices.pieces()
         ended = 0
         end = []  # the last events go out in one write (one socket send instead of three)
@@ -209,6 +225,23 @@ class Gateway:
         await resp.write_eof()
         return resp
 
+    def _echo(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> str | None:
+        """The text `echo` returns before the completion: the prompt as sent, or its token ids decoded."""
+        if not isinstance(req, CompletionRequest) or not req.echo:
+            return None
+        prompt = prompt_of(req)
+        if isinstance(prompt, str):
+            return prompt
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        return text if isinstance(text, str) else "".join(text)
+
+    def _logprobs(self, gen: Generation, chat: bool) -> dict | None:
+        """The `logprobs` object of the tokens released since the last call (None where not asked)."""
+        if gen.logprobs is None:
+            return None
+        entries = gen.logprobs.take()
+        return chat_logprobs(entries, self.strings) if chat else completion_logprobs(entries, self.strings)
+
     def _bound(self, request: web.Request) -> None:
         """Cap what a stream's connection holds unsent: the socket's send buffer and the transport's."""
         transport, limit = request.transport, self.config.stream_buffer_bytes
@@ -241,15 +274,17 @@ class Gateway:
 
 
 def chunk_encoder(base: dict, chat: bool) -> Callable[..., bytes]:
-    """chunk(index, text, finish, role=False) -> one SSE event of a streamed response (`base`: its id, object,
-    created and model): choice `index`'s text piece, its end (finish reason), or for chat its role chunk."""
+    """chunk(index, text, finish, role=False, logprobs=None) -> one SSE event of a streamed response (`base`: its
+    id, object, created and model): choice `index`'s text piece (with its tokens' logprobs object), its end
+    (finish reason), or for chat its role chunk."""
 
-    def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> bytes:
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False,
+              logprobs: dict | None = None) -> bytes:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return b"data: " + _json.encode({**base, "choices": [choice]}) + b"\n\n"
 
     return chunk

@@ -1,0 +1,231 @@
+"""What the stack costs per iteration beside the target's pass, and speculation at a known acceptance.
+
+    .venv/bin/python bench/step_overhead.py [--rounds 3] [--inflight 1,16,64,256] [--seconds 15]
+                                            [--replay-alpha 0.8] [--skip-replay] [--out FILE]
+
+Part 1, the stack's own time: a near-null target (the bundled demo draft, 2 layers of 160, served as the
+target, so the pass is a fraction of a millisecond) under `none`, at each number of requests in flight
+(closed loop: every client sends its next request when one ends; greedy, `ignore_eos`, 64 new tokens,
+a 16-token prompt). Per level, from the gateway's iteration counters over a steady window
+(services/cli/loadgen/scrape.py): the iteration's wall time (the window's sum of draft, target,
+transport and scheduling seconds over its iterations), the target service's pass time, and the rest,
+the stack's own, in total and per request in flight. Then the default policy at the largest level
+below 100 (its pairing for that model, the demo draft) against `none`, as tokens/s.
+
+Part 2, the replay draft (services/draft/replay.py) on SmolLM2-135M-Instruct at one request: the
+target's greedy outputs on the chat prompts of bench/smollm2_c1.py are recorded in this process
+(`record_greedy`: the served pass's kernels), then served with `--draft-model replay:FILE`
+at alpha A under `chain:4` and under `none`. Reported: tokens per target pass, tokens/s and the speedup,
+against the prediction from the measured pass times (the gateway's counters in the same round): E[tokens
+per pass] = 1 + A + ... + A^4 times `none`'s iteration over (the chain's target pass + `none`'s rest of an
+iteration), i.e. what speculation should give if the draft call and the tree cost nothing beyond the
+target's longer pass.
+
+Every mode runs in each round, rounds interleaved; medians over rounds with min-max. Figures: the
+report's "The stack's own time" section (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.sweep import spread  # noqa: E402
+
+NEW_TOKENS = 64
+PROMPT = list(range(100, 116))  # 16 token ids, valid in both bundled vocabularies and SmolLM2's
+
+
+async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int], max_tokens: int) -> dict:
+    """`inflight` clients for `seconds` (after a warm-up of one request each); the gateway's counters over
+    the steady window and the tokens the clients received in it."""
+    import aiohttp
+
+    from specserve.cli.loadgen.scrape import scrape, server_delta
+
+    tokens = 0
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with session.get(f"{url}/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        async def one() -> int:
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                return int((await resp.json())["usage"]["completion_tokens"])
+
+        await asyncio.gather(*[one() for _ in range(inflight)])  # warm-up: shapes, profiles, caches
+        stop_at = time.monotonic() + seconds
+        counting = True
+
+        async def client() -> None:
+            nonlocal tokens
+            while time.monotonic() < stop_at:
+                got = await one()
+                if counting:
+                    tokens += got
+
+        before = await scrape(session, url)
+        start = time.monotonic()
+        await asyncio.gather(*[client() for _ in range(inflight)])
+        wall = time.monotonic() - start
+        counting = False
+        after = await scrape(session, url)
+    delta = server_delta(before, after)
+    it = delta["iteration"]
+    n = max(it["iterations"], 1)
+    iteration_ms = it["mean_ms"] or 0.0
+    target_ms = it["seconds"]["target"] / n * 1e3
+    stack_ms = iteration_ms - target_ms
+    return {"inflight": inflight, "iterations": it["iterations"], "iteration_ms": iteration_ms,
+            "target_ms": target_ms, "stack_ms": stack_ms, "stack_us_per_request": stack_ms * 1e3 / inflight,
+            "split_ms": {p: s / n * 1e3 for p, s in it["seconds"].items()},
+            "tokens_per_s": tokens / wall, "tokens_per_pass": delta["mean_acceptance_length"]}
+
+
+def near_null(args: argparse.Namespace, levels: list[int]) -> list[dict]:
+    """Part 1: one stack on the near-null target, a gateway per policy; `rounds` interleaved rounds."""
+    from specserve.shared.runtime.model_store import MODELS
+    from tests.support.procs import Up, gateway
+
+    model = str(MODELS / "draft")
+    profile = Path(tempfile.mkdtemp()) / "profile.json"
+    up = Up("--model", model, "--draft-model", model, "--policy", "none", "--threads", "1",
+            "--profile", str(profile), timeout_s=600)
+    default = gateway(up, "joint", "--model", model, "--profile", str(profile))
+    duel = max([n for n in levels if n < 100] or [levels[0]])
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            row = {f"none@{n}": asyncio.run(closed_loop(up.url, n, args.seconds, PROMPT, NEW_TOKENS)) for n in levels}
+            row[f"joint@{duel}"] = asyncio.run(closed_loop(default.address, duel, args.seconds, PROMPT, NEW_TOKENS))
+            rounds.append(row)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v['stack_ms']:.2f} ms stack, {v['tokens_per_s']:.0f} tok/s"
+                                                 for k, v in row.items()), flush=True)
+    finally:
+        default.stop()
+        up.interrupt()
+    return rounds
+
+
+def replay(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Part 2: SmolLM2 at one request under `none` and `chain:4` with the replay draft."""
+    from transformers import AutoTokenizer
+
+    from bench.smollm2_c1 import CHAT, _ids
+    from specserve.draft.replay import record_greedy
+    from specserve.shared.runtime.model_store import resolve
+    from tests.support.procs import Up, gateway
+
+    model_dir = resolve("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [_ids(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+               for p in CHAT]
+    work = Path(tempfile.mkdtemp())
+    recording, profile = work / "replay.json", work / "profile.json"
+    record_greedy(model_dir, prompts, args.replay_tokens, args.replay_alpha, 0, recording)
+    up = Up("--model", "smollm2-135m-instruct", "--draft-model", f"replay:{recording}", "--policy", "none",
+            "--threads", "1", "--profile", str(profile), timeout_s=900)
+    chain = gateway(up, "chain:4", "--model", model_dir, "--profile", str(profile))
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            row = {}
+            for name, url in (("none", up.url), ("chain:4", chain.address)):
+                row[name] = _sequential(url, prompts, args.replay_tokens)
+            rounds.append(row)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s, {v['tokens_per_pass']:.2f} "
+                                                 "tokens/pass" for k, v in row.items()), flush=True)
+    finally:
+        chain.stop()
+        up.interrupt()
+    alpha = args.replay_alpha
+    expected = sum(alpha ** k for k in range(5))
+    predicted = [expected * r["none"]["iteration_ms"] / (r["chain:4"]["target_ms"] + r["none"]["rest_ms"])
+                 for r in rounds]
+    return rounds, {"alpha": alpha, "expected_tokens_per_pass": expected, "predicted_speedup": spread(predicted)}
+
+
+def _sequential(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Each prompt once, one at a time: tokens/s over the whole set, tokens per target pass, and the
+    iteration's split from the gateway's counters (ms per iteration: the target's pass, the rest)."""
+    import httpx
+
+    from specserve.cli.loadgen.scrape import parse_counters, server_delta
+
+    tokens, steps = 0, []
+    with httpx.Client(base_url=url, timeout=600) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        before = parse_counters(client.get("/metrics").text)
+        start = time.perf_counter()
+        for p in prompts:
+            out = client.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": max_tokens,
+                                                       "temperature": 0}).json()
+            tokens += out["usage"]["completion_tokens"]
+            steps += out["specserve"]["steps"]  # [.., nodes, accepted drafts] per verify step
+        wall = time.perf_counter() - start
+        it = server_delta(before, parse_counters(client.get("/metrics").text))["iteration"]
+    n = max(it["iterations"], 1)
+    target_ms = it["seconds"]["target"] / n * 1e3
+    return {"tokens_per_s": tokens / wall, "iteration_ms": it["mean_ms"], "target_ms": target_ms,
+            "rest_ms": (it["mean_ms"] or 0.0) - target_ms,
+            "tokens_per_pass": sum(1 + a for _, _, a in steps) / len(steps) if steps else 1.0}
+
+
+def _print(result: dict) -> None:
+    """The medians (min-max) as a table."""
+    def fmt(x: dict, digits: int = 2) -> str:
+        return f"{x['median']:.{digits}f} ({x['min']:.{digits}f}-{x['max']:.{digits}f})"
+
+    for mode, m in result.get("near_null", {}).get("median", {}).items():
+        print(f"{mode:>10}: iteration {fmt(m['iteration_ms'])} ms, target {fmt(m['target_ms'])} ms, stack "
+              f"{fmt(m['stack_ms'])} ms = {fmt(m['stack_us_per_request'], 0)} us a request, "
+              f"{fmt(m['tokens_per_s'], 0)} tok/s")
+    if "replay" in result:
+        r = result["replay"]
+        print(f"replay, alpha {r['prediction']['alpha']}: chain:4 / none {fmt(r['speedup'])}, "
+              f"{fmt(r['tokens_per_pass'])} tokens/pass; predicted {fmt(r['prediction']['predicted_speedup'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--inflight", default="1,16,64,256")
+    parser.add_argument("--seconds", type=float, default=15.0, help="steady window per level")
+    parser.add_argument("--replay-alpha", type=float, default=0.8)
+    parser.add_argument("--replay-tokens", type=int, default=96)
+    parser.add_argument("--skip-replay", action="store_true")
+    parser.add_argument("--skip-near-null", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_overhead.json"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateways share it
+    levels = [int(x) for x in args.inflight.split(",")]
+    result: dict = {"rounds": args.rounds, "seconds": args.seconds}
+    if not args.skip_near_null:
+        rounds = near_null(args, levels)
+        result["near_null"] = {"rounds": rounds, "median": {
+            k: {m: spread([r[k][m] for r in rounds]) for m in ("iteration_ms", "target_ms", "stack_ms",
+                                                                "stack_us_per_request", "tokens_per_s")}
+            for k in rounds[0]}}
+    if not args.skip_replay:
+        rounds, prediction = replay(args)
+        speedups = [r["chain:4"]["tokens_per_s"] / r["none"]["tokens_per_s"] for r in rounds]
+        result["replay"] = {"rounds": rounds, "prediction": prediction, "speedup": spread(speedups),
+                            "tokens_per_pass": spread([r["chain:4"]["tokens_per_pass"] for r in rounds])}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    _print(result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
