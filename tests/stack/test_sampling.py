@@ -92,6 +92,11 @@ def test_n_choices_reproducible_with_a_seed_under_every_policy(up, urls):
         model="target", messages=[{"role": "user", "content": "def f(x):"}], max_tokens=8, n=3, temperature=0.8,
         seed=5, extra_body={"best_of": 3})
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+    lp = dict(model="target", prompt=PROMPTS[2], max_tokens=6, temperature=1.0, logprobs=2)
+    pair = client(urls["none"]).completions.create(**lp, n=2, seed=7)
+    second = next(c for c in pair.choices if c.index == 1).logprobs
+    alone = client(urls["none"]).completions.create(**lp, seed=8).choices[0].logprobs  # each choice its own
+    assert second.tokens == alone.tokens and second.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-5)
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client(up.url).completions.create(**{**kw, "best_of": 5})
     wait_all_free(up)
