@@ -37,6 +37,11 @@ class GatewayConfig(Settings):
     model: str = option(default_factory=lambda: str(MODELS / "target"),
                         help="the target's model directory (tokenizer, chat template, context length)",
                         default_text="models/target, the bundled demo target")
+    generation_config: str = option("auto", "where a request's left-out temperature, top_p, top_k, "
+                                    "repetition_penalty and min_p come from: auto: the model directory's "
+                                    "generation_config.json (else its model.gguf's general.sampling.* metadata); "
+                                    "vllm: nowhere (OpenAI's defaults); or another directory holding a "
+                                    "generation_config.json (vLLM's flag)")
     served_model_name: str | None = option(None, "model id clients send as \"model\"",
                                            default_text="the model directory's name")
     host: str = option("127.0.0.1", "HTTP host")

@@ -97,8 +97,23 @@ def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInf
     stops = set(cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
+    defaults = exit_on_load_error(lambda: sampling_defaults(config))
     return tokenizer, ModelInfo(config.served_model_name or config.model, cfg.max_position_embeddings, cfg.vocab_size,
-                                frozenset(stops))
+                                frozenset(stops), defaults)
+
+
+def sampling_defaults(config: GatewayConfig) -> dict[str, float | int]:
+    """The model's own defaults for the sampling fields a request leaves out (--generation-config)."""
+    from specserve.shared.runtime.generation_defaults import GENERATION_CONFIG, generation_defaults
+    from specserve.shared.runtime.model_config import ModelLoadError
+
+    if config.generation_config == "vllm":
+        return {}
+    if config.generation_config == "auto":
+        return generation_defaults(config.model)
+    if not (Path(config.generation_config) / GENERATION_CONFIG).is_file():
+        raise ModelLoadError(f"--generation-config {config.generation_config}: no {GENERATION_CONFIG} there")
+    return generation_defaults(config.generation_config)
 
 
 async def run(config: GatewayConfig, policy: Policy) -> int:

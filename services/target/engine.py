@@ -1,7 +1,8 @@
 """TargetEngine: one forward pass over prefill chunks and token trees, lossless acceptance, KV commit.
 
 Per request it keeps the sampling parameters (and seeded generator), how much of the prompt is
-prefilled, the committed token count and the newest committed token. The KV cache holds every
+prefilled, the committed token count and the newest committed token; with penalties or min_tokens
+also its `TokenHistory` (token counts, updated as chunks and accepted tokens are committed). The KV cache holds every
 committed token but the newest, which is the root of the request's next tree.
 
 Entries are checked one by one before the pass; a refused entry gets an error in its result and
@@ -36,6 +37,7 @@ from specserve.shared.host.service_base import ms_since, split_counts
 from specserve.shared.runtime.batch import Chunk, Tree
 from specserve.shared.runtime.loader import load_model, parse_device, parse_dtype
 from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.spec.penalties import TokenHistory
 from specserve.shared.spec.sampling import SamplingParams
 from specserve.shared.spec.token_tree import InvalidTree, validate_tree
 from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
@@ -52,7 +54,14 @@ from specserve.shared.wire.messages import (
 from specserve.target.config import TargetConfig
 from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, every_row
 
-Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator)
+Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
+
+
+def params_of(spec: SamplingSpec) -> SamplingParams:
+    """A request's sampling parameters (ValueError for values the sampler does not take)."""
+    stops = tuple(dict.fromkeys([*spec.stop_token_ids, *spec.eos_ids])) if spec.min_tokens > 0 else ()
+    return SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed, spec.min_p, spec.repetition_penalty,
+                          spec.presence_penalty, spec.frequency_penalty, spec.min_tokens, stops)
 
 
 @dataclass(slots=True)
@@ -63,6 +72,7 @@ class _Request:
     committed: int = 0  # prompt + output tokens once decoding (the KV holds committed - 1)
     last_token: int = -1  # the newest committed token: the next tree's root
     last_step: int = -1
+    history: TokenHistory | None = None  # with penalties or min_tokens: its tokens as they read them
     logprobs: LogprobState | None = None  # only for a request that asked for logprobs
 
     @property
@@ -233,7 +243,7 @@ class TargetEngine:
             if spec is None:
                 return ErrorInfo("bad_sampling", f"{entry.rid!r}: the first chunk must carry sampling parameters")
             try:
-                SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
+                params_of(spec)
             except ValueError as exc:
                 return ErrorInfo("bad_sampling", f"{entry.rid!r}: {exc}")
             refused = check_spec(spec)
@@ -332,9 +342,14 @@ class TargetEngine:
             if req is None:
                 spec = message.sampling
                 assert spec is not None  # _check_prefill refused a first chunk without sampling parameters
-                params = SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed)
-                req = self.requests[rid] = _Request(params, params.make_generator(), logprobs=LogprobState.of(spec))
+                params = params_of(spec)
+                history = (TokenHistory(self.vocab_size, params, spec.num_prompt)
+                           if params.penalized or params.holds_stops else None)
+                req = self.requests[rid] = _Request(params, params.make_generator(), history=history,
+                                                    logprobs=LogprobState.of(spec))
             req.prefilled += message.num_tokens  # (the chunk's tokens taken from the prefix cache included)
+            if req.history is not None:  # the whole chunk: its computed tokens and those taken from the cache
+                req.history.add_context(self.runner.history[rid][message.start:message.start + message.num_tokens])
             req.last_step = message.step
             if self.config.prefix_caching:
                 self.runner.cache_prefix(rid, req.prefilled)
@@ -344,12 +359,17 @@ class TargetEngine:
                 token = message.resume_token
             else:
                 token = (self.accept or accept_tree)([entry.tokens[-1]], [-1], logits[-1:], req.params,
-                                                     req.generator).tokens[0]
+                                                     req.generator, req.history).tokens[0]
+            if req.history is not None:
+                req.history.add_output([token])
             req.committed, req.last_token = req.prefilled + 1, token
             return ([token], 0), None
         assert req is not None  # _check_verify refused a tree of an unknown request
-        acceptance = (self.accept or accept_tree)(entry.tokens, entry.parents, logits, req.params, req.generator)
+        acceptance = (self.accept or accept_tree)(entry.tokens, entry.parents, logits, req.params, req.generator,
+                                                  req.history)
         self.runner.commit_tree(rid, acceptance.path)
+        if req.history is not None:
+            req.history.add_output(acceptance.tokens)
         req.committed += len(acceptance.tokens)
         if self.config.prefix_caching:
             self.runner.cache_prefix(rid, req.committed - 1)  # the KV: every committed token but the newest

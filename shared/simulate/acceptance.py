@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.shared.spec.penalties import TokenHistory
 from specserve.shared.spec.sampling import SamplingParams
 from specserve.shared.spec.token_tree import children_by_token
 from specserve.shared.spec.tree_acceptance import Acceptance, walk
@@ -104,9 +105,10 @@ class AcceptanceModel:
 
 
 def accept_choices(tokens: Sequence[int], parents: Sequence[int], choices: torch.Tensor,
-                   params: SamplingParams, generator: torch.Generator | None = None) -> Acceptance:
+                   params: SamplingParams, generator: torch.Generator | None = None,
+                   history: TokenHistory | None = None) -> Acceptance:
     """The simulated target's acceptance (the signature of shared.tree_acceptance.accept_tree):
     choices [n_nodes] holds the true next token after every node; from the root, follow the
-    child that matches it; at the first miss, emit it. Sampling parameters do not change the truth."""
+    child that matches it; at the first miss, emit it. Sampling parameters and penalties do not change the truth."""
     truth: list[int] = choices.tolist()
     return walk(children_by_token(tokens, parents), truth.__getitem__)

@@ -1,8 +1,10 @@
 """Sampling parameters and the target distribution they define over next tokens.
 
 `probabilities` is total over what `SamplingParams` accepts: for any finite temperature >= 0, any
-top_p in (0, 1], any integer top_k and any logits without NaN (+-inf and huge or tiny values
-included) every row it returns is finite, non-negative, sums to 1 and keeps a most likely token.
+top_p in (0, 1], any integer top_k, any min_p in [0, 1] and any logits without NaN (+-inf and huge or
+tiny values included) every row it returns is finite, non-negative, sums to 1 and keeps a most likely
+token. The penalties that depend on the tokens so far (repetition, presence, frequency, min_tokens)
+are applied to the logits before it, by shared/spec/penalties.py.
 This matters because one request's parameters must never make a batched call fail: a temperature
 of 1e-38 would otherwise divide the logits into inf - inf = NaN, and a top_p of 1e-300 round to 0
 in float32 and mask every token.
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 SEED_MIN, SEED_END = -(2**63), 2**64  # torch.Generator.manual_seed's range: [SEED_MIN, SEED_END)
+PENALTY_LIMIT = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's and vLLM's range)
 MAX_REDRAWS = 8  # sample(): redraws of a zero-probability token before falling back to the argmax
 
 
@@ -25,6 +28,13 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]; the most likely token is always kept
     top_k: int = 0  # 0, negative or >= the vocabulary: no top-k limit
     seed: int | None = None  # per-request seed in [-2**63, 2**64); None draws from torch's global generator
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one (after temperature)
+    # vLLM's penalties (shared/spec/penalties.py), on the logits before temperature; neutral by default
+    repetition_penalty: float = 1.0  # > 0: a token seen in prompt or output: logit / r if positive, else x r
+    presence_penalty: float = 0.0  # subtracted from the logit of a token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    min_tokens: int = 0  # output tokens before any of stop_ids may be drawn
+    stop_ids: tuple[int, ...] = ()  # the ids min_tokens holds back (EOS and the request's stop ids)
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -35,10 +45,31 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed < SEED_END):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not all(isinstance(t, int) for t in self.stop_ids):
+            raise ValueError(f"stop_ids must be integers, got {self.stop_ids!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (a repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def holds_stops(self) -> bool:
+        """Whether min_tokens holds stop ids back at the start of the output."""
+        return self.min_tokens > 0 and bool(self.stop_ids)
 
     def make_generator(self) -> torch.Generator | None:
         if self.seed is None:
@@ -47,13 +78,15 @@ class SamplingParams:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [N, V] -> probabilities [N, V] (float32, on CPU) after temperature, top-k and top-p.
+    """logits [N, V] -> probabilities [N, V] (float32, on CPU) after temperature, min_p, top-k and top-p.
 
     Computed in float64, with the largest logit of each row subtracted before the division by the
     temperature, so every row has a 0 entry and the rest are <= 0 or -inf (exp never overflows, the
     softmax's sum is >= 1). A row whose largest logit is +inf spreads its mass over its +inf entries;
-    a row of only -inf is uniform. top-k keeps ties with the k-th value; top-p keeps the smallest
-    prefix of the sorted tokens whose mass reaches top_p, and at least the first.
+    a row of only -inf is uniform. min_p (vLLM's order: after the temperature, before top-k) drops the
+    tokens whose probability is below min_p x the largest one's, i.e. whose shifted, scaled logit is
+    below log(min_p); top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
+    tokens whose mass reaches top_p, and at least the first.
     """
     if params.is_greedy:
         logits = logits.detach().to("cpu")
@@ -67,6 +100,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         shifted = torch.where(torch.isposinf(top), torch.where(torch.isposinf(x), zero, neg_inf), shifted)
         shifted = torch.where(torch.isneginf(top), zero, shifted)
     x = shifted / params.temperature  # 0 stays 0 for any temperature > 0; the rest may become -inf
+    if params.min_p > 0:  # p / p_max = exp(x): the largest entries (0) are never dropped
+        x = x.masked_fill(x < math.log(params.min_p), float("-inf"))
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

@@ -5,6 +5,9 @@ emit the target's own token. Sampling: at each node draw from the target's distr
 draw is a child, move there, else emit it and stop. Either way each emitted token is exactly what
 the target alone would have produced (the draws are the target's own), so output is unchanged
 in distribution, and token for token under greedy or a fixed seed.
+
+With penalties (repetition, presence, frequency, min_tokens) the logits are first penalized node by
+node along each node's own path (shared/spec/penalties.py), from the request's `TokenHistory`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.shared.spec.penalties import TokenHistory, penalize
 from specserve.shared.spec.sampling import SamplingParams, probabilities, sample
 from specserve.shared.spec.token_tree import children_by_token
 
@@ -34,9 +38,13 @@ def accept_tree(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    history: TokenHistory | None = None,
 ) -> Acceptance:
-    """logits [n_nodes, V]: the target's next-token logits at every node of the tree."""
+    """logits [n_nodes, V]: the target's next-token logits at every node of the tree; history: the
+    request's tokens so far, which the penalties read (required when `params` asks for any)."""
     children = children_by_token(tokens, parents)
+    if history is not None and (params.penalized or params.holds_stops):
+        logits = penalize(logits, tokens, parents, params, history)
     if params.is_greedy:
         choices: list[int] = logits.argmax(-1).tolist()
 

@@ -163,6 +163,16 @@ class SamplingSpec(Struct):
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 = no limit
     seed: int | None = None  # per-request seed for reproducible sampling
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    # the penalties (shared/spec/penalties.py); neutral by default, and then the target keeps no token counts
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # output tokens before a stop id (stop_token_ids, eos_ids) may be sampled
+    stop_token_ids: list[int] = []  # the request's own stop ids (the gateway ends its output at one, keeping it)
+    eos_ids: list[int] = []  # with min_tokens: the EOS ids it holds back too (none with ignore_eos)
+    num_prompt: int | None = None  # prompt tokens of the context (a preempted request's context goes on with
+    #                                its output, which the penalties count as output); None: all of it
     # logprobs (shared/spec/logprobs.py): None = none; N in 0..MAX_LOGPROBS = each output token's logprob and
     # the N most likely tokens at its position. prompt_logprobs (needs logprobs): the same for every prompt
     # token but the first, computed during prefill.

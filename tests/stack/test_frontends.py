@@ -32,7 +32,7 @@ from specserve.shared.host.launch import free_port
 from specserve.shared.wire.messages import SamplingSpec
 from tests.support import poll
 from tests.support.fixtures import start_up
-from tests.support.gateway import MAX_TOKENS, PROMPTS, run_all
+from tests.support.gateway import MAX_TOKENS, PROMPTS, client, run_all
 from tests.support.procs import health, wait_health
 
 SECRET = "the-frontends-test-secret-0123456789"
@@ -114,6 +114,12 @@ def test_two_frontends_serve_exactly(up_fe, reference):
     counted = [line for line in metrics.splitlines()
                if line.startswith("specserve:request_errors_total") and 'code="context_length_exceeded"' in line]
     assert counted and float(counted[0].split()[-1]) >= 1, counted
+    # the sampling fields cross the link: n choices, each the request with seed + i, penalties and stop ids
+    kw = dict(model="target", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, presence_penalty=0.5,
+              extra_body={"min_tokens": 2, "stop_token_ids": [7], "repetition_penalty": 1.2})
+    two = client(up_fe.url).completions.create(**kw, n=2)
+    alone = [client(up_fe.url).completions.create(**{**kw, "seed": 3 + i}).choices[0].text for i in range(2)]
+    assert [c.text for c in sorted(two.choices, key=lambda c: c.index)] == alone
 
 
 def aborted(url: str) -> float:

@@ -99,30 +99,31 @@ FIELDS = {
     "stop": st.one_of(st.none(), small_text, st.lists(small_text, max_size=20), st.text(min_size=250, max_size=300)),
     "stream": st.one_of(st.booleans(), st.none()),
     "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "n": st.one_of(st.none(), st.integers(0, 3)),
+    "n": st.one_of(st.none(), st.integers(-1, 4), st.sampled_from([16, 17, 10**6])),
     "service_tier": st.one_of(st.none(), st.sampled_from(["critical", "search", "chat", "priority", "default", "auto",
                                                           "platinum", ""])),
     "slo": st.one_of(st.none(), st.fixed_dictionaries({}, optional={"tpot_ms": floats_near | st.floats(0, 1e7),
                                                                     "ttft_ms": floats_near | st.floats(0, 1e7)})),
     "ignore_eos": st.one_of(st.none(), st.booleans()),
     "user": small_text,
-    "presence_penalty": st.sampled_from([0, 0.0, 0.5, -2]),
-    "frequency_penalty": st.sampled_from([0, 1.0]),
-    "repetition_penalty": st.sampled_from([1, 1.0, 1.1, 0.9]),
+    "presence_penalty": st.one_of(st.floats(-2.5, 2.5), st.sampled_from([0, -2, 2, 2.0000001, 1e30, -1e308])),
+    "frequency_penalty": st.one_of(st.floats(-2.5, 2.5), st.sampled_from([0, -2, 2, -2.0000001, 1e30])),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), st.sampled_from([0, -0.0, 1, 5e-324, 1e-300, 1e30, 1e308])),
     "logit_bias": st.one_of(st.just({}), st.dictionaries(st.text(max_size=4), st.floats(-100, 100), max_size=2)),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}]),
     "tools": st.one_of(st.just([]), st.lists(wild_json, min_size=1, max_size=2)),
     "tool_choice": st.sampled_from(["none", "auto", "required"]),
     "functions": st.one_of(st.just([]), st.lists(wild_json, min_size=1, max_size=2)),
     "function_call": st.sampled_from(["none", "auto"]),
-    "best_of": st.integers(0, 3),
+    "best_of": st.integers(-1, 5),
     "echo": st.booleans(),
     "logprobs": st.one_of(st.booleans(), st.integers(-3, 25), st.sampled_from([20, 21, 1.5, "3", 10**30])),
     "top_logprobs": st.one_of(st.integers(-3, 25), st.sampled_from([20, 21, 2.0, True, 10**30])),
     "suffix": st.sampled_from(["", "x"]),
-    "min_p": st.sampled_from([0, 0.1]),
-    "min_tokens": st.sampled_from([0, 2]),
-    "stop_token_ids": st.one_of(st.just([]), st.lists(st.integers(0, 5000), min_size=1, max_size=3)),
+    "min_p": st.one_of(st.floats(-0.5, 1.5), st.sampled_from([0, 1, 5e-324, 1.0000001])),
+    "min_tokens": st.one_of(st.integers(-2, 2 * MAX_NEW), st.sampled_from([10**6, 10**30])),
+    "stop_token_ids": st.one_of(st.just([]), st.lists(st.integers(-3, 5000), min_size=1, max_size=3),
+                                st.lists(st.just(7), min_size=129, max_size=130), st.sampled_from([[2**64], [1.5]])),
     "guided_json": wild_json,
     "some_future_field": wild_json,
 }
@@ -157,9 +158,14 @@ VALID_FIELDS = {  # values the gateway accepts, extremes included
     "slo": st.fixed_dictionaries({}, optional={"tpot_ms": st.floats(1e-300, 3.6e6), "ttft_ms": st.floats(1e-9, 3.6e6)}),
     "ignore_eos": st.booleans(),
     "user": small_text,
-    "n": st.just(1),
-    "presence_penalty": st.just(0),
-    "repetition_penalty": st.just(1),
+    "n": st.integers(1, 4),
+    "best_of": st.just(1),  # made equal to n below
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.one_of(st.floats(0.01, 3), st.sampled_from([1, 5e-324, 1e-300, 1e30, 1e308])),
+    "min_p": st.one_of(st.floats(0, 1), st.sampled_from([5e-324, 1])),
+    "min_tokens": st.integers(0, MAX_NEW),  # at most max_tokens (below)
+    "stop_token_ids": st.lists(st.integers(0, 4095), max_size=4),
     "response_format": st.just({"type": "text"}),
     "tools": st.just([]),
     "tool_choice": st.just("none"),
@@ -187,6 +193,10 @@ def valid_body(draw) -> dict:
         else:
             body["logprobs"] = draw(st.one_of(st.none(), st.integers(0, 20)))
             body["echo"] = draw(st.booleans())
+    if "best_of" in body:
+        body["best_of"] = body.get("n", 1)
+    if "min_tokens" in body:
+        body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
     return body
 
 
@@ -239,15 +249,20 @@ batches = st.lists(requests, min_size=1, max_size=4)
 
 # ---- checks -------------------------------------------------------------------------------------
 def most_tokens(path: str, sent: bytes) -> int | None:
-    """The most completion tokens a body that was served may get: what it asked for, else the API's
-    default (16 for a completion; chat's is "until the context is full": None, no bound). A mutated
-    body can lose its `max_tokens` (renamed, say) and still be valid."""
+    """The most completion tokens a body that was served may get: what it asked for (per choice, n of
+    them), else the API's default (16 for a completion; chat's is "until the context is full": None, no
+    bound). A mutated body can lose its `max_tokens` (renamed, say) and still be valid."""
     body = json.loads(sent)
     asked = [body.get(k) for k in (("max_completion_tokens", "max_tokens") if "chat" in path else ("max_tokens",))]
     asked = [v for v in asked if v is not None]
     if asked:
-        return int(asked[0])
-    return None if "chat" in path else 16
+        return int(asked[0]) * choices_of(sent)
+    return None if "chat" in path else 16 * choices_of(sent)
+
+
+def choices_of(sent: bytes) -> int:
+    """How many choices a body that was served asked for (n, 1 when absent or null)."""
+    return json.loads(sent).get("n") or 1
 
 
 def check(status: int, ctype: str, body: bytes, headers: dict, path: str, sent: bytes) -> None:
@@ -266,24 +281,29 @@ def check(status: int, ctype: str, body: bytes, headers: dict, path: str, sent: 
         assert events and events[-1] == "[DONE]", where
         chunks = [json.loads(e) for e in events[:-1]]
         assert all("error" not in c for c in chunks), where
+        finishes: dict[int, list] = {}  # per choice index, its chunks' finish reasons in order
         for c in chunks:
-            if c.get("choices"):
-                check_logprobs(c["choices"][0].get("logprobs"), c["object"] == "chat.completion.chunk", where)
-        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
-        assert finishes and finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1]), where
+            for choice in c.get("choices") or []:
+                check_logprobs(choice.get("logprobs"), c["object"] == "chat.completion.chunk", where)
+                finishes.setdefault(choice["index"], []).append(choice["finish_reason"])
+        assert sorted(finishes) == list(range(choices_of(sent))), where
+        for f in finishes.values():
+            assert f[-1] in ("stop", "length") and all(x is None for x in f[:-1]), where
         usage = [c["usage"] for c in chunks if "usage" in c]
         bound = most_tokens(path, sent)
         assert all(bound is None or u["completion_tokens"] <= bound for u in usage), where
         return
     assert ctype.startswith("application/json"), where
     out = json.loads(body)
-    choice = out["choices"][0]
-    check_logprobs(choice.get("logprobs"), out["object"] == "chat.completion", where)
-    assert out["object"] in ("text_completion", "chat.completion") and len(out["choices"]) == 1, where
-    assert choice["finish_reason"] in ("stop", "length"), where
-    text = choice["text"] if out["object"] == "text_completion" else choice["message"]["content"]
+    assert out["object"] in ("text_completion", "chat.completion"), where
+    assert [c["index"] for c in out["choices"]] == list(range(choices_of(sent))), where
+    for choice in out["choices"]:
+        check_logprobs(choice.get("logprobs"), out["object"] == "chat.completion", where)
+        assert choice["finish_reason"] in ("stop", "length"), where
+        text = choice["text"] if out["object"] == "text_completion" else choice["message"]["content"]
+        assert isinstance(text, str), where
     bound = most_tokens(path, sent)
-    assert isinstance(text, str) and (bound is None or out["usage"]["completion_tokens"] <= bound), where
+    assert bound is None or out["usage"]["completion_tokens"] <= bound, where
 
 
 def check_logprobs(lp, chat: bool, where: str) -> None:

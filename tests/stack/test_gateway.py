@@ -281,7 +281,7 @@ BAD = [
     (b"{not json", None),
     (b"[]", None),
     (json.dumps({"model": "nope", "prompt": "x"}).encode(), "model"),
-    (json.dumps({"model": "target", "prompt": "x", "n": 2}).encode(), "n"),
+    (json.dumps({"model": "target", "prompt": "x", "n": 17}).encode(), "n"),
     (json.dumps({"model": "target", "prompt": "x", "max_tokens": -3}).encode(), "max_tokens"),
     (json.dumps({"model": "target", "prompt": "x", "temperature": 9}).encode(), "temperature"),
     (json.dumps({"model": "target", "prompt": "x", "service_tier": "platinum"}).encode(), "service_tier"),
@@ -314,7 +314,7 @@ def test_bad_requests_get_400_while_others_continue(up, reference):
         assert err["param"] == param, (body[:60], err)
     assert text == reference[0]
     with pytest.raises(openai.BadRequestError):
-        client(up.url).completions.create(model="target", prompt="x", n=2)
+        client(up.url).completions.create(model="target", prompt="x", n=17)
     wait_all_free(up)
 
 

@@ -69,7 +69,12 @@ POISON = [
      None),
     ("chat nested 100k deep", CHAT, chat(tools="@")[:-1].replace(b'"@"', b'{"a": ' * 100_000 + b"1" + b"}" * 100_000)
      + b"}", 400, None),
-    ("repetition_penalty 1.1", C, completion(repetition_penalty=1.1), 400, "repetition_penalty"),
+    ("penalties at their limits", C, completion(repetition_penalty=1e-300, presence_penalty=2, frequency_penalty=-2,
+                                                min_p=1, temperature=1, seed=5), 200, None),
+    ("n 4 best_of 4 min_tokens 8 stop ids", C, completion(n=4, best_of=4, min_tokens=8, stop_token_ids=[0, 1, 2],
+                                                          temperature=2, seed=9, stream=True), 200, None),
+    ("repetition_penalty 0", C, completion(repetition_penalty=0), 400, "repetition_penalty"),
+    ("n 17", CHAT, chat(n=17), 400, "n"),
     ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("token id 2**63", C, b'{"model": "target", "prompt": [9223372036854775808]}', 400, "prompt"),

@@ -248,6 +248,13 @@ def test_the_target_serves_cached_prefixes_with_the_same_greedy_output() -> None
     # logprobs needs every prompt row's logits, so it takes nothing from the cache
     from specserve.shared.wire.messages import SamplingSpec
 
+    # so do penalties, which count the prompt's tokens (those taken from the cache too)
+    penalized = SamplingSpec(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3)
+    got, cached = _greedy(on, "p", prompt, [70], 6, penalized)
+    ref, _ = _greedy(off, "p", prompt, [70], 6, penalized)
+    assert got == ref and cached == [64]
+    on.release("p")
+    off.release("p")
     for rid, spec, want in (("g", SamplingSpec(logprobs=2), [64]), ("h", SamplingSpec(logprobs=0, prompt_logprobs=True),
                                                                      [0])):
         rows_on, rows_off = [], []

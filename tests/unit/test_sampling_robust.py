@@ -2,7 +2,8 @@
 
 `probabilities` must give rows that are finite, non-negative, sum to 1 and keep a most likely
 token, and `sample` must return a token of nonzero probability, for random logits with huge, tiny,
-equal and infinite entries and any accepted temperature, top_p, top_k and seed (a property test).
+equal and infinite entries and any accepted temperature, top_p, top_k, min_p and seed (a property
+test); the same after any accepted penalties (shared/spec/penalties.py) on any token history.
 For ordinary values it must still be the distribution the original float32 formula gave
 (`float32_reference` below is that formula, kept verbatim), with the same seeded draws.
 """
@@ -17,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specserve.shared.spec.penalties import TokenHistory, penalize
 from specserve.shared.spec.sampling import SamplingParams, probabilities, sample
 
 INF = float("inf")
@@ -69,6 +71,17 @@ accepted_params = st.builds(
     top_p=st.one_of(st.floats(0, 1, exclude_min=True), st.sampled_from([*TINY, 1.0])),
     top_k=st.one_of(st.integers(-3, 30), st.sampled_from([2**31 - 1, 2**63, 10**30])),
     seed=st.integers(-(2**63), 2**64 - 1),
+    min_p=st.one_of(st.just(0.0), st.floats(0, 1), st.sampled_from([*TINY, 1.0])),
+)
+penalized_params = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.just(0.0), st.floats(0, 2), st.sampled_from(TINY)),
+    min_p=st.one_of(st.just(0.0), st.floats(0, 1)),
+    repetition_penalty=st.one_of(st.floats(0, 2, exclude_min=True), st.sampled_from([*TINY, 1e30, 1e308])),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    min_tokens=st.integers(0, 3),
+    stop_ids=st.lists(st.integers(-2, 30), max_size=3).map(tuple),
 )
 
 
@@ -88,6 +101,24 @@ def test_probabilities_and_sample_are_total(logits, params):
     for p in probs:
         token = sample(p, generator)
         assert 0 <= token < p.numel() and float(p[token]) > 0, (p, token)
+
+
+@settings(max_examples=500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(logits=logit_batches(), params=penalized_params, data=st.data())
+def test_penalized_probabilities_are_total(logits, params, data):
+    vocab = logits.shape[-1]
+    tokens = st.integers(0, vocab - 1)
+    history = TokenHistory(vocab, params)
+    history.add_context(data.draw(st.lists(tokens, min_size=1, max_size=6)))
+    history.add_output(data.draw(st.lists(tokens, max_size=6)))
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, len(logits))]
+    tree = data.draw(st.lists(tokens, min_size=len(logits), max_size=len(logits)))
+    x = penalize(logits, tree, parents, params, history)
+    assert x.shape == logits.shape and not bool(torch.isnan(x).any()), x
+    probs = probabilities(x, params)
+    assert bool(torch.isfinite(probs).all()) and bool((probs >= 0).all()), probs
+    sums = probs.double().sum(-1)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), sums
 
 
 # ---- the values that used to fail ----------------------------------------------------------------
@@ -114,7 +145,10 @@ def test_values_that_broke_the_float32_sampler():
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -1e-9), ("temperature", INF), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.0000001),
-     ("top_p", math.nan), ("top_k", 1.5), ("seed", 2**64), ("seed", -(2**63) - 1)],
+     ("top_p", math.nan), ("top_k", 1.5), ("seed", 2**64), ("seed", -(2**63) - 1), ("min_p", -1e-9),
+     ("min_p", 1.0000001), ("min_p", math.nan), ("repetition_penalty", 0.0), ("repetition_penalty", INF),
+     ("presence_penalty", math.nan), ("presence_penalty", 2.0000001), ("frequency_penalty", -INF),
+     ("min_tokens", -1), ("stop_ids", (1.5,))],
 )
 def test_sampling_params_refuse_what_the_sampler_cannot_take(field, value):
     with pytest.raises(ValueError):

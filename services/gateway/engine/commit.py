@@ -2,11 +2,12 @@
 
 Per output: an error ends the request (an `out_of_blocks` one is retried up to `MAX_OUT_OF_BLOCKS`
 iterations first); a prompt chunk that was not the last only advances `prefilled`; the last chunk and a
-verified tree emit their tokens, cut at a stop id and at max_tokens. The features a pass returned are
-written into the request's FeatureLog by position. Logprobs follow their tokens (cut with them); a
-prompt's logprobs are kept by position until its first token carries them (a prompt chunk prefilled
-again after a preemption does not send its positions twice). A prompt chunk's tokens taken from the target's prefix
-cache are counted and taught to the mirror of it (prefix.py).
+verified tree emit their tokens, cut at a stop id (an EOS id, dropped; one of the request's stop_token_ids,
+kept; neither before min_tokens) and at max_tokens. The features a pass returned are written into the
+request's FeatureLog by position. Logprobs follow their tokens (cut with them); a prompt's logprobs are
+kept by position until its first token carries them (a prompt chunk prefilled again after a preemption
+does not send its positions twice). A prompt chunk's tokens taken from the
+target's prefix cache are counted and taught to the mirror of it (prefix.py).
 """
 
 from __future__ import annotations
@@ -72,14 +73,18 @@ class Commit:
         """New tokens to the request and its handler, up to a stop id or max_tokens (which end it), with their
         logprobs; the first carry the prompt's, if it asked."""
         first = not r.output
-        keep, reason = [], None
+        keep: list[int] = []
+        reason: str | None = None
         for t in tokens:
-            if t in r.stop_ids:
+            if t in r.stop_ids and len(r.output) + len(keep) >= r.sampling.min_tokens:
                 reason = "stop"
                 break
             keep.append(t)
             if len(r.output) + len(keep) >= r.max_tokens:
                 reason = "length"
+                break
+            if t in r.stop_kept and len(r.output) + len(keep) > r.sampling.min_tokens:
+                reason = "stop"
                 break
         if not first and keep:
             self.metrics.on_tokens(len(keep), now - r.token_times[-1])

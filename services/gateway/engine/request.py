@@ -76,6 +76,7 @@ class GenRequest:
     max_tokens: int  # output tokens allowed (already capped by the context length)
     slo: SloClass
     stop_ids: frozenset[int]  # token ids that end the output (EOS); not streamed as text
+    stop_kept: frozenset[int] = frozenset()  # the request's stop_token_ids: end the output, kept in it
     kv_blocks: int = 0  # target KV blocks reserved for it while admitted
     replica: int | None = None  # the target replica it is bound to once admitted
     arrival: float = field(default_factory=time.perf_counter)  # perf_counter seconds
@@ -107,7 +108,8 @@ class GenRequest:
     def of(cls, sub: Submission, events: asyncio.Queue | None = None) -> GenRequest:
         """The engine's state of a submitted request; its events go to `events` (a new queue if None)."""
         req = cls(sub.rid, list(sub.prompt), sub.sampling, sub.max_tokens, sub.slo, sub.stop_ids,
-                  best_effort_ok=sub.best_effort_ok, trace=sub.trace)
+                  frozenset(sub.sampling.stop_token_ids) - sub.stop_ids, best_effort_ok=sub.best_effort_ok,
+                  trace=sub.trace)
         if events is not None:
             req.events = events
         return req

@@ -9,11 +9,14 @@ and with logprobs places each token's row at its text (logprobs.py's `LogprobTra
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Event, Finished, Submission, Tokens
@@ -34,6 +37,7 @@ class ModelInfo:
     max_model_len: int  # context length, tokens
     vocab_size: int
     stop_ids: frozenset[int]  # EOS token ids
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # the model's (generation_config)
 
 
 def new_id(prefix: str) -> str:
@@ -78,11 +82,30 @@ def build_request(info: ModelInfo, engine: EngineApi, prompt: list[int], samplin
     too_large = kv_pool_error(engine, len(prompt), max_tokens)
     if too_large is not None:
         raise ApiError(too_large, param="max_tokens")
+    if sampling.min_tokens > max_tokens:
+        raise ApiError(f"min_tokens {sampling.min_tokens} exceeds max_tokens {max_tokens}", param="min_tokens")
+    outside = [t for t in sampling.stop_token_ids if t >= info.vocab_size]
+    if outside:
+        raise ApiError(f"stop token id {outside[0]} is outside the vocabulary (size {info.vocab_size})",
+                       param="stop_token_ids")
+    eos = frozenset() if sampling.ignore_eos else info.stop_ids
     spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k,
-                        None if sampling.seed is None else sampling.seed % 2**63,
+                        None if sampling.seed is None else sampling.seed % 2**63, sampling.min_p,
+                        sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty,
+                        sampling.min_tokens, list(sampling.stop_token_ids),
+                        sorted(eos) if sampling.min_tokens else [], len(prompt),
                         logprobs=sampling.logprobs, prompt_logprobs=sampling.echo and sampling.logprobs is not None)
-    return Submission(new_id(prefix), list(prompt), spec, max_tokens, slo,
-                      frozenset() if sampling.ignore_eos else info.stop_ids, best_effort_ok)
+    return Submission(new_id(prefix), list(prompt), spec, max_tokens, slo, eos, best_effort_ok)
+
+
+def choice_submissions(sub: Submission, n: int) -> list[Submission]:
+    """The n generations of a request with `n` choices: choice i is `sub` with its own id (the response's id,
+    "-i" appended) and, with a seed, seed + i (as vLLM derives it), so that each choice is reproducible."""
+    if n == 1:
+        return [sub]
+    seed = sub.sampling.seed
+    return [dataclasses.replace(sub, rid=f"{sub.rid}-{i}", sampling=msgspec.structs.replace(
+        sub.sampling, seed=None if seed is None else (seed + i) % 2**63)) for i in range(n)]
 
 
 class Generation:
@@ -100,6 +123,7 @@ class Generation:
         self.events = engine.submit(sub)  # ServiceUnavailable: refused at once
         self.detok = IncrementalDetokenizer(tokenizer, sub.prompt)
         self.stop = StopMatcher(stops)
+        self.min_tokens = sub.sampling.min_tokens  # stop strings are looked for only after these tokens
         self.completion_tokens = 0  # tokens consumed into the text (those after a stop string are not)
         self.created = int(time.time())
         self.finish_reason: str | None = None
@@ -162,7 +186,9 @@ class Generation:
                 yield self.echo
                 self.echo = None
             if isinstance(event, Finished):
-                tail, stopped = self.stop.feed(self.detok.flush())
+                tail, stopped = self.detok.flush(), False
+                if self.completion_tokens > self.min_tokens:
+                    tail, stopped = self.stop.feed(tail)
                 tail += self.stop.flush()
                 if track is not None:
                     track.out(len(tail), stopped, final=not stopped)
@@ -176,7 +202,10 @@ class Generation:
             for token in event.tokens:
                 self.completion_tokens += 1
                 made = self.detok.add([token])
-                piece, stopped = self.stop.feed(made)
+                if self.completion_tokens <= self.min_tokens:  # vLLM's rule: no stop string before min_tokens
+                    piece, stopped = made, False
+                else:
+                    piece, stopped = self.stop.feed(made)
                 if track is not None:
                     track.fed(token, len(made), len(piece), stopped)
                 yield piece

@@ -4,9 +4,10 @@ They turn the JSON body of ``POST /v1/completions`` and ``POST /v1/chat/completi
 Structs of protocol.py and validate every field the gateway acts on; anything invalid raises
 `ApiError`, which the server turns into an HTTP response in OpenAI's error shape. Fields the gateway
 does not know are ignored (clients send many), but a known feature the gateway does not implement
-(n > 1, best_of, suffix, chat's echo, penalties, logit bias, response formats, tools and function
-calls, vLLM's min_p / min_tokens / stop_token_ids / guided decoding, ...) is refused with a 400 naming
-it unless it is absent, null or its neutral value (`UNSUPPORTED`), rather than silently dropped. Every
+(best_of above n, suffix, chat's echo, logit bias, response formats, tools and function calls, vLLM's
+guided decoding, ...) is refused with a 400 naming it unless it is absent, null or its neutral value
+(`UNSUPPORTED`), rather than silently dropped. The sampling fields (penalties, min_p, min_tokens,
+stop_token_ids, n) are checked against vLLM's limits (`_check_sampling`). Every
 malformed body (not UTF-8, not JSON, nested too deep, a wrong type anywhere) is a 400 too, never an
 exception out of this module.
 """
@@ -22,6 +23,7 @@ import msgspec
 
 from specserve.gateway.http.protocol import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
 from specserve.shared.spec.logprobs import MAX_LOGPROBS
+from specserve.shared.spec.sampling import PENALTY_LIMIT
 
 __all__ = ["UNSUPPORTED", "parse_chat", "parse_completion"]
 
@@ -29,6 +31,8 @@ MAX_TOKENS_LIMIT = 1_000_000  # absurd values are refused here; the server check
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_SLO_MS = 3_600_000.0
+MAX_N = 16  # choices per request (n); each is a generation of its own
+MAX_STOP_TOKEN_IDS = 128
 SEED_MIN, SEED_END = -(2**63), 2**64  # seed in [SEED_MIN, SEED_END)
 CHAT_ROLES = frozenset({"system", "user", "assistant", "developer"})
 
@@ -73,6 +77,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     _check_common(req)
     _check_prompt(req.prompt)
     _check_max_tokens(req.max_tokens, "max_tokens")
+    _check_sampling(req)
     _check_logprob_count(req.logprobs, "logprobs")
     if req.top_logprobs:
         raise ApiError(f"top_logprobs is a chat parameter; completions take logprobs: N (0..{MAX_LOGPROBS}), got "
@@ -89,6 +94,7 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
     _check_messages(req.messages)
     _check_max_tokens(req.max_tokens, "max_tokens")
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    _check_sampling(req)
     _check_logprob_count(req.top_logprobs, "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -106,8 +112,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
         req.n = 1
     if req.stream is None:
         req.stream = False
-    if req.n != 1:
-        raise ApiError(f"n > 1 is not supported (n must be 1), got {req.n}", param="n")
     if req.temperature is not None:
         _check_finite(req.temperature, "temperature")
         if not 0.0 <= req.temperature <= 2.0:
@@ -153,19 +157,12 @@ def _is(neutral: object) -> Callable[[Any], bool]:
 # Known features the gateway does not implement: field -> (is it neutral?, what is accepted). A value
 # that is neither absent, null nor neutral is refused with a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "presence_penalty": (_is(0), "must be 0 or absent"),
-    "frequency_penalty": (_is(0), "must be 0 or absent"),
-    "repetition_penalty": (_is(1), "must be 1 or absent"),
     "logit_bias": (_is({}), "must be empty or absent"),
-    "best_of": (_is(1), "must be 1 or absent"),
     "response_format": (_is({"type": "text"}), 'must be {"type": "text"} or absent'),
     "tools": (_is([]), "must be empty or absent"),
     "tool_choice": (_is("none"), 'must be "none" or absent'),
     "functions": (_is([]), "must be empty or absent"),
     "function_call": (_is("none"), 'must be "none" or absent'),
-    "min_p": (_is(0), "must be 0 or absent"),
-    "min_tokens": (_is(0), "must be 0 or absent"),
-    "stop_token_ids": (_is([]), "must be empty or absent; use stop strings"),
     "include_stop_str_in_output": (_is(False), "must be false or absent"),
     "use_beam_search": (_is(False), "must be false or absent"),
     "guided_json": (lambda v: False, "must be absent"),
@@ -184,6 +181,49 @@ def _short(value: object, limit: int = 80) -> str:
 def _check_finite(value: float, param: str) -> None:
     if not math.isfinite(value):
         raise ApiError(f"{param} must be a finite number, got {value}", param=param)
+
+
+def _check_sampling(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """n, best_of, the penalties, min_p, min_tokens and stop_token_ids within vLLM's limits (n capped)."""
+    assert req.n is not None
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(f"n must be between 1 and {MAX_N}, got {_short(req.n)}", param="n")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(f"best_of must equal n ({req.n}): only best_of = n is supported (each choice is one "
+                       f"generation), got {_short(req.best_of)}", param="best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            _check_finite(value, name)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ApiError(f"{name} must be between -2 and 2, got {value:g}", param=name)
+    if req.repetition_penalty is not None:
+        _check_finite(req.repetition_penalty, "repetition_penalty")
+        if req.repetition_penalty <= 0:
+            raise ApiError(f"repetition_penalty must be > 0, got {req.repetition_penalty:g}",
+                           param="repetition_penalty")
+    if req.min_p is not None:
+        _check_finite(req.min_p, "min_p")
+        if not 0.0 <= req.min_p <= 1.0:
+            raise ApiError(f"min_p must be in [0, 1], got {req.min_p:g}", param="min_p")
+    if req.min_tokens is not None:
+        limit = _max_tokens_of(req)
+        bound = f"max_tokens ({limit})" if limit is not None else str(MAX_TOKENS_LIMIT)
+        if not 0 <= req.min_tokens <= (MAX_TOKENS_LIMIT if limit is None else limit):
+            raise ApiError(f"min_tokens must be between 0 and {bound}, got {_short(req.min_tokens)}",
+                           param="min_tokens")
+    ids = req.stop_token_ids or []
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                       param="stop_token_ids")
+    if any(t < 0 for t in ids):
+        raise ApiError(f"stop_token_ids must be non-negative token ids, got {_short(min(ids))}", param="stop_token_ids")
+
+
+def _max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
 
 
 def _check_logprob_count(value: int | None, param: str) -> None:

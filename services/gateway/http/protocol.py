@@ -1,7 +1,9 @@
 """OpenAI request bodies: the msgspec Structs, `ApiError`, and their normalization.
 
 The Structs are what ``POST /v1/completions`` and ``POST /v1/chat/completions`` decode into
-(parse.py decodes and validates them). `sampling_of` reduces either request to one `Sampling`;
+(parse.py decodes and validates them). `sampling_of` reduces either request to one `Sampling`, a
+field the request leaves out taken from the model's generation defaults (`SAMPLING_DEFAULTS` where
+the model has none);
 `prompt_of` and `messages_of` give the prompt in the forms the tokenizer and the chat template take.
 
 Nullable fields: OpenAI documents most optional fields as "X or null", so an explicit ``null``
@@ -11,6 +13,7 @@ reason but are normalized by the parse functions, so after parsing they are neve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "SAMPLING_DEFAULTS",
     "Sampling",
     "SloSpec",
     "StreamOptions",
@@ -29,6 +33,9 @@ __all__ = [
     "sampling_of",
 ]
 
+# What a request that leaves a field out gets when the model's files name no default for it (vLLM's and OpenAI's)
+SAMPLING_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
+                                             "min_p": 0.0}
 TOP_K_OFF_ABOVE = 2**31 - 1  # no vocabulary is larger: a top_k above it limits nothing and is sent as 0 (off)
 CONTENT_PART_JOINER = "\n"  # text parts of one message are joined as vLLM does
 
@@ -94,21 +101,21 @@ class _SamplingFields(Struct, kw_only=True):
     user: str | None = None  # metadata: accepted and not used
     echo: bool | None = None  # completions: the prompt before the completion (chat refuses it)
     top_logprobs: int | None = None  # chat: ranked tokens per position with logprobs: true (completions refuse it)
-    # Known features the gateway does not implement: refused unless absent, null or neutral (UNSUPPORTED).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's
+    repetition_penalty: float | None = None  # vLLM's sampling extensions, with min_p, min_tokens, stop_token_ids
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    best_of: int | None = None  # only best_of = n (each choice is one generation)
+    # Known features the gateway does not implement: refused unless absent, null or neutral (UNSUPPORTED).
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None  # the deprecated form of tools
     function_call: Any = None  # the deprecated form of tool_choice
-    min_p: Any = None  # vLLM's sampling extensions from here on
-    min_tokens: Any = None
-    stop_token_ids: Any = None
-    include_stop_str_in_output: Any = None
+    include_stop_str_in_output: Any = None  # vLLM's extensions from here on
     use_beam_search: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -153,6 +160,13 @@ class Sampling:
     max_tokens: int | None  # None = until the context is full (the server fills it in)
     stop: tuple[str, ...]  # empty strings dropped
     ignore_eos: bool = False  # EOS tokens do not end the output (they are generated like any token)
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    min_tokens: int = 0  # output tokens before EOS, a stop id or a stop string may end it
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end the output (kept in it, as vLLM does)
+    n: int = 1  # choices, each its own generation
     logprobs: int | None = None  # None: none; N: each output token's logprob and the N most likely tokens there
     echo: bool = False  # completions: the prompt (with logprobs: and its tokens' logprobs) before the completion
 
@@ -160,22 +174,35 @@ class Sampling:
 # ---------------------------------------------------------------------------------------------- normalization
 
 
-def sampling_of(req: CompletionRequest | ChatCompletionRequest) -> Sampling:
-    """The normalized sampling parameters of a parsed (validated) request."""
+def sampling_of(req: CompletionRequest | ChatCompletionRequest,
+                model_defaults: Mapping[str, float | int] | None = None) -> Sampling:
+    """The normalized sampling parameters of a parsed (validated) request; a field of SAMPLING_DEFAULTS that
+    it leaves out (absent or null) is `model_defaults`' value (the model's generation_config) if it has one."""
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    defaults = {**SAMPLING_DEFAULTS, **(model_defaults or {})}
+    given = {name: getattr(req, name) for name in SAMPLING_DEFAULTS}
+    value = {name: defaults[name] if v is None else v for name, v in given.items()}
+    top_k = int(value["top_k"])
     return Sampling(
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=0 if req.top_k is None or not 0 < req.top_k <= TOP_K_OFF_ABOVE else req.top_k,
+        temperature=float(value["temperature"]),
+        top_p=float(value["top_p"]),
+        top_k=top_k if 0 < top_k <= TOP_K_OFF_ABOVE else 0,
         seed=req.seed,
         max_tokens=max_tokens,
         stop=tuple(s for s in stops if s),
         ignore_eos=bool(req.ignore_eos),
+        min_p=float(value["min_p"]),
+        repetition_penalty=float(value["repetition_penalty"]),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        min_tokens=req.min_tokens or 0,
+        stop_token_ids=tuple(dict.fromkeys(req.stop_token_ids or ())),
+        n=req.n or 1,
         logprobs=logprobs,
         echo=bool(req.echo),
     )

@@ -7,6 +7,7 @@ GET /v1/models, GET /v1/slo_classes, GET /health, GET /metrics.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -21,7 +22,15 @@ from aiohttp import web
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.frontend.local import EngineApi
-from specserve.gateway.http.api import Generation, ModelInfo, allows_best_effort, build_request, resolve_slo
+from specserve.gateway.http.api import (
+    Generation,
+    ModelInfo,
+    allows_best_effort,
+    build_request,
+    choice_submissions,
+    resolve_slo,
+)
+from specserve.gateway.http.choices import Choices
 from specserve.gateway.http.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from specserve.gateway.http.parse import parse_chat, parse_completion
 from specserve.gateway.http.protocol import (
@@ -137,72 +146,82 @@ class Gateway:
 
     async def _serve(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                      prefix: str, chat: bool) -> web.StreamResponse:
-        sampling = sampling_of(req)
+        sampling = sampling_of(req, self.info.sampling_defaults)
         slo = resolve_slo(self.engine.classes, req.service_tier, req.slo)
         sub = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix,
                             allows_best_effort(req.service_tier, req.slo))
-        gen = Generation(self.engine, sub, self.tokenizer, sampling.stop, self._echo(req, prompt_ids),
-                         None if sampling.logprobs is None else self.strings)
-        request[spans.ATTRIBUTES] = gen.span_attributes  # the request span's attributes at the end (tracing on)
-        await gen.admitted()  # refused before admission: 503 before any response byte
+        choices = Choices(self.engine, sub.rid, choice_submissions(sub, sampling.n), self.tokenizer, sampling.stop,
+                          self._echo(req, prompt_ids), None if sampling.logprobs is None else self.strings)
+        request[spans.ATTRIBUTES] = choices.span_attributes  # the request span's attributes at the end (tracing on)
+        await choices.admitted()  # refused before admission: 503 before any response byte
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return await self._stream(request, gen, chat, usage)
-        text = "".join([piece async for piece in gen.pieces()])
-        if gen.finish_reason == "error":
-            raise web.HTTPInternalServerError(reason=gen.error or "generation failed")
-        choice: dict[str, object] = {"index": 0, "finish_reason": gen.finish_reason,
-                                     "logprobs": self._logprobs(gen, chat)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return web.json_response({"id": sub.rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": gen.created, "model": self.info.name, "choices": [choice],
-                                  "usage": gen.usage(), "service_tier": slo.name, "specserve": gen.report})
+            return await self._stream(request, choices, chat, usage)
+        texts = await choices.texts()
+        failed = next((gen for gen in choices.gens if gen.finish_reason == "error"), None)
+        if failed is not None:
+            raise web.HTTPInternalServerError(reason=failed.error or "generation failed")
+        out = []
+        for i, (gen, text) in enumerate(zip(choices.gens, texts)):
+            choice: dict[str, object] = {"index": i, "finish_reason": gen.finish_reason,
+                                         "logprobs": self._logprobs(gen, chat)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if len(texts) > 1:
+                choice["specserve"] = gen.report  # each choice's own report (the top level's is choice 0's)
+            out.append(choice)
+        gen = choices.first
+        return web.json_response({"id": choices.rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": gen.created, "model": self.info.name, "choices": out,
+                                  "usage": choices.usage(), "service_tier": slo.name, "specserve": gen.report})
 
-    async def _stream(self, request: web.Request, gen: Generation, chat: bool, usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, choices: Choices, chat: bool, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=self.stream_headers)
         self._bound(request)
         await resp.prepare(request)
-        base = {"id": gen.sub.rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": gen.created, "model": self.info.name}
+        gens = choices.gens
+        base = {"id": choices.rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": gens[0].created, "model": self.info.name}
+        chunk = chunk_encoder(base, chat)
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None) -> bytes:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            return b"data: " + _json.encode({**base, "choices": [choice]}) + b"\n\n"
+        def with_logprobs(index: int, text: str) -> bytes:  # with the logprobs of the tokens whose text it carries
+            return chunk(index, text, None, logprobs=self._logprobs(gens[index], chat))
 
-        def with_logprobs(text: str) -> bytes:  # a chunk with the logprobs of the tokens whose text it carries
-            return chunk(text, None, logprobs=self._logprobs(gen, chat))
-
-        piece_chunk = framed(lambda text: chunk(text, None)) if gen.logprobs is None else with_logprobs
-        pieces = gen.pieces()
-        try:
-            if chat:  # the role chunk first (anchors.md §3)
-                await self._send(resp, chunk(None, None, role=True))
-            async for piece in pieces:
-                await self._send(resp, piece_chunk(piece))
-        except TimeoutError:
-            await pieces.aclose()  # ends the request: its KV is freed at once
-            return self._cut(request, resp, gen)
+        piece_chunks = [framed(functools.partial(chunk, i, finish=None)) if gen.logprobs is None
+                        else functools.partial(with_logprobs, i) for i, gen in enumerate(gens)]
+        pieces = choices.pieces()
+        ended = 0
         end = []  # the last events go out in one write (one socket send instead of three)
-        if gen.finish_reason == "error":
-            err = {"error": {"message": gen.error, "type": "server_error", "param": None, "code": 500}}
-            end.append(b"data: " + _json.encode(err) + b"\n\n")
-        else:
-            end.append(chunk(None, gen.finish_reason))
+        try:
+            if chat:  # the role chunk first (anchors.md §3), one per choice
+                await self._send(resp, b"".join(chunk(i, None, None, role=True) for i in range(len(gens))))
+            async for index, piece in pieces:
+                if piece is not None:
+                    await self._send(resp, piece_chunks[index](piece))
+                    continue
+                ended += 1
+                gen = gens[index]
+                if gen.finish_reason == "error":
+                    err = {"error": {"message": gen.error, "type": "server_error", "param": None, "code": 500}}
+                    end.append(b"data: " + _json.encode(err) + b"\n\n")
+                else:
+                    end.append(chunk(index, None, gen.finish_reason))
+                if ended < len(gens):  # an earlier choice's end goes out now; the last one's with the rest
+                    await self._send(resp, b"".join(end))
+                    end.clear()
+        except TimeoutError:
+            await pieces.aclose()  # ends every choice: their KV is freed at once
+            return self._cut(request, resp, choices)
         if usage:
-            last: dict[str, object] = {**base, "choices": [], "usage": gen.usage(), "specserve": gen.report}
+            last: dict[str, object] = {**base, "choices": [], "usage": choices.usage(), "specserve": gens[0].report}
             end.append(b"data: " + _json.encode(last) + b"\n\n")
         end.append(b"data: [DONE]\n\n")
         try:
             await self._send(resp, b"".join(end))
         except TimeoutError:
-            return self._cut(request, resp, gen)
+            return self._cut(request, resp, choices)
         await resp.write_eof()
         return resp
 
@@ -238,13 +257,13 @@ class Gateway:
         async with asyncio.timeout(self.config.stream_stall_s):
             await resp.write(data)
 
-    def _cut(self, request: web.Request, resp: web.StreamResponse, gen: Generation) -> web.StreamResponse:
+    def _cut(self, request: web.Request, resp: web.StreamResponse, choices: Choices) -> web.StreamResponse:
         """End a stream whose client stopped reading: its request is already ended; the connection is
         dropped with what it still holds."""
         self.engine.count_error("client_too_slow")
         log.warning("request %s: the client took no bytes for %g s with its buffers full (%d bytes each); "
-                    "cut after %d tokens", gen.sub.rid, self.config.stream_stall_s, self.config.stream_buffer_bytes,
-                    gen.completion_tokens)
+                    "cut after %d tokens", choices.first.sub.rid, self.config.stream_stall_s,
+                    self.config.stream_buffer_bytes, choices.usage()["completion_tokens"])
         transport = request.transport
         if transport is not None:
             sock = transport.get_extra_info("socket")
@@ -252,6 +271,23 @@ class Gateway:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             transport.abort()
         return resp
+
+
+def chunk_encoder(base: dict, chat: bool) -> Callable[..., bytes]:
+    """chunk(index, text, finish, role=False, logprobs=None) -> one SSE event of a streamed response (`base`: its
+    id, object, created and model): choice `index`'s text piece (with its tokens' logprobs object), its end
+    (finish reason), or for chat its role chunk."""
+
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False,
+              logprobs: dict | None = None) -> bytes:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return b"data: " + _json.encode({**base, "choices": [choice]}) + b"\n\n"
+
+    return chunk
 
 
 _MARK = "\x00specserve-piece\x00"
