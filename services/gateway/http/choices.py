@@ -106,10 +106,12 @@ class Choices:
         return out
 
     def usage(self) -> dict:
-        """The prompt once, the completion tokens of every choice."""
-        p = len(self.first.sub.prompt)
+        """The prompt once (with the first choice's prompt tokens served from the prefix cache), the completion
+        tokens of every choice."""
+        usage = self.first.usage()
         c = sum(gen.completion_tokens for gen in self.gens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        usage.update(completion_tokens=c, total_tokens=usage["prompt_tokens"] + c)
+        return usage
 
     def span_attributes(self) -> dict[str, Any]:
         """The request span's attributes: the first choice's, with every choice's completion tokens."""
