@@ -3,10 +3,10 @@
 Per output: an error ends the request (an `out_of_blocks` one is retried up to `MAX_OUT_OF_BLOCKS`
 iterations first); a prompt chunk that was not the last only advances `prefilled`; the last chunk and a
 verified tree emit their tokens, cut at a stop id (an EOS id, dropped; one of the request's stop_token_ids,
-kept; neither before min_tokens) and at max_tokens. The features a pass returned are written into the
-request's FeatureLog by position. Logprobs follow their tokens (cut with them); a prompt's logprobs are
-kept by position until its first token carries them (a prompt chunk prefilled again after a preemption
-does not send its positions twice).
+kept; neither before min_tokens), at max_tokens and where the request's grammar ends (its stop token).
+The features a pass returned are written into the request's FeatureLog by position. Logprobs follow
+their tokens (cut with them); a prompt's logprobs are kept by position until its first token carries
+them (a prompt chunk prefilled again after a preemption does not send its positions twice).
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class Commit:
             if t in r.stop_ids and len(r.output) + len(keep) >= r.sampling.min_tokens:
                 reason = "stop"
                 break
+            if r.grammar is not None:  # structured output: the grammar follows every token, and ends the output
+                reason = _grammar_end(r, t)
+                if reason is not None:
+                    break
             keep.append(t)
             if len(r.output) + len(keep) >= r.max_tokens:
                 reason = "length"
@@ -93,8 +97,21 @@ class Commit:
             r.events.put_nowait(Tokens(keep, None if logprobs is None else logprobs.head(len(keep)), prompt_logprobs))
         if first:
             r.prompt_logprobs = None
-        if reason is not None:
+        if reason == "error":
+            self.metrics.on_error("grammar")
+            self.table.finish(r, "error", "the target emitted a token the request's grammar does not allow")
+        elif reason is not None:
             self.table.finish(r, reason)
+
+
+def _grammar_end(r: GenRequest, token: int) -> str | None:
+    """Advance the request's grammar by an emitted token: "stop" where the token is its stop token (the output
+    is complete; the token is not part of it), "error" where the grammar does not allow it (a target that
+    ignored the masks), else None."""
+    assert r.grammar is not None
+    if not r.grammar.accept(token):
+        return "error"
+    return "stop" if r.grammar.terminated else None
 
 
 def keep_prompt_logprobs(r: GenRequest, start: int, rows: TokenLogprobs) -> None:
