@@ -80,6 +80,7 @@ POISON = [
     ("response_format json_object", CHAT, chat(response_format={"type": "json_object"}), 200, None),
     ("guided_regex sampled", C, completion(guided_regex="[a-z]{3,9}", temperature=1.5, seed=7), 200, None),
     ("guided_regex unbalanced", C, completion(guided_regex="a(b"), 400, "guided_regex"),
+    ("guided_regex with a dead end", C, completion(guided_regex="x[^\\s\\S]"), 200, None),  # "x", then nothing
     ("response_format yaml", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("token id 2**63", C, b'{"model": "target", "prompt": [9223372036854775808]}', 400, "prompt"),

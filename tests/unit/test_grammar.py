@@ -32,7 +32,8 @@ def encode(text: str) -> list[int]:
     """Greedy longest match over VOCAB (the forced strings' tokenizer)."""
     out, at = [], 0
     while at < len(text):
-        token = max((t for t, s in enumerate(VOCAB) if t != EOS and text.startswith(s, at)), key=lambda t: len(VOCAB[t]))
+        token = max((t for t, s in enumerate(VOCAB) if t != EOS and text.startswith(s, at)),
+                    key=lambda t: len(VOCAB[t]))
         out.append(token)
         at += len(VOCAB[token])
     return out
@@ -142,6 +143,14 @@ def test_a_tree_not_shaped_this_iteration_still_gets_its_masks(compiled):
     assert rows[0] == {A, AB} and rows[2] == set()  # "x": refused, never reached (its parent's row forbids it)
 
 
+def test_a_dead_end_is_told_from_the_end():
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+    dead = xgr.GrammarCompiler(info, cache_enabled=False).compile_regex("a[^\\s\\S]")  # nothing may follow "a"
+    c = Constraint(dead, len(VOCAB), encode)
+    assert not c.dead_end() and c.accept(A) and c.dead_end() and not c.terminated
+    assert not c.accept(B) and c.shape(CandidateTree([A, B], [-1, 0], [1.0, 0.5]), 4).tokens == [A]
+
+
 # ---- greedy decoding under masks is the same whatever the tree ------------------------------------
 def logits_of(context: tuple[int, ...]) -> torch.Tensor:
     """A fixed pseudo-random model: the logits after a context depend on the context alone."""
@@ -217,7 +226,8 @@ def test_fields_become_one_spec(fields, kind, source):
      "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
      "response_format.json_schema.strict"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+     "response_format.json_schema.schema"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": 5}, "guided_json"),
     ({"guided_regex": ""}, "guided_regex"),

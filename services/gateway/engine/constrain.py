@@ -69,6 +69,11 @@ class Constraint:
         """Advance by one emitted token; False if the grammar does not allow it (the matcher is unchanged)."""
         return bool(self.matcher.accept_token(token))
 
+    def dead_end(self) -> bool:
+        """The grammar allows no next token here and has not ended (a grammar can lead where nothing
+        follows, e.g. the regex `a[^\\s\\S]` after "a"): the output can go no further."""
+        return not self.terminated and not bool(self.first_mask().any())
+
     def first_mask(self) -> torch.Tensor:
         """int32 [1, W]: the tokens allowed now (at a prompt's last position: the first output token)."""
         row = torch.zeros(1, self.words, dtype=torch.int32)
