@@ -92,7 +92,7 @@ class GatewayConfig(Settings):
                                choices=("root", "draft"))
     forced_tokens: int = option(16, "structured output: up to this many tokens the request's grammar forces (a "
                                 "single allowed token, or a string that must come next) go into its tree each pass, "
-                                "verified with it (0: none)")
+                                "verified with it, at most the budget B per pass over all its requests (0: none)")
     slo_classes: list[str] = option(default_factory=list, flag="--slo-class",
                                     help="add or override an SLO class: NAME=TPOT_MS[:TTFT_MS]")
     threads: int = option(1, "torch threads of a target started to profile")

@@ -192,7 +192,7 @@ class Engine:
         record = self.admitter.apply(plan)
         mine = self.table.bound(replica.index)
         decoding = [r for r in mine if r.decoding and r.rid in plan.shapes]
-        trees = self.passes.constrain(decoding, await self._trees(plan, decoding, record))  # grammars' trees
+        trees = self.passes.constrain(replica.index, decoding, await self._trees(plan, decoding, record))
         with tracing.span("policy.select"):
             target_pass, selected = self.passes.build(plan, replica.index, mine, decoding, trees, record)
         if target_pass is not None:

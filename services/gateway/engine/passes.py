@@ -38,16 +38,19 @@ class Passes:
         self.forced_tokens = forced_tokens  # a grammar's forced tokens put into a tree per pass (--forced-tokens)
         self.commit = Commit(table, metrics)
 
-    def constrain(self, decoding: list[GenRequest], trees: dict[str, CandidateTree]) -> dict[str, CandidateTree]:
+    def constrain(self, replica: int, decoding: list[GenRequest],
+                  trees: dict[str, CandidateTree]) -> dict[str, CandidateTree]:
         """The trees with each grammar request's shaped by its grammar (engine/constrain.py): forced tokens
         grafted, forbidden nodes pruned, masks computed. A request with a grammar and no tree gets one
-        where its grammar forces tokens."""
-        out = trees
+        where its grammar forces tokens. The forced tokens of one pass are at most its budget B, beside
+        the nodes the policy selects within it."""
+        out, room = trees, self.pool.targets[replica].cost.budget_tokens
         for r in decoding:
             if r.grammar is None:
                 continue
             tree = trees.get(r.rid) or CandidateTree.root_only(r.output[-1])
-            shaped = r.grammar.shape(tree, min(self.forced_tokens, r.remaining - 1))
+            shaped = r.grammar.shape(tree, min(self.forced_tokens, r.remaining - 1, room))
+            room -= len(r.grammar.shaped.forced) if r.grammar.shaped is not None else 0
             if r.rid in trees or len(shaped.tokens) > 1:
                 out = out if out is not trees else dict(trees)
                 out[r.rid] = shaped
