@@ -40,6 +40,8 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
 def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with every token a row does not allow set to -inf (a new tensor); rows that allow
     no token are left as they are."""
+    if logits.dim() != 2:  # e.g. a simulated target's true tokens: it has no distribution to mask
+        raise ValueError(f"masks apply to logits [N, V], got a tensor of shape {list(logits.shape)}")
     allowed = unpack(bitmask.to(logits.device), logits.shape[-1])
     if allowed.shape[0] != logits.shape[0]:
         raise ValueError(f"{allowed.shape[0]} mask rows for {logits.shape[0]} logits rows")

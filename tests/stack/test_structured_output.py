@@ -1,9 +1,9 @@
 """Structured output end to end on the demo pair (`specserve up`, the official openai client): the SDK's
 `chat.completions.parse` with a pydantic model parses 20 of 20 answers (sampled); guided_choice answers are
 one of the choices, guided_regex answers match the regex; greedy output with a schema is the same under
-the default policy, `chain:4` and `none`, with forced tokens and without; and under `none` the forced
-tokens put more than one token into a target pass (without them: exactly one per pass). The demo target
-is tiny: its JSON is nonsense, but valid."""
+the default policy, `chain:4` (also drafting ahead) and `none`, with forced tokens and without; and under
+`none` the forced tokens put more than one token into a target pass (without them: exactly one per
+pass). The demo target is tiny: its JSON is nonsense, but valid."""
 
 from __future__ import annotations
 
@@ -89,12 +89,13 @@ def default_answers(up):
     return asyncio.run(schema_greedy(up.url))
 
 
-@pytest.mark.parametrize(("policy", "forced"), [("chain:4", 16), ("none", 16), ("none", 0), ("chain:4", 0)])
-def test_greedy_schema_output_is_the_same_under_every_policy(up, suite_profile, default_answers, policy, forced):
+@pytest.mark.parametrize(("policy", "forced", "more"), [("chain:4", 16, ()), ("none", 16, ()), ("none", 0, ()),
+                                                     ("chain:4", 0, ()), ("chain:4", 16, ("--overlap",))])
+def test_greedy_schema_output_is_the_same_under_every_policy(up, suite_profile, default_answers, policy, forced, more):
     """The masks decide every position whatever the tree; under `none` only forced tokens share a pass."""
     for text, _, _ in default_answers:
         json.loads(text)
-    g = gateway(up, policy, "--budget", "24", "--profile", str(suite_profile), "--forced-tokens", str(forced))
+    g = gateway(up, policy, "--budget", "24", "--profile", str(suite_profile), "--forced-tokens", str(forced), *more)
     try:
         answers = asyncio.run(schema_greedy(g.address))
     finally:
