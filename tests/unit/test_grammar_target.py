@@ -1,6 +1,7 @@
 """The target applies structured output's masks (in-process TargetEngine on the demo target): the first
 token of a masked prompt and every node of a masked tree are chosen among the allowed tokens alone, under
-greedy and under sampling; an unmasked request beside a masked one gets what it gets alone; a
+greedy and under sampling; an unmasked request beside a masked one gets what it gets alone; with prompt
+logprobs the mask limits the prompt's last row alone, and logprobs stay the model's own; a
 "token_masks" tensor that disagrees with the entries refuses the call."""
 
 from __future__ import annotations
@@ -68,6 +69,24 @@ def test_masked_first_token_and_tree_follow_the_masks(target, spec):
     out = verify(target, f"m-{spec.temperature}", forced, chain, only(11, 22, 33, 44))
     assert out == [11, 22, 33, 44]
     for rid in ("free", "beside", f"m-{spec.temperature}"):
+        target.release(rid)
+
+
+def test_a_masked_prompt_with_prompt_logprobs_and_raw_logprobs(target):
+    """The prompt's logits rows are all there (prompt logprobs): its one mask row limits the last, which
+    chooses the first token; logprobs are the model's own, before the mask."""
+    free = prefill(target, ["raw-free"], SamplingSpec(0.0), {})[0]
+    forced = (free + 1) % VOCAB
+    spec = SamplingSpec(0.0, logprobs=2, prompt_logprobs=True)
+    entry = PrefillEntry("raw", next(_steps), 0, len(PROMPT), True, spec, masked=True)
+    reply, out = target.forward(Forward([entry]), {"prefill_tokens": torch.tensor(PROMPT, dtype=torch.int32),
+                                                   "token_masks": only(forced)})
+    assert reply.results[0].error is None and out["tokens"].tolist() == [forced]
+    result = reply.results[0]  # the prompt's positions but the first, then the token's
+    assert (result.num_prompt_logprobs, result.num_logprobs) == (len(PROMPT) - 1, 1)
+    assert out["logprobs"][-1] < -1e-3  # its raw logprob: not the mask's certainty
+    assert out["top_ids"][-2] == free  # (flat: 2 per row) the model's favourite ranks first, though masked
+    for rid in ("raw-free", "raw"):
         target.release(rid)
 
 
