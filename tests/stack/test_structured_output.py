@@ -1,9 +1,10 @@
 """Structured output end to end on the demo pair (`specserve up`, the official openai client): the SDK's
 `chat.completions.parse` with a pydantic model parses 20 of 20 answers (sampled); guided_choice answers are
-one of the choices, guided_regex answers match the regex; greedy output with a schema is the same under
-the default policy, `chain:4` (also drafting ahead) and `none`, with forced tokens and without; and under
-`none` the forced tokens put more than one token into a target pass (without them: exactly one per
-pass). The demo target is tiny: its JSON is nonsense, but valid."""
+one of the choices (also with n choices, penalties and min_tokens), guided_regex answers match the
+regex; greedy output with a schema is the same under the default policy, `chain:4` (also drafting
+ahead) and `none`, with forced tokens and without; and under `none` the forced tokens put more than one
+token into a target pass (without them: exactly one per pass). The demo target is tiny: its JSON is
+nonsense, but valid."""
 
 from __future__ import annotations
 
@@ -68,6 +69,23 @@ def test_guided_choice_and_regex(up):
     assert all(r.choices[0].text in CHOICES and r.choices[0].finish_reason == "stop" for r in chosen), chosen
     for r in matched:
         assert re.fullmatch(REGEX, r.choices[0].message.content) and r.choices[0].finish_reason == "stop", r
+    wait_all_free(up)
+
+
+def test_a_grammar_beside_n_choices_penalties_and_min_tokens(up):
+    """Each choice has its own grammar state; penalties change the scores the mask leaves; min_tokens cannot
+    keep a finished choice open (where only its end may follow, the output ends)."""
+    async def run():
+        c = aclient(up.url)
+        out = await c.completions.create(
+            model="target", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=3, n=3, presence_penalty=1.5,
+            extra_body={"guided_choice": CHOICES, "repetition_penalty": 1.3, "min_tokens": 8})
+        await c.close()
+        return out
+
+    out = asyncio.run(run())
+    assert len(out.choices) == 3
+    assert all(ch.text in CHOICES and ch.finish_reason == "stop" for ch in out.choices), out.choices
     wait_all_free(up)
 
 

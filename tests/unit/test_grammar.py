@@ -151,6 +151,14 @@ def test_a_dead_end_is_told_from_the_end():
     assert not c.accept(B) and c.shape(CandidateTree([A, B], [-1, 0], [1.0, 0.5]), 4).tokens == [A]
 
 
+def test_where_only_the_end_may_follow_the_output_can_go_no_further(compiled):
+    """(min_tokens may forbid that end: the target then has no allowed token)"""
+    c = constraint(compiled, OPEN, AB, CLOSE)
+    assert c.dead_end() and not c.terminated
+    assert not constraint(compiled, OPEN, A).dead_end()
+    assert c.accept(EOS) and c.terminated and not c.dead_end()
+
+
 # ---- greedy decoding under masks is the same whatever the tree ------------------------------------
 def logits_of(context: tuple[int, ...]) -> torch.Tensor:
     """A fixed pseudo-random model: the logits after a context depend on the context alone."""

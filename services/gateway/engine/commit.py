@@ -106,9 +106,10 @@ class Commit:
 
 def _grammar_end(r: GenRequest, token: int) -> str | None:
     """Advance the request's grammar by an emitted token: "stop" where the token is its stop token (the output
-    is complete; the token is not part of it) or where the grammar allows no token at all (a dead end: the
-    target's mask row was empty, so the token is the model's own and is dropped), "error" where the grammar
-    does not allow it otherwise (a target that ignored the masks), else None."""
+    is complete; the token is not part of it) or where the grammar allows no token but its end (a dead end,
+    or an end min_tokens forbade: the target had no allowed token to choose, and the one it chose is
+    dropped), "error" where the grammar does not allow it otherwise (a target that ignored the masks), else
+    None."""
     assert r.grammar is not None
     if not r.grammar.accept(token):
         return "stop" if r.grammar.dead_end() else "error"

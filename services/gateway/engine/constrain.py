@@ -59,6 +59,9 @@ class Constraint:
         self.encode = encode
         self.shaped: Shaped | None = None
         self._row = torch.zeros(1, self.words, dtype=torch.int32)
+        self._stop_words: dict[int, int] = {}  # word -> the bits of the grammar's stop tokens in it
+        for t in self.matcher.stop_token_ids:
+            self._stop_words[t >> 5] = self._stop_words.get(t >> 5, 0) | (1 << (t & 31))
 
     @property
     def terminated(self) -> bool:
@@ -70,9 +73,15 @@ class Constraint:
         return bool(self.matcher.accept_token(token))
 
     def dead_end(self) -> bool:
-        """The grammar allows no next token here and has not ended (a grammar can lead where nothing
-        follows, e.g. the regex `a[^\\s\\S]` after "a"): the output can go no further."""
-        return not self.terminated and not bool(self.first_mask().any())
+        """The grammar allows no next token here but its stop token, and has not ended: the output can go
+        no further (a grammar can lead where nothing follows, e.g. the regex `a[^\\s\\S]` after "a"; and
+        where it allows only its end, min_tokens may have forbidden that end)."""
+        if self.terminated:
+            return False
+        allowed = self.first_mask()[0].numpy().astype(np.int64) & 0xFFFFFFFF
+        for word, bits in self._stop_words.items():
+            allowed[word] &= ~bits
+        return not allowed.any()
 
     def first_mask(self) -> torch.Tensor:
         """int32 [1, W]: the tokens allowed now (at a prompt's last position: the first output token)."""
