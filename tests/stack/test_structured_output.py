@@ -34,6 +34,7 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
           "required": ["id", "label", "done"], "additionalProperties": False}
 CHOICES = ["red", "green", "blue", "light green"]
 REGEX = r"[A-Z][a-z]{2,6} \d{2}"
+X = 92  # "x" in the demo vocabulary
 MAX_TOKENS = 120  # room for every schema here to finish
 
 
@@ -80,12 +81,17 @@ def test_a_grammar_beside_n_choices_penalties_and_min_tokens(up):
         out = await c.completions.create(
             model="target", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=3, n=3, presence_penalty=1.5,
             extra_body={"guided_choice": CHOICES, "repetition_penalty": 1.3, "min_tokens": 8})
+        cornered = await c.completions.create(model="target", prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                              extra_body={"guided_choice": ["x"], "stop_token_ids": [X],
+                                                          "min_tokens": 2})
         await c.close()
-        return out
+        return out, cornered
 
-    out = asyncio.run(run())
+    out, cornered = asyncio.run(run())
     assert len(out.choices) == 3
     assert all(ch.text in CHOICES and ch.finish_reason == "stop" for ch in out.choices), out.choices
+    # the grammar allows only "x", which min_tokens forbids (a stop token id): nothing is left to emit
+    assert (cornered.choices[0].text, cornered.choices[0].finish_reason) == ("", "stop")
     wait_all_free(up)
 
 

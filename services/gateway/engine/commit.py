@@ -11,6 +11,8 @@ them (a prompt chunk prefilled again after a preemption does not send its positi
 
 from __future__ import annotations
 
+import logging
+
 from specserve.gateway.engine.request import GenRequest, Tokens
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs.metrics import GatewayMetrics
@@ -19,6 +21,7 @@ from specserve.shared.spec.feature_log import FeatureLog
 from specserve.shared.wire.logprobs import TokenLogprobs
 from specserve.shared.wire.service_client import StepOutput
 
+log = logging.getLogger("specserve.gateway")
 MAX_OUT_OF_BLOCKS = 200  # iterations a request may be refused for KV room before it is ended
 
 
@@ -97,22 +100,22 @@ class Commit:
             r.events.put_nowait(Tokens(keep, None if logprobs is None else logprobs.head(len(keep)), prompt_logprobs))
         if first:
             r.prompt_logprobs = None
-        if reason == "error":
-            self.metrics.on_error("grammar")
-            self.table.finish(r, "error", "the target emitted a token the request's grammar does not allow")
-        elif reason is not None:
+        if reason is not None:
             self.table.finish(r, reason)
 
 
 def _grammar_end(r: GenRequest, token: int) -> str | None:
     """Advance the request's grammar by an emitted token: "stop" where the token is its stop token (the output
-    is complete; the token is not part of it) or where the grammar allows no token but its end (a dead end,
-    or an end min_tokens forbade: the target had no allowed token to choose, and the one it chose is
-    dropped), "error" where the grammar does not allow it otherwise (a target that ignored the masks), else
-    None."""
+    is complete; the token is not part of it), or where the grammar does not allow it: the target had no
+    token to choose that both the grammar and the request's other fields allow (a grammar at a dead end, or
+    one that allows only its end or a stop token id that min_tokens forbids), so the output ends with what
+    the grammar allowed and the token is dropped; else None."""
     assert r.grammar is not None
     if not r.grammar.accept(token):
-        return "stop" if r.grammar.dead_end() else "error"
+        if not r.grammar.dead_end():
+            log.warning("request %s: token %d is outside its grammar (min_tokens or stop_token_ids left its mask "
+                        "nothing to choose?); its output ends there", r.rid, token)
+        return "stop"
     return "stop" if r.grammar.terminated else None
 
 
