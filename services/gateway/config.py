@@ -90,6 +90,9 @@ class GatewayConfig(Settings):
     overlap_miss: str = option("root", "with --overlap, a request whose guess was wrong verifies next: its root "
                                "alone (root) or a tree drafted before the pass, as without --overlap (draft)",
                                choices=("root", "draft"))
+    forced_tokens: int = option(16, "structured output: up to this many tokens the request's grammar forces (a "
+                                "single allowed token, or a string that must come next) go into its tree each pass, "
+                                "verified with it, at most the budget B per pass over all its requests (0: none)")
     slo_classes: list[str] = option(default_factory=list, flag="--slo-class",
                                     help="add or override an SLO class: NAME=TPOT_MS[:TTFT_MS]")
     threads: int = option(1, "torch threads of a target started to profile")

@@ -27,6 +27,7 @@ from specserve.gateway.backends.discovery import Resolver, TargetDiscovery
 from specserve.gateway.backends.discovery import stop as stop_discovery
 from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
 from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine.grammar import Grammars
 from specserve.gateway.engine.loop import Engine
 from specserve.gateway.frontend.local import LocalEngine
 from specserve.gateway.http.api import ModelInfo
@@ -144,12 +145,13 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
     engine = Engine(policy, scheduler, pool, metrics, config)
     await engine.start()
     rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None
-    local = LocalEngine(engine, classes, profile_path)
+    grammars = Grammars(tokenizer, info.vocab_size, info.stop_ids)  # structured output, compiled on first use
+    local = LocalEngine(engine, classes, profile_path, grammars)
     link = await _open_link(config.frontend_link, local) if config.frontend_link else None
     if config.frontends > 0:
         serving = await _start_frontends(config, local)
     else:
-        serving = await _serve_http(config, Gateway(config, tokenizer, info, local), reuse_port=False)
+        serving = await _serve_http(config, Gateway(config, tokenizer, info, local, grammars), reuse_port=False)
     log.info("policy %s, budget B = %d tokens, baseline %.2f ms, classes %s", policy.name, cost.budget_tokens,
              cost.baseline_iteration_ms, {n: c.tpot_ms for n, c in classes.items()})
     await _until_stopped()

@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from specserve.shared.host.service_base import ms_since, split_counts
+from specserve.shared.host.service_base import BadCall, ms_since, split_counts
 from specserve.shared.runtime.batch import Chunk, Tree
 from specserve.shared.runtime.loader import load_model, parse_device, parse_dtype
 from specserve.shared.runtime.runner import ModelRunner
+from specserve.shared.spec import token_mask
 from specserve.shared.spec.penalties import TokenHistory
 from specserve.shared.spec.sampling import SamplingParams
 from specserve.shared.spec.token_tree import InvalidTree, validate_tree
@@ -80,6 +81,18 @@ class _Request:
         return self.committed > 0
 
 
+def _masked(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Structured output: the logits with what the grammar forbids at -inf, so it is never chosen; the mask
+    rows apply to the last rows (a prompt chunk's one row to its last token, whose logits choose the first
+    output token, where the chunk's other rows are there for prompt logprobs). Logprobs read the logits as
+    the model gave them."""
+    if len(rows) == len(logits):
+        return token_mask.apply(logits, rows)
+    out = logits.clone()
+    out[-len(rows):] = token_mask.apply(logits[-len(rows):], rows)
+    return out
+
+
 class TargetEngine:
     def __init__(self, config: TargetConfig, runner: ModelRunner | None = None, accept: Accept | None = None):
         """runner, accept: the model pass and the acceptance rule (the model in config.model and
@@ -106,6 +119,7 @@ class TargetEngine:
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
+        masks = self._masks(msg, tensors)
         entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors, cached if use_cache else None, undo)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         t0 = time.perf_counter()
@@ -119,7 +133,8 @@ class TargetEngine:
         scored = CallLogprobs()
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
-                emitted[index], path = self._accept(all_entries[index], entry, entry_logits)
+                chosen = entry_logits if index not in masks else _masked(entry_logits, masks[index])
+                emitted[index], path = self._accept(all_entries[index], entry, chosen)
                 if features:
                     kept[index] = features[i] if path is None else features[i][path]
                 req = self.requests.get(entry.request_id)
@@ -174,6 +189,24 @@ class TargetEngine:
             else:
                 entries.append((base + j, Tree(verify.rid, toks, parents)))
         return entries
+
+    def _masks(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The masked entries' rows of "token_masks", by result index (a prefill chunk's one row applies to the
+        first token, where the chunk ends the prompt); a tensor that disagrees with the entries refuses the call."""
+        rows = [(1 if e.last else 0) if e.masked else 0 for e in msg.prefill]
+        rows += [e.num_nodes if e.masked else 0 for e in msg.verify]
+        flat = tensors.get("token_masks")
+        if not sum(rows):
+            return {}
+        width = token_mask.words_for(self.vocab_size)
+        if flat is None or flat.dtype != torch.int32 or list(flat.shape) != [sum(rows), width]:
+            got = "none" if flat is None else f"{flat.dtype} {list(flat.shape)}"
+            raise BadCall(f"tensor 'token_masks' must be int32 [{sum(rows)}, {width}], got {got}")
+        out, at = {}, 0
+        for index, n in enumerate(rows):
+            if n:
+                out[index], at = flat[at: at + n], at + n
+        return out
 
     @staticmethod
     def _results(all_entries: list[PrefillEntry | VerifyEntry], errors: dict[int, ErrorInfo],

@@ -190,6 +190,7 @@ class PrefillEntry(Struct):
     # a preempted request rebuilding its KV: the prompt here is prompt + output but its newest token,
     # and that token (already emitted) becomes the root instead of a newly sampled one
     resume_token: int | None = None
+    masked: bool = False  # structured output: its row of "token_masks" (last chunk only) limits the first token
 
 
 class VerifyEntry(Struct):
@@ -197,10 +198,13 @@ class VerifyEntry(Struct):
     step: int  # strictly increasing per request
     num_committed: int  # committed tokens (prompt + output) before this step; the root is the newest
     num_nodes: int  # tree nodes, root first (its slice of "tree_tokens" and "tree_parents")
+    masked: bool = False  # structured output: num_nodes rows of "token_masks", each node's allowed next tokens
 
 
 class Forward(Struct, tag=True):
-    """Payload: "prefill_tokens" int32, "tree_tokens" int32, "tree_parents" int32 (-1 for roots)."""
+    """Payload: "prefill_tokens" int32, "tree_tokens" int32, "tree_parents" int32 (-1 for roots); with any
+    entry masked, "token_masks" int32 [rows, ceil(V / 32)], the masked entries' rows in entry order
+    (shared/spec/token_mask.py: bit t % 32 of word t // 32 allows token t at that position)."""
 
     prefill: list[PrefillEntry] = msgspec.field(default_factory=list)
     verify: list[VerifyEntry] = msgspec.field(default_factory=list)

@@ -87,6 +87,7 @@ class PrefillItem:
     last: bool
     sampling: SamplingSpec | None = None
     resume_token: int | None = None  # see PrefillEntry.resume_token
+    mask: torch.Tensor | None = None  # structured output: int32 [1, ceil(V / 32)], the first token's allowed set
 
 
 @dataclass(slots=True)
@@ -96,6 +97,7 @@ class VerifyItem:
     num_committed: int
     tokens: list[int]  # root first
     parents: list[int]
+    masks: torch.Tensor | None = None  # structured output: int32 [len(tokens), ceil(V / 32)], per node
 
 
 @dataclass(slots=True)
@@ -163,12 +165,17 @@ class TargetClient(_ServiceClient):
     async def forward(self, prefill: Sequence[PrefillItem] = (), verify: Sequence[VerifyItem] = (),
                       features: bool = False) -> tuple[list[StepOutput], ForwardReply]:
         """features: also return the target's features (StepResult.num_features) in StepOutput.features."""
-        msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling, p.resume_token)
+        msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling, p.resume_token,
+                                    p.mask is not None)
                        for p in prefill],
-                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens)) for v in verify], features)
+                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens), v.masks is not None)
+                       for v in verify], features)
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),
                    "tree_parents": _flat([v.parents for v in verify])}
+        masks = [m for m in [*(p.mask for p in prefill), *(v.masks for v in verify)] if m is not None]
+        if masks:  # only requests with a grammar send rows: the others pay nothing
+            tensors["token_masks"] = torch.cat(masks).to(torch.int32)
         reply, out = await self.rpc.call(msg, ForwardReply, _nonempty(tensors))
         tokens = _cut(out["tokens"], [r.num_tokens for r in reply.results])
         rows: list[torch.Tensor | None] = [None] * len(reply.results)

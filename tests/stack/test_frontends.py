@@ -1,8 +1,9 @@
 """`--frontends 2`: the gateway process runs the engine, two front-end processes serve HTTP on one port
 (`specserve up -- --frontends 2`, real processes, the openai client and plain HTTP).
 
-- greedy output equals transformers', streamed and not; /health, /metrics, /v1/slo_classes answer
-  through a front end; a bad request is a 400 there and is counted in the engine's metrics;
+- greedy output equals transformers', streamed and not; structured output (guided_choice) through the
+  link; /health, /metrics, /v1/slo_classes answer through a front end; a bad request is a 400 there and
+  is counted in the engine's metrics;
 - a front end killed mid-stream (SIGKILL) costs only the streams it served: the other front end's
   streams finish exactly, the engine aborts the dead one's requests (nothing keeps running on the
   target), new requests are served, and the dead front end is started again;
@@ -104,6 +105,9 @@ def test_two_frontends_serve_exactly(up_fe, reference):
             return list(await asyncio.gather(*[stream_text(c, p, started) for p in PROMPTS[:4]]))
 
     assert asyncio.run(streamed()) == reference[:4]
+    for choices in (["alpha", "beta"], ["0", "1", "22"]):  # the engine compiles the grammar the front end names
+        guided = asyncio.run(run_all(up_fe.url, PROMPTS[:2], extra_body={"guided_choice": choices}))
+        assert all(r.choices[0].text in choices for r in guided), guided
     body = health(up_fe.url)
     assert body["status"] == "ok" and body["running"] == 0, body
     assert "classes" in httpx.get(f"{up_fe.url}/v1/slo_classes", timeout=30).json()

@@ -4,7 +4,8 @@ One `specserve up` serves the module. Hypothesis generates batches of 1-4 bodies
 /v1/completions and /v1/chat/completions at once (so valid ones are co-batched with each other
 while junk arrives): OpenAI requests whose fields take random values of random types (valid,
 extreme and wrong), random JSON, random bytes, mutated and truncated requests, deep nesting,
-invalid UTF-8, surrogates and NaN literals. Valid requests ask for 1-4 tokens so they finish fast.
+invalid UTF-8, surrogates and NaN literals, structured output's fields (schemas, regexes, choices and
+grammars, valid and junk). Valid requests ask for 1-4 tokens so they finish fast.
 Every answer must be 200 with a well-formed completion (JSON or SSE ending in [DONE], no error
 event), or 400 / 413 / 503 with OpenAI's error body; never a 500, never a hang (a 60 s timeout).
 Afterwards the server must give the same greedy text as before the fuzz, be healthy, and hold no
@@ -91,6 +92,17 @@ message = st.fixed_dictionaries({
                    st.one_of(st.sampled_from(["tool", "robot", ""]), wild_json)),
     "content": mostly(small_text, st.one_of(st.none(), st.lists(content_part, max_size=3), wild_json)),
 })
+# structured output: small schemas, regexes and grammars, valid and not
+small_schema = st.sampled_from([
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
+    {"type": "string", "maxLength": 3}, {"type": "boolean"}, {"enum": ["x", "y"]}, {},
+    {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}, {"type": "foo"}, {"properties": 3}])
+regex = st.one_of(st.sampled_from(["[a-z]{1,3}", "\\d{1,3}", "(yes|no)", "a(", "x[^\\s\\S]", "", "[z-a]"]),
+                  st.text(alphabet="ab()[]{}|*+?.\\d019^$", max_size=8))
+grammar = st.one_of(st.sampled_from(['root ::= "a" | "b"', "root ::= x", "root ::= [a-z]+", 'root ::= root "a"']),
+                    small_text)
+schema_format = st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+    {"name": small_text, "schema": st.one_of(small_schema, wild_json)}, optional={"strict": st.booleans()})})
 FIELDS = {
     "temperature": floats_near,
     "top_p": st.one_of(st.floats(0, 1), st.sampled_from([1e-300, 5e-324, 1e-38, 0, 1, 1.5])),
@@ -110,7 +122,8 @@ FIELDS = {
     "frequency_penalty": st.one_of(st.floats(-2.5, 2.5), st.sampled_from([0, -2, 2, -2.0000001, 1e30])),
     "repetition_penalty": st.one_of(st.floats(-1, 3), st.sampled_from([0, -0.0, 1, 5e-324, 1e-300, 1e30, 1e308])),
     "logit_bias": st.one_of(st.just({}), st.dictionaries(st.text(max_size=4), st.floats(-100, 100), max_size=2)),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}]),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                                  {"type": "yaml"}]), schema_format),
     "tools": st.one_of(st.just([]), st.lists(wild_json, min_size=1, max_size=2)),
     "tool_choice": st.sampled_from(["none", "auto", "required"]),
     "functions": st.one_of(st.just([]), st.lists(wild_json, min_size=1, max_size=2)),
@@ -124,7 +137,10 @@ FIELDS = {
     "min_tokens": st.one_of(st.integers(-2, 2 * MAX_NEW), st.sampled_from([10**6, 10**30])),
     "stop_token_ids": st.one_of(st.just([]), st.lists(st.integers(-3, 5000), min_size=1, max_size=3),
                                 st.lists(st.just(7), min_size=129, max_size=130), st.sampled_from([[2**64], [1.5]])),
-    "guided_json": wild_json,
+    "guided_json": st.one_of(wild_json, small_schema, small_schema.map(json.dumps), small_text),
+    "guided_regex": regex,
+    "guided_choice": st.one_of(st.lists(small_text, max_size=4), wild_json),
+    "guided_grammar": grammar,
     "some_future_field": wild_json,
 }
 
@@ -166,7 +182,11 @@ VALID_FIELDS = {  # values the gateway accepts, extremes included
     "min_p": st.one_of(st.floats(0, 1), st.sampled_from([5e-324, 1])),
     "min_tokens": st.integers(0, MAX_NEW),  # at most max_tokens (below)
     "stop_token_ids": st.lists(st.integers(0, 4095), max_size=4),
-    "response_format": st.just({"type": "text"}),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), schema_format),
+    "guided_regex": st.sampled_from(["[a-z]{1,3}", "\\d{1,3}", "(yes|no)", "x[^\\s\\S]"]),
+    "guided_choice": st.lists(st.text(max_size=8), min_size=1, max_size=4),
+    "guided_json": small_schema,
+    "guided_grammar": st.sampled_from(['root ::= "a" | "b"', "root ::= [a-z]+"]),
     "tools": st.just([]),
     "tool_choice": st.just("none"),
     "some_future_field": wild_json,
@@ -183,7 +203,9 @@ def valid_body(draw) -> dict:
     else:
         body["prompt"] = draw(st.one_of(st.text(min_size=1, max_size=40),
                                         st.lists(st.integers(0, 4095), min_size=1, max_size=16)))
-    for name in draw(st.lists(st.sampled_from(sorted(VALID_FIELDS)), max_size=4, unique=True)):
+    names = draw(st.lists(st.sampled_from(sorted(VALID_FIELDS)), max_size=4, unique=True))
+    guided = [n for n in names if n in GRAMMAR_FIELDS]
+    for name in [n for n in names if n not in GRAMMAR_FIELDS] + guided[:1]:  # one grammar at most
         body[name] = draw(VALID_FIELDS[name])
     if draw(st.booleans()):  # logprobs: completions' count and echo, chat's flag and count
         if "messages" in body:
@@ -198,6 +220,9 @@ def valid_body(draw) -> dict:
     if "min_tokens" in body:
         body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
     return body
+
+
+GRAMMAR_FIELDS = ("response_format", "guided_regex", "guided_choice", "guided_json", "guided_grammar")
 
 
 def to_bytes(obj) -> bytes:

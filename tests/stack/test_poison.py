@@ -5,10 +5,11 @@ and, once every one of them is generating, a wave of poison is sent at once: sam
 the edge of what validation accepts (a temperature of 1e-38 used to make the target's sampler
 raise and fail the whole batched Forward, ending every co-batched stream), values it must refuse
 (huge numbers, 10k stop strings, a 1 MB stop string, surrogates, invalid UTF-8, deep nesting,
-unsupported features, a body over the size limit). Every stream must end with exactly the target's
-greedy text (transformers' reference), every poison must get its expected status (200 for the
-accepted extremes, which must also have run while the streams did, 400 or 413 for the rest), and
-afterwards both services hold no request and no KV block.
+unsupported features, a body over the size limit), and structured output (valid, served beside the
+streams, and malformed). Every stream must end with exactly the target's greedy text (transformers'
+reference), every poison must get its expected status (200 for the accepted extremes, which must
+also have run while the streams did, 400 or 413 for the rest), and afterwards both services hold no
+request and no KV block.
 """
 
 from __future__ import annotations
@@ -75,7 +76,12 @@ POISON = [
                                                           temperature=2, seed=9, stream=True), 200, None),
     ("repetition_penalty 0", C, completion(repetition_penalty=0), 400, "repetition_penalty"),
     ("n 17", CHAT, chat(n=17), 400, "n"),
-    ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    # structured output beside the streams: its masks travel with its own entries alone
+    ("response_format json_object", CHAT, chat(response_format={"type": "json_object"}), 200, None),
+    ("guided_regex sampled", C, completion(guided_regex="[a-z]{3,9}", temperature=1.5, seed=7), 200, None),
+    ("guided_regex unbalanced", C, completion(guided_regex="a(b"), 400, "guided_regex"),
+    ("guided_regex with a dead end", C, completion(guided_regex="x[^\\s\\S]"), 200, None),  # "x", then nothing
+    ("response_format yaml", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("token id 2**63", C, b'{"model": "target", "prompt": [9223372036854775808]}', 400, "prompt"),
     ("a 9 MB body", C, completion(junk="x" * (9 * 2**20)), 413, None),

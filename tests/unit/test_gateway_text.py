@@ -248,17 +248,12 @@ def test_duplicate_keys_last_one_wins_and_is_validated():
     ("field", "neutral", "bad"),
     [
         ("logit_bias", [{}], [{"50256": -100}]),
-        ("response_format", [{"type": "text"}], [{"type": "json_object"}, {"type": "json_schema"}, "text", {}]),
         ("tools", [[]], [[{"type": "function", "function": {"name": "f"}}], {}, 1e30]),
         ("tool_choice", ["none"], ["auto", "required", {"type": "function", "function": {"name": "f"}}]),
         ("functions", [[]], [[{"name": "f"}]]),
         ("function_call", ["none"], ["auto", {"name": "f"}]),
         ("include_stop_str_in_output", [False], [True, 0]),
         ("use_beam_search", [False], [True]),
-        ("guided_json", [], [{}, "x"]),
-        ("guided_regex", [], ["a+"]),
-        ("guided_choice", [], [["a", "b"]]),
-        ("guided_grammar", [], ["root ::= x"]),
     ],
 )
 def test_unsupported_features_refused_unless_neutral(field, neutral, bad):

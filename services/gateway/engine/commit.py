@@ -3,14 +3,17 @@
 Per output: an error ends the request (an `out_of_blocks` one is retried up to `MAX_OUT_OF_BLOCKS`
 iterations first); a prompt chunk that was not the last only advances `prefilled`; the last chunk and a
 verified tree emit their tokens, cut at a stop id (an EOS id, dropped; one of the request's stop_token_ids,
-kept; neither before min_tokens) and at max_tokens. The features a pass returned are written into the
-request's FeatureLog by position. Logprobs follow their tokens (cut with them); a prompt's logprobs are
-kept by position until its first token carries them (a prompt chunk prefilled again after a preemption
-does not send its positions twice). A prompt chunk's tokens taken from the
-target's prefix cache are counted and taught to the mirror of it (prefix.py).
+kept; neither before min_tokens), at max_tokens and where the request's grammar ends (its stop token).
+The features a pass returned are written into the request's FeatureLog by position. Logprobs follow
+their tokens (cut with them); a prompt's logprobs are kept by position until its first token carries
+them (a prompt chunk prefilled again after a preemption does not send its positions twice). A
+prompt chunk's tokens taken from the target's prefix cache are counted and taught to the mirror of it
+(prefix.py).
 """
 
 from __future__ import annotations
+
+import logging
 
 from specserve.gateway.engine.request import GenRequest, Tokens
 from specserve.gateway.engine.table import RequestTable
@@ -20,6 +23,7 @@ from specserve.shared.spec.feature_log import FeatureLog
 from specserve.shared.wire.logprobs import TokenLogprobs
 from specserve.shared.wire.service_client import StepOutput
 
+log = logging.getLogger("specserve.gateway")
 MAX_OUT_OF_BLOCKS = 200  # iterations a request may be refused for KV room before it is ended
 
 
@@ -79,6 +83,10 @@ class Commit:
             if t in r.stop_ids and len(r.output) + len(keep) >= r.sampling.min_tokens:
                 reason = "stop"
                 break
+            if r.grammar is not None:  # structured output: the grammar follows every token, and ends the output
+                reason = _grammar_end(r, t)
+                if reason is not None:
+                    break
             keep.append(t)
             if len(r.output) + len(keep) >= r.max_tokens:
                 reason = "length"
@@ -100,6 +108,21 @@ class Commit:
             r.prompt_logprobs = None
         if reason is not None:
             self.table.finish(r, reason)
+
+
+def _grammar_end(r: GenRequest, token: int) -> str | None:
+    """Advance the request's grammar by an emitted token: "stop" where the token is its stop token (the output
+    is complete; the token is not part of it), or where the grammar does not allow it: the target had no
+    token to choose that both the grammar and the request's other fields allow (a grammar at a dead end, or
+    one that allows only its end or a stop token id that min_tokens forbids), so the output ends with what
+    the grammar allowed and the token is dropped; else None."""
+    assert r.grammar is not None
+    if not r.grammar.accept(token):
+        if not r.grammar.dead_end():
+            log.warning("request %s: token %d is outside its grammar (min_tokens or stop_token_ids left its mask "
+                        "nothing to choose?); its output ends there", r.rid, token)
+        return "stop"
+    return "stop" if r.grammar.terminated else None
 
 
 def keep_prompt_logprobs(r: GenRequest, start: int, rows: TokenLogprobs) -> None:

@@ -6,6 +6,7 @@ work; a replica never waits for another replica's pass. One step of replica k re
     plan = scheduler.plan(snapshot)            # admissions, chunks, tree shapes, draft residency
     record = admitter.apply(plan)              # bind, reject, preempt
     trees = draft trees of k's decoders        # drafting.py (overlap.py with --overlap)
+    trees = passes.constrain(trees)            # structured output: forced tokens, pruning, masks
     pass = passes.build(plan, trees)           # the policy selects the nodes to verify
     passes.run(pass)                           # target pass (+ a draft call beside it), commit
     consume(record)                            # metrics, cost model, policy, admission learn
@@ -61,7 +62,7 @@ class Engine:
         self.intake = Intake(self.table, pool, metrics, config, scheduler.admission is not None, self._wake)
         self.drafts = DraftCalls(self.table, pool, self.executor)
         self.admitter = Admitter(self.table, pool, self.drafts, metrics, config, scheduler.admission, self._wake)
-        self.passes = Passes(self.table, pool, self.executor, policy, self.drafts, metrics)
+        self.passes = Passes(self.table, pool, self.executor, policy, self.drafts, metrics, config.forced_tokens)
         self.snapshots = Snapshots(self.table, pool, config)
         self.grow_kv = config.kv_lookahead_tokens > 0  # reservations grow on the way (--kv-lookahead-tokens)
         self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
@@ -191,7 +192,7 @@ class Engine:
         record = self.admitter.apply(plan)
         mine = self.table.bound(replica.index)
         decoding = [r for r in mine if r.decoding and r.rid in plan.shapes]
-        trees = await self._trees(plan, decoding, record)
+        trees = self.passes.constrain(replica.index, decoding, await self._trees(plan, decoding, record))
         with tracing.span("policy.select"):
             target_pass, selected = self.passes.build(plan, replica.index, mine, decoding, trees, record)
         if target_pass is not None:

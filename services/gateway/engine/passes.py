@@ -1,9 +1,11 @@
 """Passes: one replica's target pass, built from the plan and the trees, run, and committed.
 
-`build` asks the policy which nodes of each batch's trees to verify and puts the replica's prompt
-chunks and selected subtrees into one `TargetPass`. `run` sends it, and beside it one draft call (the
-eager sync's d = 0 entries and, with --overlap, the entries drafting ahead); then it commits each
-replica's outputs and keeps the trees whose guess was right. A replica that fails ends the requests
+`constrain` shapes the trees of requests with a grammar (engine/constrain.py). `build` asks the policy
+which nodes of each batch's trees to verify and puts the replica's prompt chunks and selected subtrees
+(with their grammar's masks, and its forced tokens whatever the policy chose) into one `TargetPass`.
+`run` sends it, and beside it one draft call (the eager sync's d = 0 entries and, with --overlap, the
+entries drafting ahead); then it commits each replica's outputs and keeps the trees whose guess was
+right. A replica that fails ends the requests
 in its pass (refused) or all it holds (down).
 """
 
@@ -30,10 +32,29 @@ log = logging.getLogger("specserve.gateway")
 
 class Passes:
     def __init__(self, table: RequestTable, pool: ServicePool, executor: Executor, policy: Policy,
-                 drafts: DraftCalls, metrics: GatewayMetrics):
+                 drafts: DraftCalls, metrics: GatewayMetrics, forced_tokens: int = 0):
         self.table, self.pool, self.executor, self.policy = table, pool, executor, policy
         self.drafts, self.metrics = drafts, metrics
+        self.forced_tokens = forced_tokens  # a grammar's forced tokens put into a tree per pass (--forced-tokens)
         self.commit = Commit(table, metrics)
+
+    def constrain(self, replica: int, decoding: list[GenRequest],
+                  trees: dict[str, CandidateTree]) -> dict[str, CandidateTree]:
+        """The trees with each grammar request's shaped by its grammar (engine/constrain.py): forced tokens
+        grafted, forbidden nodes pruned, masks computed. A request with a grammar and no tree gets one
+        where its grammar forces tokens. The forced tokens of one pass are at most its budget B, beside
+        the nodes the policy selects within it."""
+        out, room = trees, self.pool.targets[replica].cost.budget_tokens
+        for r in decoding:
+            if r.grammar is None:
+                continue
+            tree = trees.get(r.rid) or CandidateTree.root_only(r.output[-1])
+            shaped = r.grammar.shape(tree, min(self.forced_tokens, r.remaining - 1, room))
+            room -= len(r.grammar.shaped.forced) if r.grammar.shaped is not None else 0
+            if r.rid in trees or len(shaped.tokens) > 1:
+                out = out if out is not trees else dict(trees)
+                out[r.rid] = shaped
+        return out
 
     def build(self, plan: IterationPlan, replica: int, mine: list[GenRequest], decoding: list[GenRequest],
               trees: dict[str, CandidateTree], record: IterationRecord) -> tuple[TargetPass | None,
@@ -52,16 +73,24 @@ class Passes:
             # a first chunk covers what its replica's prefix cache is expected to hold (r.cached), then n more
             end = min(max(r.prefilled, r.cached) + n, len(context))
             last = end == len(context)
+            mask = r.grammar.first_mask() if last and not r.resuming and r.grammar is not None else None
             p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: end], last,
                                          r.prefill_sampling if r.prefilled == 0 else None,
-                                         r.output[-1] if last and r.resuming else None))
+                                         r.output[-1] if last and r.resuming else None, mask))
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
         for r in decoding:
             tree = trees.get(r.rid)
-            toks, parents = tree.subtree(selected.get(r.rid, [0])) if tree is not None else ([r.output[-1]], [-1])
-            p.verify.append(VerifyItem(r.rid, plan.step, r.committed, toks, parents))
+            drafted, nodes, masks = tree is not None, selected.get(r.rid, [0]), None
+            if r.grammar is not None:
+                shaped = r.grammar.take_shaped(tree, r.output[-1])
+                tree = shaped.tree
+                if shaped.forced:  # forced tokens are verified whatever the policy chose
+                    nodes = selected[r.rid] = sorted(set(nodes) | set(shaped.forced))
+                masks = shaped.rows(nodes)
+            toks, parents = tree.subtree(nodes) if tree is not None else ([r.output[-1]], [-1])
+            p.verify.append(VerifyItem(r.rid, plan.step, r.committed, toks, parents, masks))
             shape = plan.shapes[r.rid]
-            filler = self.policy.filler(r.rid) if tree is not None else 0
+            filler = self.policy.filler(r.rid) if drafted else 0
             record.requests.append(RequestStep(r.rid, replica, depth=shape.depth, width=shape.width,
                                                verified=len(toks), filler=filler))
         # (a replica that went down was handled after the releases; only draft calls ran since)

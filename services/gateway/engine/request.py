@@ -23,6 +23,8 @@ from specserve.shared.wire.messages import SamplingSpec
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
+    from specserve.gateway.engine.constrain import Constraint
+    from specserve.gateway.engine.grammar import RequestGrammar
     from specserve.gateway.sched.policy.base import CandidateTree
 
 
@@ -66,6 +68,7 @@ class Submission:
     stop_ids: frozenset[int]  # token ids that end the output (EOS); not streamed as text
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it
     trace: SpanContext | None = None  # the request span it was submitted under (a front end's), if any
+    grammar: RequestGrammar | None = None  # structured output: the grammar every output token must follow
 
 
 @dataclass(eq=False, slots=True)
@@ -103,13 +106,14 @@ class GenRequest:
     trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)
     prompt_logprobs: TokenLogprobs | None = None  # with sampling.prompt_logprobs: the prompt's, until its first token
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks (prefix.py)
+    grammar: Constraint | None = None  # structured output: its matcher, and its trees shaped by it (constrain.py)
 
     @classmethod
     def of(cls, sub: Submission, events: asyncio.Queue | None = None) -> GenRequest:
         """The engine's state of a submitted request; its events go to `events` (a new queue if None)."""
         req = cls(sub.rid, list(sub.prompt), sub.sampling, sub.max_tokens, sub.slo, sub.stop_ids,
                   frozenset(sub.sampling.stop_token_ids) - sub.stop_ids, best_effort_ok=sub.best_effort_ok,
-                  trace=sub.trace)
+                  trace=sub.trace, grammar=sub.grammar.constraint() if sub.grammar is not None else None)
         if events is not None:
             req.events = events
         return req

@@ -19,6 +19,7 @@ import logging
 
 import msgspec
 
+from specserve.gateway.engine.grammar import GrammarError, GrammarSpec, RequestGrammar
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Event, Submission, Tokens
 from specserve.gateway.frontend import wire
@@ -80,6 +81,7 @@ class FrontendLink:
         self.local = local
         self.secret = secret
         self.connections: set[_Connection] = set()
+        self._compiling: set[asyncio.Future[None]] = set()  # grammars compiled before their requests are submitted
 
     async def start(self, address: str) -> asyncio.Server:
         """Serve front ends on "unix:/path" or "host:port"."""
@@ -140,14 +142,17 @@ class FrontendLink:
                 await flusher
             writer.close()
 
-    def _submit(self, conn: _Connection, m: wire.Submit) -> None:
+    def _submit(self, conn: _Connection, m: wire.Submit, grammar: RequestGrammar | None = None) -> None:
         too_large = kv_pool_error(self.local, len(m.prompt), m.max_tokens)
         if too_large is not None:
             conn.emit(wire.Event(m.rid, wire.FINISHED, reason="invalid", error=too_large))
             return
+        if m.grammar_kind and grammar is None:  # structured output: its grammar compiled here first
+            self._compile_then_submit(conn, m)
+            return
         # the iterations link to the front end's request span
         sub = Submission(m.rid, m.prompt, m.sampling, m.max_tokens, SloClass(m.tier, m.tpot_ms, m.ttft_ms),
-                         frozenset(m.stop_ids), m.best_effort_ok, spans.from_wire(m.trace))
+                         frozenset(m.stop_ids), m.best_effort_ok, spans.from_wire(m.trace), grammar)
         try:
             self.local.submit(sub, _Sink(conn, m.rid))
         except ServiceUnavailable as exc:
@@ -155,6 +160,38 @@ class FrontendLink:
                                  retry_after_s=exc.retry_after_s))
             return
         conn.rids.add(m.rid)
+
+    def _compile_then_submit(self, conn: _Connection, m: wire.Submit) -> None:
+        """A request with a grammar: from the engine's cache at once, else compiled off the event loop (the
+        front end compiled it too, so a refusal here is a 400 only if the two differ); aborted meanwhile, it
+        is not submitted."""
+        grammars = self.local.grammars
+        spec = GrammarSpec(m.grammar_kind, m.grammar_source, m.grammar_field)
+        if grammars is None:
+            conn.emit(wire.Event(m.rid, wire.FINISHED, reason="invalid", error="structured output is not served"))
+            return
+        hit = grammars.cached(spec)
+        if hit is not None:
+            self._submit(conn, m, hit)
+            return
+        conn.rids.add(m.rid)
+
+        async def compile_then_submit() -> None:
+            try:
+                grammar = await grammars.compile_async(spec)
+            except GrammarError as exc:
+                grammar, error = None, f"invalid {exc.message}"
+            if m.rid not in conn.rids or conn not in self.connections:  # aborted, or its front end is gone
+                return
+            conn.rids.discard(m.rid)
+            if grammar is None:
+                conn.emit(wire.Event(m.rid, wire.FINISHED, reason="invalid", error=error))
+            else:
+                self._submit(conn, m, grammar)
+
+        task = asyncio.ensure_future(compile_then_submit())
+        self._compiling.add(task)
+        task.add_done_callback(self._compiling.discard)
 
     async def _answer(self, q: wire.Query) -> wire.Answer:
         if q.what == "health":

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from specserve.gateway.engine.grammar import Grammars
 from specserve.gateway.engine.loop import Engine
 from specserve.gateway.engine.request import Event, GenRequest, Submission
 from specserve.gateway.sched.slo_classes import SloClass
@@ -44,8 +45,11 @@ class EngineApi(Protocol):
 class LocalEngine:
     """The engine in this process."""
 
-    def __init__(self, engine: Engine, classes: dict[str, SloClass], profile_path: Path):
+    def __init__(self, engine: Engine, classes: dict[str, SloClass], profile_path: Path,
+                 grammars: Grammars | None = None):
+        """grammars: structured output's compiler, for the grammars front ends of other processes name."""
         self.engine, self.classes, self.profile_path = engine, classes, profile_path
+        self.grammars = grammars
 
     def submit(self, sub: Submission, events: asyncio.Queue | None = None) -> asyncio.Queue[Event]:
         """events: the queue the request's events go to (a new one if None)."""

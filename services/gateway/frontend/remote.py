@@ -91,9 +91,11 @@ class RemoteEngine:
             raise ServiceUnavailable(ENGINE_GONE, 1.0)
         events: asyncio.Queue[Event] = asyncio.Queue()
         self.requests[sub.rid] = events
+        spec = sub.grammar.spec if sub.grammar is not None else None
         self._send(wire.Submit(sub.rid, sub.prompt, sub.sampling, sub.max_tokens, sub.slo.name, sub.slo.tpot_ms,
                                sub.slo.ttft_ms, sorted(sub.stop_ids), sub.best_effort_ok,
-                               spans.to_wire(spans.current()) if tracing.ENABLED else b""))
+                               spans.to_wire(spans.current()) if tracing.ENABLED else b"",
+                               *((spec.kind, spec.source, spec.field) if spec is not None else ())))
         return events
 
     def abort(self, rid: str, reason: str = "abort") -> None:

@@ -41,6 +41,9 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     stop_ids: list[int]
     best_effort_ok: bool
     trace: bytes = b""  # the front end's request span (obs/spans.to_wire), while tracing is on
+    grammar_kind: str = ""  # structured output: its GrammarSpec (engine/grammar.py), compiled again by the engine
+    grammar_source: str = ""
+    grammar_field: str = ""
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -4,10 +4,11 @@ They turn the JSON body of ``POST /v1/completions`` and ``POST /v1/chat/completi
 Structs of protocol.py and validate every field the gateway acts on; anything invalid raises
 `ApiError`, which the server turns into an HTTP response in OpenAI's error shape. Fields the gateway
 does not know are ignored (clients send many), but a known feature the gateway does not implement
-(best_of above n, suffix, chat's echo, logit bias, response formats, tools and function calls, vLLM's
-guided decoding, ...) is refused with a 400 naming it unless it is absent, null or its neutral value
-(`UNSUPPORTED`), rather than silently dropped. The sampling fields (penalties, min_p, min_tokens,
-stop_token_ids, n) are checked against vLLM's limits (`_check_sampling`). Every
+(best_of above n, suffix, chat's echo, logit bias, tools and function calls, ...) is refused with a 400
+naming it unless it is absent, null or its neutral value (`UNSUPPORTED`), rather than silently dropped.
+The sampling fields (penalties, min_p, min_tokens, stop_token_ids, n) are checked against vLLM's limits
+(`_check_sampling`); structured output's fields (`response_format`, vLLM's `guided_*`) by
+http/guided.py. Every
 malformed body (not UTF-8, not JSON, nested too deep, a wrong type anywhere) is a 400 too, never an
 exception out of this module.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from specserve.gateway.http.guided import grammar_spec
 from specserve.gateway.http.protocol import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
 from specserve.shared.spec.logprobs import MAX_LOGPROBS
 from specserve.shared.spec.sampling import PENALTY_LIMIT
@@ -125,6 +127,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.seed is not None and not SEED_MIN <= req.seed < SEED_END:
         raise ApiError(f"seed must be in [-2**63, 2**64), got {_short(req.seed)}", param="seed")
     _check_stop(req.stop)
+    grammar_spec(req)  # structured output's fields (compiled later, when the request is served)
     for name, (neutral, wanted) in UNSUPPORTED.items():
         value = getattr(req, name)
         if value is not None and not neutral(value):
@@ -158,17 +161,12 @@ def _is(neutral: object) -> Callable[[Any], bool]:
 # that is neither absent, null nor neutral is refused with a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (_is({}), "must be empty or absent"),
-    "response_format": (_is({"type": "text"}), 'must be {"type": "text"} or absent'),
     "tools": (_is([]), "must be empty or absent"),
     "tool_choice": (_is("none"), 'must be "none" or absent'),
     "functions": (_is([]), "must be empty or absent"),
     "function_call": (_is("none"), 'must be "none" or absent'),
     "include_stop_str_in_output": (_is(False), "must be false or absent"),
     "use_beam_search": (_is(False), "must be false or absent"),
-    "guided_json": (lambda v: False, "must be absent"),
-    "guided_regex": (lambda v: False, "must be absent"),
-    "guided_choice": (lambda v: False, "must be absent"),
-    "guided_grammar": (lambda v: False, "must be absent"),
 }
 
 

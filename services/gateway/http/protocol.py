@@ -110,14 +110,14 @@ class _SamplingFields(Struct, kw_only=True):
     best_of: int | None = None  # only best_of = n (each choice is one generation)
     # Known features the gateway does not implement: refused unless absent, null or neutral (UNSUPPORTED).
     logit_bias: dict[str, float] | None = None
-    response_format: Any = None
+    response_format: Any = None  # structured output, as the guided_* fields below (http/guided.py)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None  # the deprecated form of tools
     function_call: Any = None  # the deprecated form of tool_choice
     include_stop_str_in_output: Any = None  # vLLM's extensions from here on
     use_beam_search: Any = None
-    guided_json: Any = None
+    guided_json: Any = None  # structured output (http/guided.py), not refused
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None

@@ -14,12 +14,14 @@ import os
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
 from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine.grammar import GrammarError, Grammars, RequestGrammar
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.frontend.local import EngineApi
 from specserve.gateway.http.api import (
@@ -31,6 +33,7 @@ from specserve.gateway.http.api import (
     resolve_slo,
 )
 from specserve.gateway.http.choices import Choices
+from specserve.gateway.http.guided import grammar_spec
 from specserve.gateway.http.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from specserve.gateway.http.parse import parse_chat, parse_completion
 from specserve.gateway.http.protocol import (
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.gateway")
 _json = msgspec.json.Encoder()
+COMPILE_TIMEOUT_S = 30.0  # a grammar that takes longer to compile is refused (400)
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -61,8 +65,11 @@ class Gateway:
     """The HTTP front end: the engine it serves is in this process (`LocalEngine`) or in another one
     (`frontend.remote.RemoteEngine`, with `--frontends N`)."""
 
-    def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, engine: EngineApi):
+    def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, engine: EngineApi,
+                 grammars: Grammars | None = None):
+        """grammars: structured output's compiler and cache (the engine's, where it runs in this process)."""
         self.config, self.tokenizer, self.info, self.engine = config, tokenizer, info, engine
+        self.grammars = grammars or Grammars(tokenizer, info.vocab_size, info.stop_ids)
         # a front end of --frontends names itself in its streams' headers (which process a client reached)
         self.stream_headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if config.frontend_of:
@@ -150,6 +157,9 @@ class Gateway:
         slo = resolve_slo(self.engine.classes, req.service_tier, req.slo)
         sub = build_request(self.info, self.engine, prompt_ids, sampling, slo, prefix,
                             allows_best_effort(req.service_tier, req.slo))
+        grammar = await self._grammar(req)
+        if grammar is not None:
+            sub = replace(sub, grammar=grammar)
         choices = Choices(self.engine, sub.rid, choice_submissions(sub, sampling.n), self.tokenizer, sampling.stop,
                           self._echo(req, prompt_ids), None if sampling.logprobs is None else self.strings)
         request[spans.ATTRIBUTES] = choices.span_attributes  # the request span's attributes at the end (tracing on)
@@ -176,6 +186,19 @@ class Gateway:
         return web.json_response({"id": choices.rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": gen.created, "model": self.info.name, "choices": out,
                                   "usage": choices.usage(), "service_tier": slo.name, "specserve": gen.report})
+
+    async def _grammar(self, req: CompletionRequest | ChatCompletionRequest) -> RequestGrammar | None:
+        """Structured output's compiled grammar (from the cache, else compiled off the event loop); a spec
+        xgrammar refuses is a 400 naming its field, with xgrammar's reason."""
+        spec = grammar_spec(req)
+        if spec is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.grammars.compile_async(spec), COMPILE_TIMEOUT_S)
+        except GrammarError as exc:
+            raise ApiError(f"invalid {exc.message}", param=exc.field) from None
+        except TimeoutError:
+            raise ApiError(f"{spec.field} did not compile within {COMPILE_TIMEOUT_S:g} s", param=spec.field) from None
 
     async def _stream(self, request: web.Request, choices: Choices, chat: bool, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=self.stream_headers)
