@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +38,6 @@ from specserve.shared.runtime.loader import load_model, parse_device, parse_dtyp
 from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.spec import token_mask
 from specserve.shared.spec.penalties import TokenHistory
-from specserve.shared.spec.sampling import SamplingParams
 from specserve.shared.spec.token_tree import InvalidTree, validate_tree
 from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
 from specserve.shared.wire.messages import (
@@ -54,43 +52,9 @@ from specserve.shared.wire.messages import (
 )
 from specserve.target.config import TargetConfig
 from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, every_row
+from specserve.target.state import TargetRequest, params_of
 
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
-
-
-def params_of(spec: SamplingSpec) -> SamplingParams:
-    """A request's sampling parameters (ValueError for values the sampler does not take)."""
-    stops = tuple(dict.fromkeys([*spec.stop_token_ids, *spec.eos_ids])) if spec.min_tokens > 0 else ()
-    return SamplingParams(spec.temperature, spec.top_p, spec.top_k, spec.seed, spec.min_p, spec.repetition_penalty,
-                          spec.presence_penalty, spec.frequency_penalty, spec.min_tokens, stops)
-
-
-@dataclass(slots=True)
-class _Request:
-    params: SamplingParams
-    generator: torch.Generator | None
-    prefilled: int = 0  # prompt tokens in the KV cache
-    committed: int = 0  # prompt + output tokens once decoding (the KV holds committed - 1)
-    last_token: int = -1  # the newest committed token: the next tree's root
-    last_step: int = -1
-    history: TokenHistory | None = None  # with penalties or min_tokens: its tokens as they read them
-    logprobs: LogprobState | None = None  # only for a request that asked for logprobs
-
-    @property
-    def decoding(self) -> bool:
-        return self.committed > 0
-
-
-def _masked(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Structured output: the logits with what the grammar forbids at -inf, so it is never chosen; the mask
-    rows apply to the last rows (a prompt chunk's one row to its last token, whose logits choose the first
-    output token, where the chunk's other rows are there for prompt logprobs). Logprobs read the logits as
-    the model gave them."""
-    if len(rows) == len(logits):
-        return token_mask.apply(logits, rows)
-    out = logits.clone()
-    out[-len(rows):] = token_mask.apply(logits[-len(rows):], rows)
-    return out
 
 
 class TargetEngine:
@@ -109,7 +73,7 @@ class TargetEngine:
         self.runner = runner
         self.accept = accept
         self.vocab_size = runner.vocab_size
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, TargetRequest] = {}
         self.calls = self.entry_errors = 0
 
     def forward(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[ForwardReply, dict]:
@@ -133,7 +97,7 @@ class TargetEngine:
         scored = CallLogprobs()
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
-                chosen = entry_logits if index not in masks else _masked(entry_logits, masks[index])
+                chosen = entry_logits if index not in masks else token_mask.apply_last(entry_logits, masks[index])
                 emitted[index], path = self._accept(all_entries[index], entry, chosen)
                 if features:
                     kept[index] = features[i] if path is None else features[i][path]
@@ -378,7 +342,7 @@ class TargetEngine:
                 params = params_of(spec)
                 history = (TokenHistory(self.vocab_size, params, spec.num_prompt)
                            if params.penalized or params.holds_stops else None)
-                req = self.requests[rid] = _Request(params, params.make_generator(), history=history,
+                req = self.requests[rid] = TargetRequest(params, params.make_generator(), history=history,
                                                     logprobs=LogprobState.of(spec))
             req.prefilled += message.num_tokens  # (the chunk's tokens taken from the prefix cache included)
             if req.history is not None:  # the whole chunk: its computed tokens and those taken from the cache

@@ -50,3 +50,15 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["apply", "pack", "unpack", "words_for"]
+
+
+def apply_last(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Structured output: the logits with what the grammar forbids at -inf, so it is never chosen; the mask
+    rows apply to the last rows (a prompt chunk's one row to its last token, whose logits choose the first
+    output token, where the chunk's other rows are there for prompt logprobs). Logprobs read the logits as
+    the model gave them."""
+    if len(rows) == len(logits):
+        return apply(logits, rows)
+    out = logits.clone()
+    out[-len(rows):] = apply(logits[-len(rows):], rows)
+    return out

@@ -27,7 +27,7 @@ from specserve.gateway.sched.slo_classes import SloClass
 from specserve.shared.runtime.generation_defaults import generation_defaults
 from specserve.shared.runtime.model_config import ModelLoadError
 from specserve.shared.runtime.quant import GGUF_FILE
-from specserve.target.engine import params_of
+from specserve.target.state import params_of
 from tests.support.engine import Steered
 
 ROOT = Path(__file__).resolve().parents[2]
