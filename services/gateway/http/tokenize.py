@@ -1,13 +1,15 @@
 """Tokenization and chat templating off the event loop, with a size check before either.
 
 Both run on one worker thread, so a huge prompt never freezes the streams the event loop is
-serving. That thread, and the thread pool the Rust tokenizer keeps for its batch encoding (one
-thread per core), are started when `Tokenizing` is made, by a warm-up encoding on the worker: the
-process then has every thread it will ever have from its start, not more after its first long
-prompt, so its thread count is a constant a leak check can hold it to (bench/soak.py). Before that, a prompt whose text is certainly too long is refused without tokenizing it:
+serving. Before that, a prompt whose text is certainly too long is refused without tokenizing it:
 a token covers at most `max_token_chars` characters (the longest token string in the vocabulary),
 so a text of more than `max_model_len * max_token_chars` characters has more tokens than the
 context holds, whatever it says.
+
+The worker thread, and the thread pool the Rust tokenizer keeps for its batch encoding (one thread
+per core), are started when `Tokenizing` is made, by a warm-up encoding on the worker: the process
+then has every thread it will ever have from its start, not more after its first long prompt, so
+its thread count is a constant a leak check can hold it to (bench/soak.py).
 """
 
 from __future__ import annotations
