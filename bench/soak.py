@@ -24,7 +24,8 @@ descriptors, threads, event-loop tasks (the gateway's engine and front ends, eac
 KV blocks and requests each model service holds and what the gateway runs; and the TTFT and TPOT
 p50 / p99 of the window from the client's records. The rules (bench/soak_rules.py): no request lost
 that a fault did not own (refusals with 503 and Retry-After are counted apart); after the warm-up,
-RSS of every process grows by at most 2 MB per 10 minutes; at every idle checkpoint descriptors,
+the RSS of every process grows by at most 2 MB per 10 minutes (its anonymous part: the file-backed
+pages of mapped weights and libraries come and go with the page cache); at every idle checkpoint descriptors,
 threads, tasks and KV blocks are back to their idle values within `--grace-s`; the TPOT p99 of the
 last sixth of clean load (`--tpot-span-s`) within 10 % of the first sixth's (`--relax-tpot` reports
 it without failing, for short runs on a shared machine: the output says so). Each fault must also
@@ -97,13 +98,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-REQUEST_FIELDS = ("source", "sent_s", "end_s", "status", "ok", "ttft_ms", "tpot_ms", "frontend", "error")
+REQUEST_FIELDS = ("source", "sent_s", "end_s", "status", "ok", "ttft_ms", "tpot_ms", "frontend", "error", "category")
 
 
 def request_row(s: Sent) -> list:
     r = s.record
     return [s.source, round(r.sent_s, 3), None if s.done_s is None else round(s.done_s, 3), r.status, r.ok,
-            r.ttft_ms, r.tpot_ms, s.frontend, r.error]
+            r.ttft_ms, r.tpot_ms, s.frontend, r.error, r.category]
 
 
 def plan(duration_s: float, names: tuple[str, ...] = FAULTS) -> tuple[float, list[tuple[float, str]]]:
@@ -272,8 +273,13 @@ async def _soak(args: argparse.Namespace, up: Any) -> dict:
 def evaluate(result: dict, args: argparse.Namespace) -> dict[str, dict]:
     """Every rule's verdict (ok) and what it found."""
     acc = result["accounting"]
-    growth = rules.rss_growth([s for s in result["samples"] if s["t"] >= result["load_start_s"]],
-                              result["warmup_end_s"], result["warmup_end_s"] - result["load_start_s"])
+    steady = [s for s in result["samples"] if s["t"] >= result["load_start_s"]]
+    warmup = result["warmup_end_s"] - result["load_start_s"]
+    growth = rules.rss_growth(steady, result["warmup_end_s"], warmup)
+    total = {(g["role"], g["pid"]): g for g in rules.rss_growth(steady, result["warmup_end_s"], warmup, field="rss_mb")}
+    for g in growth:  # the whole RSS beside it, reported only
+        t = total[(g["role"], g["pid"])]
+        g |= {"rss_first_mb": t["first_mb"], "rss_last_mb": t["last_mb"], "rss_mb_per_10min": t["mb_per_10min"]}
     over = [g for g in growth if g["mb_per_10min"] is not None and g["mb_per_10min"] > args.rss_mb_per_10min]
     bad_faults = [f["name"] for f in result["faults"] if f.get("recovery_s") is None or f.get("cut") is False
                   or f.get("aborted") is False]
@@ -306,12 +312,13 @@ def report(result: dict, verdicts: dict[str, dict]) -> str:
     lines = [result["title"],
              f"requests {acc['requests']}: completed {acc['completed']}, refused (503 + Retry-After) {acc['refused']}, "
              f"owned by faults {acc['owned']}, lost {acc['lost']}"]
-    lines.append(f"  RSS limit {rss['limit_mb_per_10min']:g} MB / 10 min after the warm-up"
+    lines.append(f"  anonymous RSS limit {rss['limit_mb_per_10min']:g} MB / 10 min after the warm-up"
                  + (f" [relaxed from {RSS_MB_PER_10MIN:g}: --rss-mb-per-10min]" if rss["relaxed"] else ""))
     for g in rss["growth"]:
         if g["mb_per_10min"] is not None:
-            lines.append(f"  rss {g['role']:<11} pid {g['pid']:<7} {g['first_mb']:8.1f} -> {g['last_mb']:8.1f} MB, "
-                         f"slope {g['mb_per_10min']:+.2f} MB / 10 min over {g['points']} samples")
+            lines.append(f"  rss {g['role']:<11} pid {g['pid']:<7} anon {g['first_mb']:7.1f} -> {g['last_mb']:7.1f}"
+                         f" MB, {g['mb_per_10min']:+.2f} MB / 10 min over {g['points']} samples (whole RSS "
+                         f"{g['rss_first_mb']:.1f} -> {g['rss_last_mb']:.1f} MB, {g['rss_mb_per_10min']:+.2f})")
         else:
             lines.append(f"  rss {g['role']:<11} pid {g['pid']:<7} not judged: {g['points']} samples after its "
                          "warm-up, less than a warm-up's length of them")

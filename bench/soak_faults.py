@@ -4,7 +4,8 @@
 - `kill-target`: SIGKILL of one target replica, the last (up starts it again);
 - `kill-frontend`: SIGKILL of one front-end process (the engine process starts it again);
 - `slow-client`: a streaming client that stops reading (a small receive window, nothing read): the
-  gateway must cut it once its buffers stay full for `--stream-stall-s`, and count it `client_too_slow`;
+  gateway must cut it once its buffers stay full for `--stream-stall-s`, and count it `client_too_slow`
+  (waited for up to SLOW_CLIENT_WAIT_S: the stream must fill those buffers first);
 - `burst`: `n` requests of the mix at once, beside the steady load;
 - `disconnect`: a client that closes its connection after its first streamed tokens: the engine must
   abort its request.
@@ -31,6 +32,7 @@ from soak_load import Load
 from soak_probe import Probe, samples
 
 POLL_S = 0.2
+SLOW_CLIENT_WAIT_S = 600.0  # the stalled stream must first fill the gateway's buffers: minutes on a slow CPU
 
 
 class Soak(Protocol):
@@ -129,7 +131,8 @@ async def slow_client(soak: Soak, max_tokens: int, prompt: str = "Count slowly:"
         await asyncio.get_running_loop().sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                                       b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                                                       % len(body) + body)
-        cut, value = await until(lambda: counter(soak, name, label), lambda v: v > before, soak.grace_s)
+        cut, _ = await until(lambda: counter(soak, name, label), lambda v: v > before,
+                             max(soak.grace_s, SLOW_CLIENT_WAIT_S))
     finally:
         sock.close()
     return {"name": "slow-client", "kind": "slow-client", "t": t, "max_tokens": max_tokens, "cut": cut,

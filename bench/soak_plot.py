@@ -1,7 +1,7 @@
 """The soak's picture: RSS, KV and latency over the run, the faults marked (matplotlib, no display).
 
 Three panels on one time axis (minutes from the start of the steady load):
-1. each process's RSS minus its RSS at the end of the warm-up, MB (a leak is a line that keeps
+1. each process's anonymous RSS minus its value at the end of the warm-up, MB (a leak is a line that keeps
    rising); a process restarted by a fault is dashed, from the end of its own warm-up on;
 2. KV blocks held by the draft and every target replica, and the requests the gateway runs;
 3. TTFT and TPOT p50 / p99 per window, from the client's own records (log scale).
@@ -31,7 +31,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     series: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for s in samples:
         for role, p in s["procs"].items():
-            series.setdefault((role, p["pid"]), []).append((s["t"], p["rss_mb"]))
+            series.setdefault((role, p["pid"]), []).append((s["t"], p.get("anon_mb", p["rss_mb"])))
     judged_from = {(g["role"], g["pid"]): g["from_s"] for g in result["rules"]["rss"]["growth"]}
     colors: dict[str, Any] = {}
     for (role, pid), points in sorted(series.items()):
@@ -45,7 +45,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         color = colors.setdefault(role, f"C{len(colors) % 10}")
         rss.plot([m(t) for t, _ in shown], [v - base for _, v in shown], color=color, label=role if first else None,
                  linestyle="-" if original else "--")
-    rss.set_ylabel("RSS - RSS after warm-up, MB")
+    rss.set_ylabel("anonymous RSS - after warm-up, MB")
     rss.legend(fontsize=7, ncol=4, loc="lower left")
     names = sorted({n for s in samples for n in s["kv"]})
     for n in names:

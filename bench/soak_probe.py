@@ -2,6 +2,10 @@
 RSS, open descriptors, threads and event-loop tasks, and the KV blocks and requests every model service
 holds beside the gateway's own view of what runs.
 
+Memory: RSS, and its anonymous part (RSS less the file-backed and shared pages, /proc/PID/statm):
+what a leak grows. The file-backed part (the mapped model weights, the libraries) comes and goes
+with the page cache when other processes need memory, so it is recorded but not judged.
+
 Roles: `up` itself, `gateway` (the engine process), `frontend-0`, `frontend-1` (its `--frontends`
 processes), `draft`, `target-0`, `target-1` (or `target`). A process is found in up's process group
 (up runs in a session of its own) by its command line: the kind after `specserve.cli`, and for a
@@ -94,8 +98,9 @@ class Probe:
     def stat(p: psutil.Process) -> dict[str, Any] | None:
         try:
             with p.oneshot():
-                return {"pid": p.pid, "rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(),
-                        "threads": p.num_threads()}
+                mem = p.memory_info()
+                return {"pid": p.pid, "rss_mb": mem.rss / 2**20, "anon_mb": (mem.rss - mem.shared) / 2**20,
+                        "fds": p.num_fds(), "threads": p.num_threads()}
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             return None
 
@@ -143,7 +148,7 @@ class Probe:
             return None
 
     async def snapshot(self, t: float) -> dict[str, Any]:
-        """One reading of everything: per role its pid, RSS (MB), descriptors, threads and tasks; per
+        """One reading of everything: per role its pid, RSS and anonymous RSS (MB), descriptors, threads and tasks; per
         model service its KV blocks and requests; the gateway's running, waiting and KV usage."""
         procs = {role: s for role, p in sorted(self.processes().items()) if (s := self.stat(p)) is not None}
         gateway = await self.gateway_state({s["pid"] for r, s in procs.items() if r.startswith("frontend-")})

@@ -6,7 +6,9 @@
    "the target service failed" error), a killed front end the streams it served (in flight then, its
    pid in their `X-Specserve-Frontend` header, or no response at all for a connection it had accepted
    but not yet answered). Everything else that fails is lost.
-2. `rss`: after the warm-up, no process's RSS grows by more than `rss_mb_per_10min` per 10 minutes:
+2. `rss`: after the warm-up, no process's anonymous RSS (what a leak grows; the file-backed pages of
+   its mapped weights and libraries come and go with the page cache) grows by more than
+   `rss_mb_per_10min` per 10 minutes:
    the Theil-Sen slope (the median of the slopes between every pair of samples: robust to the odd
    spike, and to a single step such as an allocator reaching a new high-water mark at a peak of
    load) of each process incarnation's samples after the warm-up (for a process restarted by a
@@ -79,9 +81,10 @@ def theil_sen(points: Sequence[tuple[float, float]]) -> float | None:
 
 
 def rss_growth(samples: Sequence[dict[str, Any]], warmup_end_s: float, warmup_s: float,
-               min_points: int = 4) -> list[dict[str, Any]]:
-    """Per process incarnation (role, pid): its RSS slope after the warm-up (which ends at `warmup_end_s`;
-    for a process that started later, `warmup_s` after its first sample), MB per 10 minutes; None where
+               min_points: int = 4, field: str = "anon_mb") -> list[dict[str, Any]]:
+    """Per process incarnation (role, pid): the slope of its `field` (MB: anonymous RSS, or RSS) after the
+    warm-up (which ends at `warmup_end_s`; for a process that started later, `warmup_s` after its first
+    sample), MB per 10 minutes; None where
     its samples after that span less than `warmup_s` or number fewer than `min_points` (too short to
     judge: a per-10-minutes slope of a few minutes is mostly noise)."""
     series: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -90,11 +93,11 @@ def rss_growth(samples: Sequence[dict[str, Any]], warmup_end_s: float, warmup_s:
         for role, p in snap["procs"].items():
             key = (role, p["pid"])
             first.setdefault(key, snap["t"])
-            series.setdefault(key, []).append((snap["t"], p["rss_mb"]))
+            series.setdefault(key, []).append((snap["t"], p[field]))
     out = []
     for (role, pid), points in series.items():
         start = warmup_end_s if first[(role, pid)] <= samples[0]["t"] else first[(role, pid)] + warmup_s
-        used = [(t, rss) for t, rss in points if t >= start]
+        used = [(t, mb) for t, mb in points if t >= start]
         judged = len(used) >= min_points and used[-1][0] - used[0][0] >= warmup_s
         slope = theil_sen(used) if judged else None
         out.append({"role": role, "pid": pid, "from_s": start, "points": len(used),

@@ -47,7 +47,7 @@ def test_only_what_a_fault_owns_may_fail():
 
 def test_rss_slope_ignores_a_single_step_and_catches_a_steady_climb():
     def samples(rss_at) -> list[dict]:
-        return [{"t": float(t), "procs": {"gateway": {"pid": 5, "rss_mb": rss_at(t)}}} for t in range(0, 3600, 30)]
+        return [{"t": float(t), "procs": {"gateway": {"pid": 5, "anon_mb": rss_at(t)}}} for t in range(0, 3600, 30)]
 
     flat_with_step = rules.rss_growth(samples(lambda t: 300.0 + (6.0 if t > 900 else 0.0)), 600.0, 600.0)
     leak = rules.rss_growth(samples(lambda t: 300.0 + t / 600 * 3.0), 600.0, 600.0)  # 3 MB per 10 minutes
@@ -58,7 +58,7 @@ def test_rss_slope_ignores_a_single_step_and_catches_a_steady_climb():
 def test_a_restarted_process_is_judged_from_its_own_warm_up_when_the_run_leaves_time():
     snaps = []
     for t in range(0, 1200, 30):
-        procs = {"draft": {"pid": 1 if t < 300 else 2, "rss_mb": 400.0 + (t / 60 if t >= 300 else 0.0)}}
+        procs = {"draft": {"pid": 1 if t < 300 else 2, "anon_mb": 400.0 + (t / 60 if t >= 300 else 0.0)}}
         snaps.append({"t": float(t), "procs": procs})
     by_pid = {g["pid"]: g for g in rules.rss_growth(snaps, 100.0, 100.0)}
     assert by_pid[2]["from_s"] == 400.0 and abs(by_pid[2]["mb_per_10min"] - 10.0) < 1e-6
