@@ -54,6 +54,7 @@ import soak_faults as faults  # noqa: E402
 import soak_rules as rules  # noqa: E402
 from soak_load import Load, Sent  # noqa: E402
 from soak_probe import Probe  # noqa: E402
+from sweep import machine_info, relative_paths  # noqa: E402
 
 from specserve.cli.loadgen.workload import parse_mix  # noqa: E402
 
@@ -355,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = evaluate(result, args)
     result["rules"] = verdicts
     result["passed"] = passed(verdicts)
+    result["meta"] = machine_info() | {"argv": sys.argv[1:] if argv is None else argv}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    args.out.write_text(json.dumps(relative_paths(result), indent=1, default=str) + "\n")
     from soak_plot import plot
 
     plot(result, args.out.with_suffix(".png"))
