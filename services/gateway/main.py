@@ -41,6 +41,7 @@ from specserve.gateway.sched.scheduler import Scheduler
 from specserve.gateway.sched.slo_classes import default_classes, parse_class
 from specserve.shared.process import tracing
 from specserve.shared.process.lifeline import follow_parent
+from specserve.shared.process.loop_tasks import LoopTasks
 from specserve.shared.process.ports import check_port_free, port_in_use_as_error
 from specserve.shared.runtime.model_store import resolve_or_exit
 from specserve.shared.wire.auth import AuthError, load_secret
@@ -142,6 +143,8 @@ async def run(config: GatewayConfig, policy: Policy) -> int:
                           admission=admission)
     metrics = GatewayMetrics(info.name)
     metrics.prime_tiers(classes)  # every tier's labelled series, at 0
+    metrics.registry.register(LoopTasks("specserve:asyncio_tasks", "Tasks alive on the engine process's event loop.",
+                                        {"model_name": info.name}, asyncio.get_running_loop()))
     engine = Engine(policy, scheduler, pool, metrics, config)
     await engine.start()
     rediscover = discovery.start(pool.set_addresses) if config.discover_targets else None

@@ -138,8 +138,10 @@ class ServiceHost:
         self.metrics = ServiceMetrics(name, stats)  # served only with --metrics-port
         self.handlers = {kind: self.metrics.timed(h, kind.__name__) for kind, h in handlers.items()}
         self.started = time.monotonic()
-        # One worker thread: model calls run one at a time, in arrival order.
+        # One worker thread: model calls run one at a time, in arrival order. Started now, not at the first
+        # call, so that the process has all its threads from the start (a leak check holds it to that count).
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
+        self.executor.submit(lambda: None).result()
         self.inline_tokens = 0  # serve() sets --inline-tokens (on CPU)
         self._last: Future[Any] | None = None  # the call most recently handed to the model thread
 

@@ -7,7 +7,8 @@
   held or evictable (the evictable ones are free for allocation);
 - `specserve:service_requests{service}`: requests it holds state for;
 - `specserve:service_offloaded{service}`: 1 while a draft's weights are in host memory;
-- `specserve:service_calls_total` / `specserve:service_entry_errors_total{service}`: from its Stats.
+- `specserve:service_calls_total` / `specserve:service_entry_errors_total{service}`: from its Stats;
+- `specserve:service_asyncio_tasks{service}`: the tasks alive on its event loop (shared/process/loop_tasks.py).
 
 The gauges and counters are read from the service's own `Stats` reply at scrape time, so they are
 never stale and cost nothing between scrapes. The server is prometheus_client's (a daemon thread);
@@ -21,6 +22,7 @@ answer Prometheus's Accept header with OpenMetrics 1.0 and escape the `:` of eve
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +33,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from specserve.shared.process.loop_tasks import LoopTasks
 from specserve.shared.wire.messages import Message, StatsReply
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text format generate_latest writes
@@ -92,8 +95,16 @@ class ServiceMetrics:
         return run
 
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
-        """Start the HTTP server (a daemon thread) on host:port: GET /metrics; anything else is 404."""
+        """Start the HTTP server (a daemon thread) on host:port: GET /metrics; anything else is 404. Called on
+        the service's event loop, whose live tasks it then also serves."""
         registry = self.registry
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            registry.register(LoopTasks("specserve:service_asyncio_tasks", "Tasks alive on the service's event loop.",
+                                        {"service": self.name}, loop, threadsafe=True))
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)

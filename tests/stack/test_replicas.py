@@ -138,6 +138,24 @@ def test_killed_replica_ends_only_its_requests_and_rejoins(up2, reference):
     wait_all_free(up2)
 
 
+def test_a_replica_killed_while_idle_takes_no_new_request(up2, reference):
+    """Replica 1 is killed while nothing runs, and four requests are sent at once as soon as it has died
+    (`up` restarts it seconds later): its connection is closed, so the gateway routes every one of them to
+    replica 0, and all four complete exactly. (Routed by its last call, a replica killed while idle still
+    looked up: requests bound to it failed at their first pass, "the target service failed: Broken pipe",
+    and bench/soak.py counted them lost.)"""
+    wait_replicas_up(up2.url, 2)
+    wait_all_free(up2)
+    kill("target", up2.addresses["target-1"])
+    out = asyncio.run(run_all(up2.url, PROMPTS[:4]))
+    failed = [r for r in out if isinstance(r, BaseException)]
+    assert not failed, failed
+    assert [r.choices[0].text for r in out] == reference[:4]
+    assert {r.model_extra["specserve"]["replica"] for r in out} == {0}
+    wait_replicas_up(up2.url, 2)
+    wait_all_free(up2)
+
+
 def test_poison_on_one_replica_touches_nothing_else(up2, reference):
     """A request with sampling values that once failed the target's whole pass (temperature 1e-38) is
     served beside greedy requests on both replicas, sent once /health shows all four running: every

@@ -128,7 +128,10 @@ class TargetReplica(_Service):
         self.owed_releases.update(set(stats.request_ids) - self.requests.keys())
 
     def view(self) -> ReplicaView:
-        return ReplicaView(self.index, self.up and not self.retired, self.total_blocks, self.reserved_blocks,
+        """What the scheduler sees; it takes new requests only while its connection is open now (`ready`): a
+        replica killed while idle has its connection closed by its kernel before any call or ping marks it
+        down, and a request routed to it then would fail at its first pass."""
+        return ReplicaView(self.index, self.ready and not self.retired, self.total_blocks, self.reserved_blocks,
                            len(self.requests), self.cost, self.held_blocks, self.block_size)
 
     @property

@@ -170,6 +170,8 @@ class Engine:
         if self.grow_kv:
             self.admitter.grow_reservations(replica.index)  # before the releases, so a preempted request's go out now
         await self.executor.release_owed(replica)
+        if replica.up and not replica.ready:  # its connection closed (killed): down now, not at a failed call
+            await replica.mark_down()
         if not replica.up:
             if replica.requests:
                 self.passes.end_replica_requests(replica, "the connection was lost")

@@ -15,9 +15,12 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import time
 
 import msgspec
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
 
 from specserve.gateway.engine.intake import ServiceUnavailable
 from specserve.gateway.engine.request import Admitted, Event, Finished, Submission, Tokens
@@ -25,6 +28,7 @@ from specserve.gateway.frontend import wire
 from specserve.gateway.obs import spans
 from specserve.gateway.sched.slo_classes import SloClass
 from specserve.shared.process import tracing
+from specserve.shared.process.loop_tasks import LoopTasks
 from specserve.shared.wire.auth import AuthError, ClientHandshake
 
 log = logging.getLogger("specserve.gateway")
@@ -39,6 +43,9 @@ class RemoteEngine:
         self._qids = itertools.count()
         self.closed = asyncio.Event()
         self._reader_task = asyncio.create_task(self._read())
+        self._own = CollectorRegistry(auto_describe=False)  # this process's gauges, after the engine's metrics
+        self._own.register(LoopTasks("specserve:frontend_asyncio_tasks", "Tasks alive on a front-end process's "
+                                     "event loop.", {"pid": str(os.getpid())}, asyncio.get_running_loop()))
 
     @classmethod
     async def connect(cls, address: str, secret: bytes) -> RemoteEngine:
@@ -117,7 +124,8 @@ class RemoteEngine:
         return body
 
     async def metrics_text(self) -> str:
-        return (await self._query("metrics")).body.decode()
+        """The engine's metrics, then this front end's own (its pid labels them)."""
+        return (await self._query("metrics")).body.decode() + generate_latest(self._own).decode()
 
     # ---- the connection ---------------------------------------------------------------------------
     def _send(self, message: wire.ToEngine) -> None:

@@ -5,6 +5,11 @@ serving. Before that, a prompt whose text is certainly too long is refused witho
 a token covers at most `max_token_chars` characters (the longest token string in the vocabulary),
 so a text of more than `max_model_len * max_token_chars` characters has more tokens than the
 context holds, whatever it says.
+
+The worker thread, and the thread pool the Rust tokenizer keeps for its batch encoding (one thread
+per core), are started when `Tokenizing` is made, by a warm-up encoding on the worker: the process
+then has every thread it will ever have from its start, not more after its first long prompt, so
+its thread count is a constant a leak check can hold it to (bench/soak.py).
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ class Tokenizing:
         self.max_chars = max_model_len * longest_token_chars(tokenizer)  # more is certainly over the context
         self.max_model_len = max_model_len
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._pool.submit(self._warm_up).result()
+
+    def _warm_up(self) -> None:
+        """Start the Rust tokenizer's thread pool (a fast tokenizer's batch encoding starts it)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            backend.encode_batch(["warm-up"])
 
     def check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_chars:
