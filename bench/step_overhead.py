@@ -65,31 +65,30 @@ async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int]
 
         await asyncio.gather(*[one() for _ in range(inflight)])  # warm-up: shapes, profiles, caches
         stop_at = time.monotonic() + seconds
-        counting = True
 
         async def client() -> None:
             nonlocal tokens
             while time.monotonic() < stop_at:
-                got = await one()
-                if counting:
-                    tokens += got
+                tokens += await one()
 
         before = await scrape(session, url)
         start = time.monotonic()
         await asyncio.gather(*[client() for _ in range(inflight)])
         wall = time.monotonic() - start
-        counting = False
         after = await scrape(session, url)
     delta = server_delta(before, after)
-    it = delta["iteration"]
+    split = _iteration_split(delta["iteration"])
+    return {"inflight": inflight, **split, "stack_us_per_request": split["stack_ms"] * 1e3 / inflight,
+            "tokens_per_s": tokens / wall, "tokens_per_pass": delta["mean_acceptance_length"]}
+
+
+def _iteration_split(it: dict) -> dict:
+    """server_delta's iteration part as ms per iteration: the whole, the target's pass, the rest (the stack's)."""
     n = max(it["iterations"], 1)
     iteration_ms = it["mean_ms"] or 0.0
     target_ms = it["seconds"]["target"] / n * 1e3
-    stack_ms = iteration_ms - target_ms
-    return {"inflight": inflight, "iterations": it["iterations"], "iteration_ms": iteration_ms,
-            "target_ms": target_ms, "stack_ms": stack_ms, "stack_us_per_request": stack_ms * 1e3 / inflight,
-            "split_ms": {p: s / n * 1e3 for p, s in it["seconds"].items()},
-            "tokens_per_s": tokens / wall, "tokens_per_pass": delta["mean_acceptance_length"]}
+    return {"iterations": it["iterations"], "iteration_ms": iteration_ms, "target_ms": target_ms,
+            "stack_ms": iteration_ms - target_ms, "split_ms": {p: s / n * 1e3 for p, s in it["seconds"].items()}}
 
 
 def near_null(args: argparse.Namespace, levels: list[int]) -> list[dict]:
@@ -150,7 +149,7 @@ def replay(args: argparse.Namespace) -> tuple[list[dict], dict]:
         up.interrupt()
     alpha = args.replay_alpha
     expected = sum(alpha ** k for k in range(5))
-    predicted = [expected * r["none"]["iteration_ms"] / (r["chain:4"]["target_ms"] + r["none"]["rest_ms"])
+    predicted = [expected * r["none"]["iteration_ms"] / (r["chain:4"]["target_ms"] + r["none"]["stack_ms"])
                  for r in rounds]
     return rounds, {"alpha": alpha, "expected_tokens_per_pass": expected, "predicted_speedup": spread(predicted)}
 
@@ -174,10 +173,7 @@ def _sequential(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
             steps += out["specserve"]["steps"]  # [.., nodes, accepted drafts] per verify step
         wall = time.perf_counter() - start
         it = server_delta(before, parse_counters(client.get("/metrics").text))["iteration"]
-    n = max(it["iterations"], 1)
-    target_ms = it["seconds"]["target"] / n * 1e3
-    return {"tokens_per_s": tokens / wall, "iteration_ms": it["mean_ms"], "target_ms": target_ms,
-            "rest_ms": (it["mean_ms"] or 0.0) - target_ms,
+    return {"tokens_per_s": tokens / wall, **_iteration_split(it),
             "tokens_per_pass": sum(1 + a for _, _, a in steps) / len(steps) if steps else 1.0}
 
 
