@@ -69,7 +69,8 @@ async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int]
         async def client() -> None:
             nonlocal tokens
             while time.monotonic() < stop_at:
-                tokens += await one()
+                received = await one()  # not `tokens += await one()`: that reads `tokens` before the await
+                tokens += received
 
         before = await scrape(session, url)
         start = time.monotonic()

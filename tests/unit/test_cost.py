@@ -118,3 +118,42 @@ def test_short_passes_alone_do_not_tilt_the_slope_the_table_is_extended_with():
         cost.observe(PassSample(n, ms, ms + 1.0, ms + 2.0, 0.5))
     slope = (cost.target_ms(256) - cost.target_ms(60)) / (256 - 60)
     assert 0.3 < slope < 0.8  # the profile's 0.53 ms per token, not what 1-5 token passes suggest
+
+
+def test_a_sorted_window_gives_numpys_quantiles_to_the_last_bit():
+    import numpy as np
+
+    from specserve.gateway.perf.quantiles import SortedWindow
+
+    rng = random.Random(7)
+    w, kept = SortedWindow(), []
+    for i in range(3000):
+        v = rng.choice([rng.gauss(0, 5), rng.uniform(-1, 1), float(rng.randint(-3, 3))])  # ties included
+        w.add(v)
+        kept.append(v)
+        if len(kept) > 97:
+            w.remove(kept.pop(rng.randrange(len(kept))))
+        for q in (0.0, 0.1, 0.5, 0.9, 1.0, rng.random()):
+            assert w.quantile(q) == float(np.quantile(kept, q)), (i, q)
+
+
+def test_the_margins_follow_the_window_of_residuals_as_it_moves():
+    """The planner's margin quantiles, kept sorted as passes come and go, equal numpy's over the window itself."""
+    import numpy as np
+
+    from specserve.gateway.perf.cost import FAST_QUANTILE, HIGH_QUANTILE, LOW_QUANTILE
+
+    cost = PassCost(budget_tokens=16, baseline_iteration_ms=10.0, window=50)
+    rng = random.Random(3)
+    for i in range(400):
+        prompt = rng.random() < 0.3
+        nodes = rng.randint(64, 256) if prompt else rng.randint(1, 16)
+        ms = rng.uniform(5.0, 40.0)
+        s = PassSample(nodes, ms, ms + 1.0, ms + 3.0, 1.0, prompt=nodes if prompt else 0, decoded=not prompt)
+        cost.observe(s)
+        low = [r for p, r, _ in cost.residuals if not p]
+        high = [r / max(t, 1e-3) for p, r, t in cost.residuals if p]
+        want = (max(0.0, float(np.quantile(low, LOW_QUANTILE))) if low else 0.0,
+                max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0,
+                max(-0.9, min(0.0, float(np.quantile(high, FAST_QUANTILE)))) if high else 0.0)
+        assert cost._margin_stats() == want, i

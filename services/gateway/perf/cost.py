@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specserve.gateway.perf.quantiles import SortedWindow
 from specserve.gateway.perf.record import IterationRecord
 
 ANCHOR_TOKENS = 8  # the profile's baseline is a decode iteration at batch 8 (profile.BATCH)
@@ -132,6 +133,11 @@ def sample_of(record: IterationRecord, replica: int, kv: int = 0) -> PassSample 
         draft_service_ms=d.service_ms if drafted else 0.0, draft_call_ms=d.call_ms if drafted else 0.0)
 
 
+def _margin_value(prompt: bool, residual: float, priced: float) -> float:
+    """What the margin's quantiles read of a residual: ms without a prompt, a share of the price with one."""
+    return residual / max(priced, 1e-3) if prompt else residual
+
+
 def _ema(old: float, new: float, weight: float) -> float:
     return new if old < 0 else old + weight * (new - old)
 
@@ -164,6 +170,9 @@ class PassCost:
         self.lag = -1.0  # and of its catch-up tokens
         self.residuals: deque[tuple[bool, float, float]] = deque(maxlen=window)  # (a prompt in it, T - T̂, T̂), ms
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |T - T̂| / T
+        # the residuals sorted, as the margin reads them: ms of the passes without a prompt; share of their
+        # price for those with one
+        self._low, self._high = SortedWindow(), SortedWindow()
         self._margins: tuple[float, float, float] | None = None
 
     # ---- prediction ----------------------------------------------------------------------------------
@@ -219,12 +228,20 @@ class PassCost:
 
     def _margin_stats(self) -> tuple[float, float, float]:
         if self._margins is None:
-            low = [r for prompt, r, _ in self.residuals if not prompt]
-            high = [r / max(p, 1e-3) for prompt, r, p in self.residuals if prompt]
-            self._margins = (max(0.0, float(np.quantile(low, LOW_QUANTILE))) if low else 0.0,
-                             max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0,
-                             max(-0.9, min(0.0, float(np.quantile(high, FAST_QUANTILE)))) if high else 0.0)
+            low, high = self._low, self._high
+            self._margins = (max(0.0, low.quantile(LOW_QUANTILE)) if low else 0.0,
+                             max(0.0, high.quantile(HIGH_QUANTILE)) if high else 0.0,
+                             max(-0.9, min(0.0, high.quantile(FAST_QUANTILE))) if high else 0.0)
         return self._margins
+
+    def _keep_residual(self, prompt: bool, residual: float, priced: float) -> None:
+        """The newest pass's residual into the window and its sorted view, the oldest out when it is full."""
+        if len(self.residuals) == self.residuals.maxlen:
+            gone = self.residuals[0]
+            (self._high if gone[0] else self._low).remove(_margin_value(*gone))
+        self.residuals.append((prompt, residual, priced))
+        (self._high if prompt else self._low).add(_margin_value(prompt, residual, priced))
+        self._margins = None
 
     def planned_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> float:
         """An iteration as the planner prices it: `spec_steps` deep drafting for the usual draft call,
@@ -233,10 +250,14 @@ class PassCost:
         priced = self.iteration_ms(tokens, spec_steps, spec, 1, round(max(self.lag, 0.0)), kv)
         return priced + self.margin_ms(tokens, priced) if margin else priced
 
+    def fits(self, tokens: int, time_ms: float, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> bool:
+        """Whether an iteration whose pass holds `tokens` tokens is planned within `time_ms`."""
+        return self.planned_ms(tokens, spec_steps, kv, margin) <= time_ms + 1e-9
+
     def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> int:
         """The most tokens one pass may hold for its iteration to be planned within `time_ms` (0: not one)."""
         def fits(n: int) -> bool:
-            return self.planned_ms(n, spec_steps, kv, margin) <= time_ms + 1e-9
+            return self.fits(n, time_ms, spec_steps, kv, margin)
 
         if not fits(1):
             return 0
@@ -261,9 +282,8 @@ class PassCost:
         a = self.smoothing
         if s.tokens > 0 and s.total_ms > 0:
             predicted = self.iteration_ms(s.tokens, s.depth, s.spec, s.width, s.lag, s.kv)
-            self.residuals.append((s.prompt > 0, s.total_ms - predicted, predicted))
+            self._keep_residual(s.prompt > 0, s.total_ms - predicted, predicted)
             self.errors.append(abs(s.total_ms - predicted) / s.total_ms)
-            self._margins = None
         if s.decoded and s.total_ms > 0:
             self.t_spec_ms += a * (s.total_ms - self.t_spec_ms)
         if s.tokens > 0 and s.service_ms > 0:

@@ -41,6 +41,7 @@ class ReplicaBudget:
         self.plain = all(t.cost == 1.0 and t.gain == 1.0 for t in self.tiers)
         self._shapes: dict[tuple[int, ...], BatchShape] = {}
         self._caps: dict[tuple[float, int], int] = {}
+        self._windows: dict[tuple[float, tuple[int, ...]], int | None] = {}  # the DP asks the same ones often
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
         """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
@@ -69,6 +70,12 @@ class ReplicaBudget:
         return s
 
     def window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
+        key = (ms, decoders)
+        if key not in self._windows:
+            self._windows[key] = self._window(ms, decoders)
+        return self._windows[key]
+
+    def _window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
         if ms <= 0:
             return 0
         if not self.plain:

@@ -97,8 +97,10 @@ class SloRound:
                                                         for p in view.prefilling if p.replica == rep.index)
                        for rep in self.up}
         self.steps = round(adm.spec_steps)
-        needs = {t for t in self.slos
-                 if any(rep.cost.time2bs(t, self.steps, self.attend[rep.index]) < 2 for rep in self.up)}
+        # the tiers whose batches cannot hold two tokens on some replica (time2bs(t) < 2, asked directly)
+        needs = {t for t in self.slos if any(not (rep.cost.fits(1, t, self.steps, self.attend[rep.index])
+                                                  and rep.cost.fits(2, t, self.steps, self.attend[rep.index]))
+                                             for rep in self.up)}
         measuring = set(self.tpot_of.values())  # tiers with requests running now: what they get is measured
         self.offered = view.waiting[:adm.max_new]
         self.loads = [adm.load(t, t in needs and t not in measuring, pace) for pace, t in self.tiers]
@@ -322,7 +324,7 @@ def replica_budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: 
     # largest chunks admitted a burst's requests that then missed their TTFT); prefill-first, the
     # largest pass (the chunks' deadline floor keeps the prompts the plan admits within their TTFT)
     idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
-                if cost.time2bs(n, 0, attending, margin) >= 1), default=longest) if not prefill_first else longest
+                if cost.fits(1, n, 0, attending, margin)), default=longest) if not prefill_first else longest
     return ReplicaBudget(cost, loads, idle, steps, attending, longest, margin)
 
 
