@@ -115,7 +115,7 @@ class LeanModel(torch.nn.Module):
         ops = torch.ops.specserve_cpu
         c = self.config
         x = ops.embed(inputs.input_ids, self.embed.data, self.embed.scales, self.embed.kind, c.hidden_size)
-        cos, sin = self.rotary.cos_sin(inputs.positions, torch.float32)
+        cos, sin = self.rotary.looked_up(inputs.positions, torch.float32)
         t, keys = x.shape[0], inputs.keys
         ops.decoder_layers(x, self._tensors, self._kinds, cos.reshape(t, -1), sin.reshape(t, -1), kv.data,
                            keys.slot_mapping, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots,

@@ -81,14 +81,24 @@ class OnlineLinear:
             self.precision = prior_weight * np.eye(n)
         self.xtx = np.zeros((n, n))
         self.xty = np.zeros(n)
-        self.theta = list(prior)
+        self._theta: list[float] | None = list(prior)
 
     def observe(self, x: list[float], y: float, weight: float = 1.0) -> None:
         v = np.asarray(x, dtype=np.float64)
         self.xtx = self.xtx * self.decay + weight * np.outer(v, v)
         self.xty = self.xty * self.decay + weight * v * y
-        theta = np.linalg.solve(self.xtx + self.precision, self.xty + self.precision @ np.asarray(self.prior))
-        self.theta = [max(0.0, float(t)) for t in theta]  # no coefficient is negative time
+        self._theta = None  # solved when next read: most passes are priced from the table, not the line
+
+    @property
+    def theta(self) -> list[float]:
+        if self._theta is None:
+            theta = np.linalg.solve(self.xtx + self.precision, self.xty + self.precision @ np.asarray(self.prior))
+            self._theta = [max(0.0, float(t)) for t in theta]  # no coefficient is negative time
+        return self._theta
+
+    @theta.setter
+    def theta(self, value: list[float]) -> None:  # until the next observation
+        self._theta = list(value)
 
     def predict(self, x: list[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
