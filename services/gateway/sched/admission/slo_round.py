@@ -60,6 +60,7 @@ class SloRound:
     def __init__(self, adm: AdmissionState, view: SchedulerView, best_effort_ok: set[str],
                  first: Mapping[str, int] | None):
         self.adm, self.view, self.best_effort_ok = adm, view, best_effort_ok
+        self._attend_memo: dict[tuple[ReplicaBudget, int], ReplicaBudget] = {}
         self._tiers()
         self._replicas()
         self._routing(first)
@@ -162,9 +163,16 @@ class SloRound:
         # usual case); when several are admitted at once, the next plans see all their prompts
         attending = self.attend[replica] + max((self.rep_of[replica].blocks_for(w.prompt_tokens) for w in cands),
                                                default=0)
-        at = [b.attending(attending) for b in (budgets or self.budgets)[replica]]
+        at = [self._attending(b, attending) for b in (budgets or self.budgets)[replica]]
         return (best_plan(self.held[replica] + new, self.base[replica], self.free[replica] // unit, at) if new
                 else set()), at
+
+    def _attending(self, budget: ReplicaBudget, blocks: int) -> ReplicaBudget:
+        """`budget.attending(blocks)`, one per pair in this plan: its memos serve every later ask."""
+        key = (budget, blocks)
+        if key not in self._attend_memo:
+            self._attend_memo[key] = budget.attending(blocks)
+        return self._attend_memo[key]
 
     def take(self, replica: int, w: WaitingView, best_effort: bool) -> None:
         """Admit the request on this replica in this plan (in the best-effort tier, or its own): a forced
