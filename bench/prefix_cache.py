@@ -63,31 +63,39 @@ SYSTEM_SENTENCES = [
 ]
 
 
-def _system_prompt(tok, tag: str, tokens: int) -> str:
-    """`tag`, then the shop's rules repeated until the text is `tokens` tokens long (at least)."""
+def _system_prompt(tok, tag: str, tokens: int, sentences: list[str] = SYSTEM_SENTENCES) -> str:
+    """`tag`, then `sentences` (the shop's rules) repeated until the text is `tokens` tokens long (at least)."""
     text, i = tag, 0
     while len(tok(text)["input_ids"]) < tokens:
-        text += " " + SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)]
+        text += " " + sentences[i % len(sentences)]
         i += 1
     return text
 
 
-async def _ask(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed greedy chat completion: its text, TTFT (ms), prompt tokens and cached prompt tokens."""
+async def _ask(client, model: str, messages: list[dict], max_tokens: int, **fields) -> dict:
+    """One streamed greedy chat completion (`fields`: more arguments of the call, e.g. `service_tier`): its
+    text, TTFT and the time of its last text chunk (ms from the send), the usage's prompt, cached and
+    completion tokens, its finish reason and the response's `specserve` report."""
     t0 = time.perf_counter()
-    ttft, parts, usage = None, [], None
+    ttft, last, parts, usage, finish, report = None, None, [], None, None, None
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                  temperature=0, stream=True, stream_options={"include_usage": True})
+                                                  temperature=0, stream=True, stream_options={"include_usage": True},
+                                                  **fields)
     async for chunk in stream:  # (the TTFT: the first chunk with text; an empty answer's: its end)
         if chunk.choices and chunk.choices[0].delta.content:
-            ttft = ttft if ttft is not None else (time.perf_counter() - t0) * 1e3
+            last = (time.perf_counter() - t0) * 1e3
+            ttft = ttft if ttft is not None else last
             parts.append(chunk.choices[0].delta.content)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
         if chunk.usage is not None:
-            usage = chunk.usage
+            usage, report = chunk.usage, (chunk.model_extra or {}).get("specserve")
     details = getattr(usage, "prompt_tokens_details", None)
     ttft = ttft if ttft is not None else (time.perf_counter() - t0) * 1e3
-    return {"text": "".join(parts), "ttft_ms": ttft, "prompt_tokens": usage.prompt_tokens if usage else None,
-            "cached_tokens": (details.cached_tokens or 0) if details is not None else 0}
+    return {"text": "".join(parts), "ttft_ms": ttft, "last_ms": last if last is not None else ttft,
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "cached_tokens": (details.cached_tokens or 0) if details is not None else 0,
+            "completion_tokens": usage.completion_tokens if usage else 0, "finish_reason": finish, "specserve": report}
 
 
 async def chat(client, model: str, tag: str, answer_tokens: int) -> list[dict]:

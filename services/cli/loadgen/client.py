@@ -101,10 +101,16 @@ def _chunk(chunk: dict, record: RequestRecord, sent: float, last: float | None) 
         record.completion_tokens = chunk["usage"]["completion_tokens"]
     ext = chunk.get("specserve")
     if ext:
-        record.steps = len(ext["steps"])
-        record.step_tokens = sum(1 + acc for _, _, acc in ext["steps"])
-        record.server_tpot_ms = ext.get("tpot_ms")
-        record.best_effort = bool(ext.get("best_effort"))
-        record.slo_tpot_ms = ext["slo"]["tpot_ms"]
-        record.slo_ttft_ms = ext["slo"]["ttft_ms"]
+        apply_report(ext, record)
     return last
+
+
+def apply_report(ext: dict, record: RequestRecord) -> None:
+    """A response's `specserve` object into `record`: its verify steps, the server's TPOT, whether it ran
+    best effort, and the SLO the server resolved for it (what the record is judged by)."""
+    record.steps = len(ext["steps"])
+    record.step_tokens = sum(1 + acc for _, _, acc in ext["steps"])
+    record.server_tpot_ms = ext.get("tpot_ms")
+    record.best_effort = bool(ext.get("best_effort"))
+    record.slo_tpot_ms = ext["slo"]["tpot_ms"]
+    record.slo_ttft_ms = ext["slo"]["ttft_ms"]
