@@ -22,7 +22,7 @@ iteration), i.e. what speculation should give if the draft call and the tree cos
 target's longer pass.
 
 Every mode runs in each round, rounds interleaved; medians over rounds with min-max. Figures: the
-report's "The stack's own time" section (docs/benchmarks.md).
+report's section 6, Overheads (docs/benchmarks.md).
 """
 
 from __future__ import annotations
