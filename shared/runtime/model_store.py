@@ -81,7 +81,7 @@ def unpack(packed: Path) -> bool:
     there; True if it wrote. Int8 rows marked UNPACK_TO become that float dtype (`pack_int8_rows`). The file
     appears whole or not at all (written aside, then renamed)."""
     from safetensors import safe_open
-    from safetensors.torch import load, save_file
+    from safetensors.torch import load, save
 
     out = packed.with_suffix("")
     if out.is_file() and out.stat().st_mtime >= packed.stat().st_mtime:
@@ -96,7 +96,7 @@ def unpack(packed: Path) -> bool:
                 dtype = (f.metadata() or {}).get(UNPACK_TO)
             if dtype is not None:
                 state = float_rows(load(tmp.read_bytes()), getattr(torch, dtype))
-                save_file(state, str(tmp), metadata={"format": "pt"})
+                tmp.write_bytes(save(state, metadata={"format": "pt"}))
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
