@@ -13,16 +13,19 @@ are docs/lab/peer_side_by_side.md, smollm2_c1.md and smollm2_batch.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep import load_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
 def _load(name: str) -> dict:
-    return json.loads((RESULTS / name).read_text())
+    return load_result(RESULTS / name)
 
 
 def _within_rounds(rounds: list[dict], key: str, ref: str) -> tuple[float, float, float]:

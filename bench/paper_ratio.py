@@ -1,7 +1,7 @@
 """AdaServe's headline ratio from a sweep: a policy's attainment and goodput over the best baseline's,
 at the rate where that baseline falls to 50 % attainment (AdaServe Figs. 4-5: up to 1.73x / 1.74x).
 
-    .venv/bin/python bench/paper_ratio.py bench/results/sweep-sim-7b-x4/sweep.json
+    .venv/bin/python bench/paper_ratio.py bench/results/sweep-sim-7b-x4/sweep.json.xz
     .venv/bin/python bench/paper_ratio.py SWEEP_JSON --policies 'adaserve;slo-goodput' --json out.json
     .venv/bin/python bench/paper_ratio.py LOW/sweep.json HIGH/sweep.json   # two sweeps' rates as one
     .venv/bin/python bench/paper_ratio.py SWEEP_JSON --envelope joint   # joint / the best other policy, per rate
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import SPECINFER_TREE, display, table  # noqa: E402
+from sweep import SPECINFER_TREE, display, load_result, table  # noqa: E402
 
 BASELINE_PREFIXES = ("none", "chain:", "tree:")  # plain batching, fixed chains, the SpecInfer tree
 
@@ -152,7 +152,7 @@ def markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweeps", nargs="+", help="sweep.json files written by bench/sweep.py (same policies)")
+    ap.add_argument("sweeps", nargs="+", help="sweep.json or .json.xz files of bench/sweep.py (same policies)")
     ap.add_argument("--policies", default=None, help="semicolon-separated (default: every non-baseline policy); "
                     f"the SpecInfer tree is {SPECINFER_TREE}")
     ap.add_argument("--baselines", default=",".join(BASELINE_PREFIXES),
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no such sweep file: {missing[0]}", file=sys.stderr)
         return 2
-    sweep = merged([json.loads(Path(p).read_text()) for p in args.sweeps])
+    sweep = merged([load_result(p) for p in args.sweeps])
     r = ratios(sweep, args.policies.split(";") if args.policies else None, tuple(args.baselines.split(",")))
     print(markdown(r))
     if args.envelope:

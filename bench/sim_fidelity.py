@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import ROOT, Stack, bench_point, measure_profile, warm_up  # noqa: E402
+from sweep import ROOT, Stack, bench_point, load_result, measure_profile, warm_up  # noqa: E402
 
 from specserve.cli.loadgen.workload import DEFAULT_MIX  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--report", metavar="JSON", help="only print the markdown table of a results file")
     args = ap.parse_args()
     if args.report:
-        print(markdown(json.loads(Path(args.report).read_text())))
+        print(markdown(load_result(args.report)))
         return
     tmp = Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
     profile = Path(args.profile) if args.profile else tmp / "profile.json"

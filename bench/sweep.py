@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/sweep.py            # the full sweep (under 30 min on 2 CPU cores)
     .venv/bin/python bench/sweep.py --quick    # one run, two rates, no calibration (under 5 min)
-    .venv/bin/python bench/sweep.py --replot bench/results/sweep-full/sweep.json   # figures and docs only
+    .venv/bin/python bench/sweep.py --replot bench/results/sweep-full/sweep.json.xz   # figures and docs only
 
 Method (AdaServe §5 scaled to this machine, see docs/lab/sweep.md):
 1. `specserve profile` measures the target once: budget B and the baseline latency (min per-iteration
@@ -37,6 +37,7 @@ import asyncio
 import datetime
 import importlib.util
 import json
+import lzma
 import math
 import os
 import platform
@@ -47,6 +48,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from specserve.cli.loadgen.runner import BenchConfig, run_bench
 from specserve.cli.loadgen.scrape import PARTS
@@ -322,6 +324,13 @@ def run_hf_peer(out: Path, prompts: int) -> dict | None:
 
 def _pick(s: dict) -> dict:
     return {k: s.get(k) for k in ("attainment", "goodput_tok_s", "throughput_tok_s", "tokens_per_step")}
+
+
+def load_result(path: str | Path) -> Any:
+    """A result file's JSON; a name ending in .xz is read through xz (the repository keeps result files
+    over 30 KB compressed: `sweep-<name>/sweep.json.xz`, written plain by the runs)."""
+    raw = Path(path).read_bytes()
+    return json.loads(lzma.decompress(raw) if str(path).endswith(".xz") else raw)
 
 
 def machine_info() -> dict:
@@ -673,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", default=None, help="markdown file to update ('' : none; default "
                     "docs/lab/sweep.md, or docs/lab/sweep_sim.md for a simulated sweep)")
     ap.add_argument("--fig-dir", default=str(ROOT / "docs" / "figures"))
-    ap.add_argument("--replot", metavar="SWEEP_JSON", help="only redo the figures and docs from a sweep.json")
+    ap.add_argument("--replot", metavar="SWEEP_JSON", help="only redo the figures and docs from a sweep.json (.xz)")
     args = ap.parse_args(argv)
     for name in ("min_requests", "runs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -685,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         print("sweep: the figures need matplotlib: .venv/bin/pip install -e '.[bench]'", file=sys.stderr)
         return 2
     if args.replot:
-        results = json.loads(Path(args.replot).read_text())
+        results = load_result(args.replot)
     else:
         try:
             results = run_sweep(args)

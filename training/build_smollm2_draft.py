@@ -9,8 +9,9 @@ Stages; outputs under build/smollm2_draft/, the model in models/smollm2-draft/:
             -> answers.pt
   distill   a small Llama (the draft) learns those distributions: soft cross-entropy on the answer
             positions. Its tied embedding starts as the target's, projected onto its top principal
-            directions, so it starts with the target's token geometry
-            -> models/smollm2-draft/
+            directions, so it starts with the target's token geometry; stored as int8 rows with a
+            float32 scale per row, xz-compressed, and served as what that unpacks to (bfloat16)
+            -> models/smollm2-draft/ (model.safetensors.xz)
   evaluate  tokens per step of greedy chain speculation (k = 1..8) on held-out prompts, through our
             own runtime, and the draft/target cost of a decode -> report.json
 Greedy answers are what a greedy chain is checked against, so they are what the draft learns. The
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, LogitsProcessor
 
-from specserve.shared.runtime.model_store import resolve
+from specserve.shared.runtime.model_store import pack_int8_rows, resolve
 from training import corpus, smollm2_prompts
 from training.stages import build_main
 
@@ -217,6 +218,7 @@ def stage_distill(state: dict) -> None:
     if OUT.exists():
         shutil.rmtree(OUT)
     draft.to(torch.bfloat16).save_pretrained(OUT, safe_serialization=True)
+    pack_int8_rows(OUT / "model.safetensors")  # what is committed; the bfloat16 file becomes what it unpacks to
     draft.generation_config.save_pretrained(OUT)
     (BUILD / "distill_log.json").write_text(json.dumps(log))
     state["distill"] = {"parameters": params, "config": DRAFT_SHAPE, "epochs": EPOCHS, "steps": total,

@@ -26,12 +26,12 @@ from specserve.shared.runtime import kernels
 from specserve.shared.runtime.kernels import KIND_Q8_0
 from specserve.shared.runtime.model_config import ModelConfig
 from specserve.shared.runtime.model_store import PACKED, unpack
+from specserve.shared.runtime.quant import float_rows, int8_rows
 from specserve.shared.runtime.rope import RotaryEmbedding, apply_rotary
 
 WEIGHTS = "eagle.safetensors"
 CONFIG = "eagle.json"
 FROZEN = ("embed.weight", "head.weight")  # the target's, loaded from its weights
-SCALE = ":scale"  # suffix of an int8 matrix's per-row scales in eagle.safetensors
 
 
 class QuantLinear(nn.Module):
@@ -145,13 +145,9 @@ class EagleHead(nn.Module):
         """The trained tensors and eagle.json (`target`: the target model's name or directory). int8: each
         matrix as int8 rows with a float32 scale per row (symmetric; a quarter of the float32 bytes)."""
         out.mkdir(parents=True, exist_ok=True)
-        state = {}
-        for k, v in self.trained_state().items():
-            if int8 and v.is_floating_point() and v.dim() == 2:
-                scale = v.abs().amax(1).clamp_min(1e-12) / 127
-                state[k], state[k + SCALE] = (v / scale[:, None]).round().to(torch.int8), scale.float()
-            else:
-                state[k] = v.float() if v.is_floating_point() else v
+        state = {k: v.float() if v.is_floating_point() else v for k, v in self.trained_state().items()}
+        if int8:
+            state = int8_rows(state)
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS))
         (out / CONFIG).write_text(json.dumps({"target": target, "intermediate_size": self.intermediate_size,
                                               "draft_vocab_size": len(self.vocab)}, indent=1) + "\n")
@@ -200,10 +196,7 @@ def load_head(path: Path, target: ModelConfig, embed: torch.Tensor, lm_head: tor
               dtype: torch.dtype = torch.float32) -> EagleHead:
     """A saved head (`path`) over the target's config, embedding and LM head."""
     meta = json.loads((Path(path) / CONFIG).read_text())
-    state = load_file(str(weights_file(path)))
-    for k in [k for k in state if k.endswith(SCALE)]:
-        name = k.removesuffix(SCALE)
-        state[name] = state[name].float() * state.pop(k)[:, None]
+    state = float_rows(load_file(str(weights_file(path))))
     head = EagleHead(target, meta["intermediate_size"], state["vocab"])
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or set(missing) - set(FROZEN):

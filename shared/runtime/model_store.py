@@ -37,7 +37,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, read_gguf
+import torch
+
+from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, float_rows, int8_rows, read_gguf
 
 COMPLETE = ".specserve-installed"  # written last: its presence means the directory is whole
 MODELS = Path(__file__).resolve().parents[2] / "models"  # the bundled models (the demo pair, trained drafts)
@@ -69,11 +71,18 @@ class ModelInstallError(RuntimeError):
 
 
 PACKED = ".xz"  # a bundled weights file committed compressed: model.safetensors.xz, eagle.safetensors.xz
+# In a packed safetensors file's metadata: its matrices are int8 rows (quant.int8_rows) that unpacking writes
+# out as this float dtype, the model's own (smollm2-draft); a file without it is written out as it is.
+UNPACK_TO = "specserve.unpack_to"
 
 
 def unpack(packed: Path) -> bool:
     """Write `packed` (a weights file + .xz) decompressed beside it, unless an unpacked file at least as new is
-    there; True if it wrote. The file appears whole or not at all (written aside, then renamed)."""
+    there; True if it wrote. Int8 rows marked UNPACK_TO become that float dtype (`pack_int8_rows`). The file
+    appears whole or not at all (written aside, then renamed)."""
+    from safetensors import safe_open
+    from safetensors.torch import load, save
+
     out = packed.with_suffix("")
     if out.is_file() and out.stat().st_mtime >= packed.stat().st_mtime:
         return False
@@ -82,10 +91,39 @@ def unpack(packed: Path) -> bool:
     try:
         with lzma.open(packed) as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
+        if out.suffix == ".safetensors":
+            with safe_open(str(tmp), "pt") as f:
+                dtype = (f.metadata() or {}).get(UNPACK_TO)
+            if dtype is not None:
+                state = float_rows(load(tmp.read_bytes()), getattr(torch, dtype))
+                tmp.write_bytes(save(state, metadata={"format": "pt"}))
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return True
+
+
+def pack_int8_rows(weights: Path) -> Path:
+    """Store a model's safetensors as int8 rows with a float32 scale per row, xz-compressed beside it
+    (weights + .xz, marked UNPACK_TO its float dtype), and rewrite `weights` as what unpacking that gives
+    back: the served weights are the stored ones. Returns the packed file."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(weights))
+    dtype = next(v.dtype for v in state.values() if v.is_floating_point())
+    packed = weights.with_name(weights.name + PACKED)
+    tmp, tmp_packed = (weights.with_name(f".{n}.{os.getpid()}.tmp") for n in (weights.name, packed.name))
+    try:
+        save_file(int8_rows(state), str(tmp), metadata={"format": "pt", UNPACK_TO: str(dtype).removeprefix("torch.")})
+        with open(tmp, "rb") as src, lzma.open(tmp_packed, "wb", preset=9 | lzma.PRESET_EXTREME) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp_packed, packed)
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp_packed.unlink(missing_ok=True)
+    weights.unlink()
+    unpack(packed)
+    return packed
 
 
 def unpack_bundled(root: Path = MODELS) -> list[Path]:

@@ -177,3 +177,31 @@ def concat_rows(parts: list[StoredWeight]) -> StoredWeight:
     data = torch.cat([p.data for p in parts]).contiguous()
     scales = torch.cat([p.scales for p in parts]).contiguous()
     return StoredWeight(data, scales, parts[0].kind, sum(p.rows for p in parts), parts[0].cols)
+
+
+ROW_SCALE = ":scale"  # suffix of an int8 matrix's per-row float32 scales, stored beside it under its name + this
+
+
+def int8_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every floating matrix of `state` as int8 rows with a float32 scale per row (symmetric: a row's largest
+    |w| becomes 127; a quarter of float32's bytes, half of bfloat16's), under its name and name + ROW_SCALE;
+    other tensors unchanged. The bundled EAGLE head and smollm2-draft are stored so (models/README.md)."""
+    out = {}
+    for k, v in state.items():
+        if v.is_floating_point() and v.dim() == 2:
+            scale = v.float().abs().amax(1).clamp_min(1e-12) / 127
+            out[k], out[k + ROW_SCALE] = (v.float() / scale[:, None]).round().to(torch.int8), scale
+        else:
+            out[k] = v
+    return out
+
+
+def float_rows(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """`int8_rows` undone: each int8 matrix that has a ROW_SCALE beside it becomes its rows times their scales,
+    in `dtype`; every other tensor unchanged."""
+    out = {k: v for k, v in state.items() if not k.endswith(ROW_SCALE)}
+    for k in state:
+        if k.endswith(ROW_SCALE):
+            name = k.removesuffix(ROW_SCALE)
+            out[name] = (state[name].float() * state[k][:, None]).to(dtype)
+    return out

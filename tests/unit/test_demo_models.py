@@ -171,3 +171,43 @@ def test_compressed_bundled_weights_are_unpacked_when_missing_or_stale(tmp_path)
     weights.unlink()
     assert set(weight_files(model)) == set(weight_files(src))  # the loader unpacks it itself
     assert list(model.glob(".*tmp")) == []
+
+
+def test_a_model_packed_as_int8_rows_unpacks_to_its_float_weights(tmp_path):
+    """`pack_int8_rows` (how models/smollm2-draft is committed): the packed file is smaller than the bfloat16
+    one xz gives, unpacking writes the model's own dtype back with every matrix within one step of its row's
+    scale (half a step of int8, half of bfloat16's rounding) and the norms exact, transformers and our runtime
+    load it, and the weights a build leaves are the unpacked ones."""
+    import lzma
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from specserve.shared.runtime.model_store import pack_int8_rows, unpack
+
+    model = tmp_path / "draft"
+    shutil.copytree(MODELS / "draft", model)
+    (model / "model.safetensors.xz").unlink()
+    weights = model / "model.safetensors"
+    before = load_file(weights)
+    packed = pack_int8_rows(weights)
+    assert packed.stat().st_size < 0.8 * len(lzma.compress(weights.read_bytes()))
+    built = weights.read_bytes()
+    weights.unlink()
+    assert unpack(packed) and weights.read_bytes() == built
+    after = load_file(weights)
+    assert after.keys() == before.keys()
+    for name, w in before.items():
+        assert after[name].dtype == w.dtype == torch.bfloat16, name
+        if w.dim() == 2:
+            step = w.float().abs().amax(1, keepdim=True) / 127
+            assert ((after[name].float() - w.float()).abs() <= step).all(), name
+        else:
+            assert torch.equal(after[name], w), name
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    prompt = [5, 17, 300, 42, 7, 1000]
+    ours = generate(ModelRunner.from_dir(model, num_blocks=64), {"r": prompt}, max_new_tokens=8, stop_ids={0})["r"]
+    assert ours == _hf_greedy(hf, prompt, 8, [0])
+    os.utime(packed, (weights.stat().st_mtime + 10,) * 2)
+    assert unpack(packed) and weights.read_bytes() == built  # a newer packed file is written out again
