@@ -27,4 +27,4 @@ def test_the_tracked_tree_fits_what_a_gpu_machine_is_sent():
     files = [ROOT / name for name in listed.decode().split("\0") if name]
     # lstat: a tracked link (models/draft's tokenizer files) is sent as a link, not as the file it names.
     total = sum(f.lstat().st_size for f in files if f.is_symlink() or f.is_file())
-    assert total <= 46 * 2**20, f"tracked files take {total / 2**20:.1f} MiB, over the 46 MiB budget"
+    assert total <= 48 * 2**20, f"tracked files take {total / 2**20:.1f} MiB, over the 48 MiB budget"
