@@ -1,7 +1,7 @@
 """The default policy's regression guard: the default (`joint@slo`) against every other policy on the
 SIMULATED 7B and 70B presets, on two SLO mixes no other benchmark uses, with fresh seeds.
 
-    .venv/bin/python bench/policy_guard.py                    # 2 presets x 2 mixes, 1 run (about 15-20 min)
+    .venv/bin/python bench/policy_guard.py                    # 2 presets x 2 mixes, 1 run (about 20 min)
     .venv/bin/python bench/policy_guard.py --runs 3 --min-requests 100 --duration-s 25   # the full bar
     .venv/bin/python bench/policy_guard.py --presets 7b --mixes agents --check   # one cell; exit 1 on a loss
     .venv/bin/python bench/policy_guard.py --seed 41207       # the same draw again
@@ -26,8 +26,11 @@ every envelope and cliff row) and keeps each sweep in bench/results/sweep-guard-
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import lzma
+import os
 import sys
 import tempfile
 import time
@@ -49,8 +52,8 @@ FIFO_POLICIES = ("none", "chain:3", "nightjar")
 # Preset, its time scale (the CPU's gateway must keep up with the simulated pass), and rates that take the
 # best FIFO policy from above 50 % attainment to below it on these mixes.
 PRESETS = {
-    "7b": ("llama2-7b-a100,time_scale=4", (2.0, 4.0, 6.0, 8.0)),
-    "70b": ("llama2-70b-4xa100,time_scale=2", (1.5, 3.0, 4.5, 6.0)),
+    "7b": ("llama2-7b-a100,time_scale=4", (3.0, 5.0, 8.0)),
+    "70b": ("llama2-70b-4xa100,time_scale=2", (2.0, 4.0, 6.0)),
 }
 # TIER=SHARE:PROMPTS:TPOT as a multiple of the preset's baseline iteration; unlike bench/sweep.py's mix
 # (60 % critical at 1x on short prompts) and bench/admission.py's.
@@ -75,21 +78,23 @@ def run_cell(preset: str, mix_name: str, profile: Path, baseline_ms: float, args
     """One sweep of every policy on one preset and mix; its envelope and cliff ratio."""
     simulate, rates = PRESETS[preset]
     name = f"guard-{preset}-{mix_name}"
-    argv = ["--simulate", simulate, "--profile", str(profile), "--name", name, "--docs", "",
+    out_dir = args.out.parent / f"sweep-{name}"
+    argv = ["--simulate", simulate, "--profile", str(profile), "--name", name, "--out-dir", str(out_dir), "--docs", "",
             "--fig-dir", args.fig_dir, "--mix", mix_in_ms(MIXES[mix_name], baseline_ms),
-            "--policies", ";".join((DEFAULT, *SLO_POLICIES, *FIFO_POLICIES)), "--chain-ks", "5",
+            "--policies", ";".join((DEFAULT, *args.others)), "--chain-ks", "5",
             "--rates", ",".join(f"{r:g}" for r in (args.rates or rates)), "--runs", str(args.runs),
             "--duration-s", str(args.duration_s), "--min-requests", str(args.min_requests),
             "--solo-requests", "1", "--seed", str(args.seed)]
-    if sweep.main(argv) != 0:
+    with contextlib.redirect_stdout(io.StringIO()):  # the sweep's own report: this prints the guard's
+        status = sweep.main(argv)
+    if status != 0:
         raise RuntimeError(f"the sweep of {name} failed")
-    out_dir = ROOT / "bench" / "results" / f"sweep-{name}"
     plain = out_dir / "sweep.json"
     results = sweep.load_result(plain)
     (out_dir / "sweep.json.xz").write_bytes(lzma.compress(plain.read_bytes()))
     plain.unlink()
     rows = paper_ratio.envelope(results, DEFAULT)
-    cliff = paper_ratio.ratios(results, [DEFAULT], FIFO_POLICIES)
+    cliff = paper_ratio.ratios(results, [DEFAULT], tuple(p for p in args.others if "@" not in p))
     trailing = {row["rate"]: sorted({row[k]["best"] for k in ("attainment", "goodput")
                                      if row[k]["ratio"] is not None and row[k]["ratio"] < args.min_envelope})
                 for row in rows}
@@ -99,7 +104,7 @@ def run_cell(preset: str, mix_name: str, profile: Path, baseline_ms: float, args
         print(f"\n{name}: {why_markdown(float(rate), breakdown)}", file=sys.stderr)
     return {"preset": simulate, "mix": MIXES[mix_name], "mix_ms": mix_in_ms(MIXES[mix_name], baseline_ms),
             "envelope": rows, "cliff": cliff, "why": breakdowns,
-            "sweep": str(out_dir.relative_to(ROOT) / "sweep.json.xz")}
+            "sweep": os.path.relpath(out_dir / "sweep.json.xz", ROOT)}
 
 
 def tiers(records: list[RequestRecord]) -> dict[str, dict]:
@@ -181,9 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated, of {', '.join(MIXES)}")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="request rates for every preset (default: each preset's own)")
+    ap.add_argument("--policies", default=";".join((*SLO_POLICIES, *FIFO_POLICIES)),
+                    help="';'-separated, the policies the default is held against (a name without @: FIFO admission, "
+                         "a baseline of the cliff ratio)")
     ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--duration-s", type=float, default=8.0, help="seconds of arrivals per load point")
-    ap.add_argument("--min-requests", type=int, default=40, help="fewest requests per load point")
+    ap.add_argument("--duration-s", type=float, default=6.0, help="seconds of arrivals per load point")
+    ap.add_argument("--min-requests", type=int, default=30, help="fewest requests per load point")
     ap.add_argument("--seed", type=int, default=None, help="the draw (default: fresh, from the clock)")
     ap.add_argument("--check", action="store_true", help="exit 1 when the default breaks the bar anywhere")
     ap.add_argument("--min-envelope", type=float, default=0.98)
@@ -192,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed
     args.fig_dir = tempfile.mkdtemp(prefix="policy-guard-figures-")  # the sweeps' figures: not kept
-    presets, mixes = args.presets.split(","), args.mixes.split(",")
+    presets, mixes, args.others = args.presets.split(","), args.mixes.split(","), args.policies.split(";")
+    if not any("@" not in p for p in args.others):
+        ap.error("--policies needs at least one FIFO policy (a name without @): the cliff ratio's baseline")
     unknown = [p for p in presets if p not in PRESETS] + [m for m in mixes if m not in MIXES]
     if unknown:
         ap.error(f"unknown preset or mix: {', '.join(unknown)}")
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"meta": sweep.machine_info() | {"wall_s": round(time.time() - t0, 1), "simulated": True},
               "settings": {"seed": args.seed, "runs": args.runs, "duration_s": args.duration_s,
                            "min_requests": args.min_requests, "default": DEFAULT,
-                           "policies": [*SLO_POLICIES, *FIFO_POLICIES]},
+                           "policies": args.others},
               "cells": cells, "table": table, "broken": broken}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"\nSIMULATED (presets {', '.join(PRESETS[p][0] for p in presets)}), seed {args.seed}, "
