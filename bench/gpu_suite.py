@@ -25,7 +25,10 @@ Sections, in this order (each is timed; one that fails is reported with its erro
    then): tokens/s, TTFT and TPOT p50 (`specserve bench`) and the admission's outcomes during the run;
    every policy's greedy texts against `none`'s; the profile, the SLO classes and the cost model's error;
    and transformers `generate` on the GPU at the same batch sizes on the same prompts.
-6. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
+6. **overhead**: bench/step_overhead.py's part 1 on the device: the near-null target (the demo draft served as
+   the target) under `none` at 1, 16, 64 and 256 in flight, and the default at 64; per mode the iteration, the
+   target's pass and the rest (the stack's own time), ms per iteration, and tokens/s.
+7. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
    bench/sim_fit_latency.py, acceptance of the cpu-demo preset: the same pair), and the simulated stack
    (`up --simulate`) against the real one of section 5 at 16 in flight: the error of tokens/s and TPOT p50.
 
@@ -131,6 +134,8 @@ class Plan:
     stack_tokens: int = 64
     lossless_prompts: int = 8
     sim_concurrency: int = 16
+    overhead_inflight: tuple[int, ...] = (1, 16, 64, 256)  # the near-null target's requests in flight
+    overhead_seconds: float = 10.0
     extra_shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def requests(self, concurrency: int) -> int:
@@ -144,6 +149,7 @@ def dry_plan() -> Plan:
                 curve_dtype="float32", decode_batches=(1, 2), decode_context=24, trees=((1, 4), (2, 3)),
                 kv_lengths=((1, 8), (1, 40)), reps=1, ipc_tokens=(4,), ipc_width=64, ipc_reps=3,
                 stack_dtype="float32", concurrency=(1, 2), stack_tokens=8, lossless_prompts=2, sim_concurrency=2,
+                overhead_inflight=(1, 2), overhead_seconds=2.0,
                 extra_shapes={"tiny": {k: v for k, v in TINY_CONFIG.items() if k not in ("architectures",)}})
 
 
@@ -541,6 +547,19 @@ def stack(plan: Plan, work: Path) -> dict:
     return out
 
 
+def overhead(plan: Plan) -> dict[str, dict]:
+    """bench/step_overhead.py's part 1 on the device: the near-null target (the demo draft served as the
+    target) under `none` at each number in flight, and the default at the largest below 100; per mode the
+    iteration, the target's pass and the rest (the stack's own), ms per iteration, and tokens/s."""
+    from bench.step_overhead import near_null
+
+    args = argparse.Namespace(rounds=1, seconds=plan.overhead_seconds)
+    row = near_null(args, list(plan.overhead_inflight), ("--device", plan.device, "--dtype", plan.stack_dtype))[0]
+    keep = ("inflight", "iterations", "iteration_ms", "target_ms", "stack_ms", "stack_us_per_request",
+            "tokens_per_s", "split_ms")
+    return {mode: {k: v[k] for k in keep} for mode, v in row.items()}
+
+
 def transformers_generate(plan: Plan, texts_none: list[str]) -> list[dict]:
     """transformers `generate` on the same device and dtype, a batch of `concurrency` short prompts
     (left-padded), the same number of tokens; its batch-1 texts against `none`'s."""
@@ -744,6 +763,14 @@ def markdown(report: dict) -> str:
                       f"tokens; the chat tier's TPOT SLO {chat.get('tpot_ms')} ms (8x the baseline). "
                       "`admission`: specserve:admission_total during the run (declined, best_effort, refused)."]
         lines.append("")
+    ov = report["sections"].get("overhead", {}).get("result")
+    if ov:
+        lines += ["## The stack's own time: the near-null target (the demo draft as the target)", "",
+                  "| policy @ in flight | iteration ms | target pass ms | stack ms (the rest) | stack us a request "
+                  "| tokens/s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {mode} | {_f(r['iteration_ms'])} | {_f(r['target_ms'])} | {_f(r['stack_ms'])} | "
+                  f"{_f(r['stack_us_per_request'])} | {_f(r['tokens_per_s'])} |" for mode, r in ov.items()]
+        lines.append("")
     sm = report["sections"].get("sim", {}).get("result")
     if sm and sm.get("error_vs_real"):
         lines += [f"## Simulator (preset fitted here) against the real stack at {report['plan']['sim_concurrency']} "
@@ -769,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes (minutes)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "gpu_suite"))
-    ap.add_argument("--sections", default="parity,curves,ipc,offload,stack,sim", help="comma-separated, in order")
+    ap.add_argument("--sections", default="parity,curves,ipc,offload,stack,overhead,sim",
+                    help="comma-separated, in order")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--policies", help="the stack's gateways, comma-separated (NAME@fifo: FIFO admission); "
                                        "`none` among them (default: joint,none,chain:4,none@fifo)")
@@ -799,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict[str, Callable[[], Any]] = {
         "parity": lambda: parity(plan), "curves": lambda: curves(plan), "ipc": lambda: ipc(plan),
         "offload": lambda: offload(plan),
-        "stack": lambda: stack(plan, work),
+        "stack": lambda: stack(plan, work), "overhead": lambda: overhead(plan),
         "sim": lambda: sim(plan, work, report["sections"].get("stack", {}).get("result")),
     }
     t_all = time.perf_counter()

@@ -92,15 +92,16 @@ def _iteration_split(it: dict) -> dict:
             "stack_ms": iteration_ms - target_ms, "split_ms": {p: s / n * 1e3 for p, s in it["seconds"].items()}}
 
 
-def near_null(args: argparse.Namespace, levels: list[int]) -> list[dict]:
-    """Part 1: one stack on the near-null target, a gateway per policy; `rounds` interleaved rounds."""
+def near_null(args: argparse.Namespace, levels: list[int], up_args: tuple[str, ...] = ()) -> list[dict]:
+    """Part 1: one stack on the near-null target, a gateway per policy; `rounds` interleaved rounds.
+    up_args: more flags for `specserve up` (bench/gpu_suite.py's `--device cuda --dtype bfloat16`)."""
     from specserve.shared.runtime.model_store import MODELS
     from tests.support.procs import Up, gateway
 
     model = str(MODELS / "draft")
     profile = Path(tempfile.mkdtemp()) / "profile.json"
     up = Up("--model", model, "--draft-model", model, "--policy", "none", "--threads", "1",
-            "--profile", str(profile), timeout_s=600)
+            "--profile", str(profile), *up_args, timeout_s=600)
     default = gateway(up, "joint", "--model", model, "--profile", str(profile))
     duel = max([n for n in levels if n < 100] or [levels[0]])
     rounds = []

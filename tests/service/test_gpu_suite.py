@@ -23,7 +23,7 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
     assert str(ROOT) not in text  # the report carries no path of this machine's checkout
     report = json.loads(text)
     sections = report["sections"]
-    assert list(sections) == ["parity", "curves", "ipc", "offload", "stack", "sim"]
+    assert list(sections) == ["parity", "curves", "ipc", "offload", "stack", "overhead", "sim"]
     assert not [name for name, s in sections.items() if "error" in s]
     assert report["dry_run"] and report["environment"]["triton_interpret"]
     parity = sections["parity"]["result"]
@@ -47,9 +47,14 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
     assert not any(r["admission"] for r in stack["runs"] if r["policy"] == "none@fifo")  # FIFO: never declines
     assert all(r["iteration_ms"] > 0 and r["iteration_ms_by_part"]["target"] > 0 for r in stack["runs"])
     assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in stack["runs"])
+    overhead = sections["overhead"]["result"]
+    assert list(overhead) == ["none@1", "none@2", "joint@2"]
+    assert all(r["iterations"] > 0 and r["target_ms"] > 0 and r["tokens_per_s"] > 0 for r in overhead.values())
+    assert all(r["stack_ms"] == pytest.approx(r["iteration_ms"] - r["target_ms"]) for r in overhead.values())
     sim = sections["sim"]["result"]
     preset = tomllib.loads(sim["preset"])
     assert preset["target"]["padded_attention"] is False and len(preset["target"]["tokens"]) >= 2
     assert set(sim["error_vs_real"]) == {"tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "tokens_per_step"}
     md = (tmp_path / "gpu_suite.md").read_text()
     assert "DRY RUN" in md and "## Parity with transformers" in md and "## Simulator" in md
+    assert "## The stack's own time" in md
