@@ -3,33 +3,18 @@ that baseline falls to 50 % attainment), on a hand-made sweep whose answer is co
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.sweeps import bench_module, hand_sweep
 
 
 @pytest.fixture(scope="module")
 def paper_ratio():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("paper_ratio", ROOT / "bench" / "paper_ratio.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sweep(curves: dict[str, list[tuple[float, float]]], rates=(1.0, 2.0, 3.0)) -> dict:
-    points = [{"policy": p, "rate": r, "run": 0, "summary": {"attainment": a, "goodput_tok_s": g}}
-              for p, curve in curves.items() for r, (a, g) in zip(rates, curve)]
-    return {"meta": {"simulated": "llama2-7b-a100"}, "settings": {"rates": list(rates)},
-            "policies": list(curves), "points": points}
+    return bench_module("paper_ratio")
 
 
 def test_the_ratio_is_taken_where_the_last_baseline_falls_to_half(paper_ratio):
-    r = paper_ratio.ratios(_sweep({
+    r = paper_ratio.ratios(hand_sweep({
         "none": [(0.6, 60.0), (0.4, 40.0), (0.2, 20.0)],  # 50 % at 1.5 req/s
         "chain:4": [(0.9, 90.0), (0.7, 70.0), (0.3, 30.0)],  # 50 % at 2.5 req/s: the best baseline
         "adaserve": [(1.0, 100.0), (0.9, 180.0), (0.7, 140.0)],
@@ -44,7 +29,7 @@ def test_the_ratio_is_taken_where_the_last_baseline_falls_to_half(paper_ratio):
 
 
 def test_a_baseline_below_half_everywhere_is_flagged(paper_ratio):
-    r = paper_ratio.ratios(_sweep({"none": [(0.4, 40.0), (0.3, 30.0), (0.1, 10.0)],
+    r = paper_ratio.ratios(hand_sweep({"none": [(0.4, 40.0), (0.3, 30.0), (0.1, 10.0)],
                                    "adaserve": [(0.8, 80.0), (0.6, 60.0), (0.4, 40.0)]}))
     assert r["rate"] == 1.0 and r["flag"] == "below"
     assert r["policies"]["adaserve"]["attainment_ratio"] == pytest.approx(2.0)
@@ -52,16 +37,16 @@ def test_a_baseline_below_half_everywhere_is_flagged(paper_ratio):
 
 
 def test_two_sweeps_merge_into_one_rate_axis(paper_ratio):
-    low = _sweep({"none": [(0.9, 9.0), (0.8, 16.0)], "adaserve": [(1.0, 10.0), (0.9, 18.0)]}, rates=(1.0, 2.0))
-    high = _sweep({"none": [(0.3, 12.0)], "adaserve": [(0.6, 24.0)]}, rates=(4.0,))
+    low = hand_sweep({"none": [(0.9, 9.0), (0.8, 16.0)], "adaserve": [(1.0, 10.0), (0.9, 18.0)]}, rates=(1.0, 2.0))
+    high = hand_sweep({"none": [(0.3, 12.0)], "adaserve": [(0.6, 24.0)]}, rates=(4.0,))
     r = paper_ratio.ratios(paper_ratio.merged([low, high]))
     assert r["rates"] == [1.0, 2.0, 4.0] and r["rate"] == pytest.approx(2.0 + 2.0 * 0.3 / 0.5)
     with pytest.raises(SystemExit, match="cannot be merged"):
-        paper_ratio.merged([low, _sweep({"none": [(0.3, 12.0)]}, rates=(4.0,))])
+        paper_ratio.merged([low, hand_sweep({"none": [(0.3, 12.0)]}, rates=(4.0,))])
 
 
 def test_the_envelope_divides_by_the_best_other_policy_per_metric_and_rate(paper_ratio):
-    rows = paper_ratio.envelope(_sweep({
+    rows = paper_ratio.envelope(hand_sweep({
         "none": [(0.6, 60.0), (0.4, 90.0), (0.2, 20.0)],
         "chain:4": [(0.9, 90.0), (0.7, 70.0), (0.3, 30.0)],
         "joint": [(0.9, 100.0), (0.35, 45.0), (0.3, 33.0)],

@@ -4,35 +4,19 @@ rate), on a hand-made sweep."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from specserve.cli.loadgen.workload import DEFAULT_MIX, parse_mix
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.sweeps import bench_module, hand_sweep
 
 
 @pytest.fixture(scope="module")
 def guard():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("policy_guard", ROOT / "bench" / "policy_guard.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sweep(curves: dict[str, list[tuple[float, float]]], rates=(1.0, 2.0, 3.0)) -> dict:
-    points = [{"policy": p, "rate": r, "run": 0, "summary": {"attainment": a, "goodput_tok_s": g}}
-              for p, curve in curves.items() for r, (a, g) in zip(rates, curve)]
-    return {"meta": {"simulated": "llama2-7b-a100"}, "settings": {"rates": list(rates)},
-            "policies": list(curves), "points": points}
+    return bench_module("policy_guard")
 
 
 def _cell(guard, curves: dict) -> dict:
-    results = _sweep(curves)
+    results = hand_sweep(curves)
     return {"envelope": guard.paper_ratio.envelope(results, guard.DEFAULT),
             "cliff": guard.paper_ratio.ratios(results, [guard.DEFAULT], guard.FIFO_POLICIES)}
 
