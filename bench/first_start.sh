@@ -11,7 +11,8 @@ PORT="${PORT:-8765}"
 git clone -q "$ROOT" "$WORK/clone"
 mkdir -p "$WORK/home"
 start=$(date +%s.%N)
-( cd "$WORK/clone" && HOME="$WORK/home" exec bash scripts/run.sh --port "$PORT" ) >"$OUT" 2>&1 &
+: >"$OUT"  # the log starts empty; run.sh and the result line below both append, so neither overwrites the other
+( cd "$WORK/clone" && HOME="$WORK/home" exec bash scripts/run.sh --port "$PORT" ) >>"$OUT" 2>&1 &
 pid=$!
 trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$WORK"' EXIT
 up=""
