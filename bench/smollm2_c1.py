@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct at concurrency 1, side by side with transformers, in interleaved rounds.
 
-    .venv/bin/python bench/smollm2_c1.py --rounds 3 [--max-tokens 96] [--draft-model ngram|DIR] [--out FILE]
+    .venv/bin/python bench/smollm2_c1.py --rounds 3 [--max-tokens 96] [--draft-model ngram|DIR]
+        [--activations auto|float32|int8] [--out FILE]
 
 The named model `smollm2-135m-instruct` (installed on first use) on two prompt sets, chat-templated:
 - `chat`: plain questions (the answer repeats little of the prompt);
@@ -8,7 +9,8 @@ The named model `smollm2-135m-instruct` (installed on first use) on two prompt s
   the prompt pays.
 Modes, each round running all of them one after another on both sets, one request at a time, greedy,
 up to --max-tokens new tokens (the answer ends at the model's end of turn, the same in every mode),
-float32, one torch thread everywhere:
+float32 (specserve's services with --activations as given: int8 quantizes activations as llama.cpp does),
+one torch thread everywhere:
 - `hf_generate`: transformers `generate`;
 - `hf_prompt_lookup`: transformers `generate(prompt_lookup_num_tokens=K)` (K = --lookup-tokens);
 - `hf_assisted` (only when --draft-model is a model directory, not an EAGLE head): transformers
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--draft-model", default="ngram", help="`ngram` or a draft model directory")
     ap.add_argument("--draft-weights", default="auto", help="the draft service's --weights (auto, float32, q8_0, q4_1)")
+    ap.add_argument("--activations", default="auto", choices=("auto", "float32", "int8"),
+                    help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
     ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = Path(args.out).with_suffix(".profile.json")
     up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model,
-            "--draft-weights", args.draft_weights, "--policy", "none",
+            "--draft-weights", args.draft_weights, "--activations", args.activations, "--policy", "none",
             "--threads", str(args.threads), "--profile", str(profile), timeout_s=900)
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies if p != "none"}
     urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
@@ -183,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                         "identical_to_hf_generate":
                             f"{min(rd[key]['identical'] for rd in rounds)}/{len(sets[key.split('/')[0]])}"}
     out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads, "dtype": "float32",
-                    "draft_model": args.draft_model, "draft_weights": args.draft_weights, "policies": policies,
+                    "draft_model": args.draft_model, "draft_weights": args.draft_weights,
+                    "activations": args.activations, "policies": policies,
                     "sets": list(sets),
                     "lookup_tokens": args.lookup_tokens, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
