@@ -50,7 +50,7 @@ DEFAULT_TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # nodes per request (a 
 QUICK = {"output_tokens": 16, "tree_sizes": (1, 2, 4, 8), "repeats": 3}  # --quick
 # The profile's wall-clock bound: on a slow machine (or pass) it measures fewer decode passes and rounds,
 # never fewer than MIN_DECODE_PASSES and one timed round, so that a first start takes minutes at most.
-TIME_BUDGET_S = 60.0
+TIME_BUDGET_S = 40.0
 MIN_DECODE_PASSES = 8
 DECODE_SHARE = 0.3  # of the time bound, at most this much goes to the decode passes
 
