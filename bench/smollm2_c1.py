@@ -70,13 +70,15 @@ POLICIES = ["none", "chain:4", "adaserve", "joint"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.shared.runtime.loader import ACTIVATIONS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--draft-model", default="ngram", help="`ngram` or a draft model directory")
     ap.add_argument("--draft-weights", default="auto", help="the draft service's --weights (auto, float32, q8_0, q4_1)")
-    ap.add_argument("--activations", default="auto", choices=("auto", "float32", "int8"),
+    ap.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
                     help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
     ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
