@@ -1,5 +1,6 @@
 # Sourced by scripts/run.sh and scripts/test.sh: create .venv and install specserve into it.
-# Usage: ensure_venv [EXTRAS]   (EXTRAS like "test"; empty for the runtime only)
+# Usage: ensure_venv [EXTRAS] [BUILD]   (EXTRAS like "test"; empty for the runtime only. BUILD "background":
+# return while the CPU kernels still build; a process that loads them waits on the build's lock.)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SPECSERVE_VENV:-$ROOT/.venv}"
@@ -12,7 +13,7 @@ _pip() {
 }
 
 ensure_venv() {
-    local extras="${1:-}"
+    local extras="${1:-}" build="${2:-wait}"
     if [ ! -x "$VENV/bin/python" ]; then
         echo "[specserve] creating virtual environment in $VENV"
         "$PY" -m venv "$VENV"
@@ -29,7 +30,10 @@ ensure_venv() {
     echo "[specserve] installing specserve${extras:+[$extras]} (editable)"
     "${pip[@]}" install -e "$spec"
     # The compiled CPU operators (shared/runtime/kernels), cached; where they cannot be built the torch pass runs.
-    "$VENV/bin/specserve" kernels build
+    # Built beside the unpacking below (one compiler process: the other core is free).
+    "$VENV/bin/specserve" kernels build &
+    local builder=$!
     # The bundled models' weights are committed xz-compressed (models/README.md); written out once.
     "$VENV/bin/specserve" models unpack >/dev/null
+    if [ "$build" != background ]; then wait "$builder"; fi
 }
