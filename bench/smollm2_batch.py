@@ -1,9 +1,11 @@
 """SmolLM2-135M-Instruct, 16 requests at once, side by side with transformers' batched generate.
 
-    .venv/bin/python bench/smollm2_batch.py --rounds 3 [--batch 16] [--max-tokens 96] [--out FILE]
+    .venv/bin/python bench/smollm2_batch.py --rounds 3 [--batch 16] [--max-tokens 96]
+        [--activations auto|float32|int8] [--out FILE]
 
 The 12 prompts of bench/smollm2_c1.py (6 chat, 6 edit; chat-templated), cycled to --batch requests,
-greedy, up to --max-tokens new tokens each (an answer ends at the model's end of turn), float32, --threads
+greedy, up to --max-tokens new tokens each (an answer ends at the model's end of turn), float32 (specserve's
+services with --activations as given: int8 answers are not transformers', and are counted), --threads
 (default 1) in every mode. Each round runs, one after another:
 - `hf_batched`: transformers `generate` over the whole batch at once (left-padded, one call);
 - `llama_cpp` (where llama-cpp-python is installed, as in bench/smollm2_c1.py): llama.cpp on the same GGUF
@@ -41,12 +43,16 @@ POLICIES = ["none", "joint"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.shared.runtime.loader import ACTIVATIONS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
+    ap.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                    help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
     ap.add_argument("--quiet-s", type=float, default=3.0, help="idle seconds before each mode (with 2 threads, a "
                     "mode run right after transformers' measured up to 1.8x slower without them)")
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = Path(args.out).with_suffix(".profile.json")
     up = Up("--model", "smollm2-135m-instruct", "--policy", policies[0], "--threads", str(args.threads),
-            "--profile", str(profile), timeout_s=900)
+            "--activations", args.activations, "--profile", str(profile), timeout_s=900)
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies[1:]}
     urls = {policies[0]: up.url, **{p: g.address for p, g in gateways.items()}}
 
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                          "vs_llama_cpp": spread(llama) if llama else None,
                          "equal_every_round": min(rd[mode]["equal_to_generate"] for rd in rounds)}
     out = {"meta": {"rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens, "threads": args.threads,
-                    "dtype": "float32", "draft_model": "ngram", "policies": policies, "cpu_count": os.cpu_count()},
+                    "activations": args.activations, "dtype": "float32", "draft_model": "ngram",
+                    "policies": policies, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
