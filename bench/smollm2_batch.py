@@ -18,7 +18,8 @@ Reported per mode: the median over rounds of tokens/s (new tokens / wall from th
 last answer) with min-max, and the ratio to `hf_batched` taken within each round. Every answer is
 checked equal to the same prompt's answer under transformers `generate` at batch 1 (computed once,
 before the rounds); a batched `generate` may differ from it (padding changes float32 sums), and is
-reported, not required, to be equal.
+reported, not required, to be equal. The services run without their prefix cache unless --prefix-caching
+(as in bench/smollm2_c1.py).
 
 Figures: docs/lab/smollm2_batch.md, "SmolLM2-135M-Instruct, 16 at once".
 """
@@ -36,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.smollm2_c1 import CHAT, EDIT, _ids, _llama_cpp, _llama_generate  # noqa: E402
+from bench.smollm2_c1 import CHAT, EDIT, _ids, _llama_cpp, _llama_generate, no_prefix_cache  # noqa: E402
 from bench.sweep import spread  # noqa: E402
 
 POLICIES = ["none", "joint"]
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep the services' prefix cache on (off by default: every round repeats the same prompts, "
+                         "and the peers here compute each prompt afresh)")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
     ap.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
                     help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = Path(args.out).with_suffix(".profile.json")
     up = Up("--model", "smollm2-135m-instruct", "--policy", policies[0], "--threads", str(args.threads),
-            "--activations", args.activations, "--profile", str(profile), timeout_s=900)
+            "--activations", args.activations, "--profile", str(profile), timeout_s=900,
+            env=None if args.prefix_caching else no_prefix_cache())
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies[1:]}
     urls = {policies[0]: up.url, **{p: g.address for p, g in gateways.items()}}
 
@@ -151,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                          "vs_llama_cpp": spread(llama) if llama else None,
                          "equal_every_round": min(rd[mode]["equal_to_generate"] for rd in rounds)}
     out = {"meta": {"rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens, "threads": args.threads,
-                    "activations": args.activations, "dtype": "float32", "draft_model": "ngram",
+                    "activations": args.activations, "prefix_caching": args.prefix_caching, "dtype": "float32",
+                    "draft_model": "ngram",
                     "policies": policies, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,8 @@ requests) with min-max, the ratios to `hf_generate` and to `llama_cpp` taken wit
 (median, min-max), for specserve the tokens per target pass (1 + accepted drafts per step, from the
 responses' `specserve.steps`), and how many answers equal `hf_generate`'s (greedy on the float32
 weights dequantized from the same file; llama.cpp also quantizes activations, so its answers need
-not).
+not). The services run without their prefix cache unless --prefix-caching: every round repeats the
+prompts, and neither transformers nor llama.cpp here reuses one request's prefill for the next.
 
 Figures: docs/lab/smollm2_c1.md, "SmolLM2-135M-Instruct at concurrency 1".
 """
@@ -69,6 +70,12 @@ EDIT = [f"{task}\n\n```python\n{code}```" for code in _CODE for task in (
 POLICIES = ["none", "chain:4", "adaserve", "joint"]
 
 
+def no_prefix_cache() -> dict[str, str]:
+    """This process's environment, the services' prefix cache off (--prefix-caching keeps it): each round asks
+    the same prompts again, which a cache would serve without their prefill where the peers compute them afresh."""
+    return {**os.environ, "SPECSERVE_TARGET_PREFIX_CACHING": "0", "SPECSERVE_DRAFT_PREFIX_CACHING": "0"}
+
+
 def main(argv: list[str] | None = None) -> int:
     from specserve.shared.runtime.loader import ACTIVATIONS
 
@@ -81,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
                     help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep the services' prefix cache on (off by default: every round repeats the same prompts, "
+                         "and the peers here compute each prompt afresh)")
     ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
@@ -126,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     profile = Path(args.out).with_suffix(".profile.json")
     up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model,
             "--draft-weights", args.draft_weights, "--activations", args.activations, "--policy", "none",
-            "--threads", str(args.threads), "--profile", str(profile), timeout_s=900)
+            "--threads", str(args.threads), "--profile", str(profile), timeout_s=900,
+            env=None if args.prefix_caching else no_prefix_cache())
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies if p != "none"}
     urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
     prompts_of = {"chat": CHAT, "edit": EDIT}
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{min(rd[key]['identical'] for rd in rounds)}/{len(sets[key.split('/')[0]])}"}
     out = {"meta": {"rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads, "dtype": "float32",
                     "draft_model": args.draft_model, "draft_weights": args.draft_weights,
-                    "activations": args.activations, "policies": policies,
+                    "activations": args.activations, "prefix_caching": args.prefix_caching, "policies": policies,
                     "sets": list(sets),
                     "lookup_tokens": args.lookup_tokens, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
