@@ -37,26 +37,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.smollm2_c1 import CHAT, EDIT, _ids, _llama_cpp, _llama_generate, no_prefix_cache  # noqa: E402
+from bench.smollm2_c1 import CHAT, EDIT, _ids, _llama_cpp, _llama_generate, add_service_options, service_env  # noqa: E402
 from bench.sweep import spread  # noqa: E402
 
 POLICIES = ["none", "joint"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specserve.shared.runtime.loader import ACTIVATIONS
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
-    ap.add_argument("--prefix-caching", action="store_true",
-                    help="keep the services' prefix cache on (off by default: every round repeats the same prompts, "
-                         "and the peers here compute each prompt afresh)")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
-    ap.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
-                    help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
+    add_service_options(ap)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
     ap.add_argument("--quiet-s", type=float, default=3.0, help="idle seconds before each mode (with 2 threads, a "
                     "mode run right after transformers' measured up to 1.8x slower without them)")
@@ -101,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = Path(args.out).with_suffix(".profile.json")
     up = Up("--model", "smollm2-135m-instruct", "--policy", policies[0], "--threads", str(args.threads),
             "--activations", args.activations, "--profile", str(profile), timeout_s=900,
-            env=None if args.prefix_caching else no_prefix_cache())
+            env=service_env(args))
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies[1:]}
     urls = {policies[0]: up.url, **{p: g.address for p, g in gateways.items()}}
 
@@ -157,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                          "equal_every_round": min(rd[mode]["equal_to_generate"] for rd in rounds)}
     out = {"meta": {"rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens, "threads": args.threads,
                     "activations": args.activations, "prefix_caching": args.prefix_caching, "dtype": "float32",
-                    "draft_model": "ngram",
-                    "policies": policies, "cpu_count": os.cpu_count()},
+                    "draft_model": "ngram", "policies": policies, "cpu_count": os.cpu_count()},
            "rounds": rounds, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

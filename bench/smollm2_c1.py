@@ -70,27 +70,33 @@ EDIT = [f"{task}\n\n```python\n{code}```" for code in _CODE for task in (
 POLICIES = ["none", "chain:4", "adaserve", "joint"]
 
 
-def no_prefix_cache() -> dict[str, str]:
-    """This process's environment, the services' prefix cache off (--prefix-caching keeps it): each round asks
-    the same prompts again, which a cache would serve without their prefill where the peers compute them afresh."""
+def add_service_options(ap: argparse.ArgumentParser) -> None:
+    """The services' options these benches share: --activations and --prefix-caching."""
+    from specserve.shared.runtime.loader import ACTIVATIONS
+
+    ap.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                    help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep the services' prefix cache on (off by default: every round repeats the same prompts, "
+                         "and the peers here compute each prompt afresh)")
+
+
+def service_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """The services' environment: this process's (None) with --prefix-caching, else with their prefix cache off."""
+    if args.prefix_caching:
+        return None
     return {**os.environ, "SPECSERVE_TARGET_PREFIX_CACHING": "0", "SPECSERVE_DRAFT_PREFIX_CACHING": "0"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specserve.shared.runtime.loader import ACTIVATIONS
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--draft-model", default="ngram", help="`ngram` or a draft model directory")
     ap.add_argument("--draft-weights", default="auto", help="the draft service's --weights (auto, float32, q8_0, q4_1)")
-    ap.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
-                    help="the services' --activations (int8: products on int8-quantized activations, as llama.cpp's)")
+    add_service_options(ap)
     ap.add_argument("--policies", default=",".join(POLICIES), help="specserve policies, comma-separated")
-    ap.add_argument("--prefix-caching", action="store_true",
-                    help="keep the services' prefix cache on (off by default: every round repeats the same prompts, "
-                         "and the peers here compute each prompt afresh)")
     ap.add_argument("--sets", default="chat,edit", help="prompt sets, comma-separated: chat, edit")
     ap.add_argument("--threads", type=int, default=1, help="threads of every mode (torch, llama.cpp, the services)")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even where it is installed")
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     up = Up("--model", "smollm2-135m-instruct", "--draft-model", args.draft_model,
             "--draft-weights", args.draft_weights, "--activations", args.activations, "--policy", "none",
             "--threads", str(args.threads), "--profile", str(profile), timeout_s=900,
-            env=None if args.prefix_caching else no_prefix_cache())
+            env=service_env(args))
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies if p != "none"}
     urls = {"none": up.url, **{p: g.address for p, g in gateways.items()}}
     prompts_of = {"chat": CHAT, "edit": EDIT}
