@@ -9,7 +9,9 @@ blocks as stored, weights quantized at load, or float32.
 quantized to int8 per token per 32-wide block (exact int32 sums per block; faster, close to float32
 but not equal) or in float32 (equal to a float32 matmul over the dequantized weights up to summation
 order).
-Float32 weights always run in float32.
+Float32 weights always run in float32. Where the int8 products run AVX-512 VNNI code, they read a second
+copy of the Q4_1 / Q8_0 weights packed in panels of 16 rows (quant.py `panels`), made at the first int8
+pass.
 
 Every operator is batch invariant (cpu_ops.cpp), so a token's logits do not depend on what else
 shares its pass: tree verification equals decoding one token at a time, bit for bit.
@@ -17,15 +19,16 @@ shares its pass: tree verification equals decoding one token at a time, bit for 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32
+from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, KIND_Q4_1P, KIND_Q8_0P
 from specserve.shared.runtime.kv_cache import KVCache
 from specserve.shared.runtime.lean_inputs import LeanInputs
 from specserve.shared.runtime.model_config import ModelConfig, ModelLoadError
-from specserve.shared.runtime.quant import StoredWeight, concat_rows, quantize
+from specserve.shared.runtime.quant import StoredWeight, concat_rows, panels, quantize
 from specserve.shared.runtime.rope import RotaryEmbedding
 
 _NO_TENSOR = torch.empty(0)
@@ -86,8 +89,41 @@ class LeanModel(torch.nn.Module):
         for tensor in [*self._tensors, embed.data, embed.scales, head.data, head.scales, norm]:
             if tensor.numel():
                 unique.setdefault(id(tensor), tensor)
-        for i, tensor in enumerate(unique.values()):
-            self.register_buffer(f"weight_{i}", tensor, persistent=False)
+        self._register(unique.values())
+        self._panel_operands: tuple[list[torch.Tensor], list[int], StoredWeight] | None = None
+
+    def _register(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Each tensor as a buffer: `named_buffers()` is how the draft's offload moves them."""
+        start = sum(1 for _ in self.buffers())
+        for i, tensor in enumerate(tensors):
+            self.register_buffer(f"weight_{start + i}", tensor, persistent=False)
+
+    def _operands(self) -> tuple[list[torch.Tensor], list[int], StoredWeight]:
+        """The decoder layers' tensors and kinds and the head, as this pass's products read them: panels for
+        int8 activations on AVX-512 VNNI (packed at the first such pass), else the weights as stored."""
+        if self._act != ACT_INT8 or torch.ops.specserve_cpu.int8_variant() != "avx512_vnni":
+            return self._tensors, self._kinds, self.head
+        if self._panel_operands is None:
+            packed: dict[int, StoredWeight] = {}
+
+            def pack(w: StoredWeight) -> StoredWeight:
+                if id(w) not in packed:
+                    packed[id(w)] = panels(w) or w
+                return packed[id(w)]
+
+            tensors: list[torch.Tensor] = []
+            kinds: list[int] = []
+            for layer in self.layers:
+                t, k = LayerWeights(layer.input_norm, pack(layer.qkv), layer.qkv_bias, pack(layer.o), layer.o_bias,
+                                    layer.post_norm, pack(layer.gate_up), layer.gate_up_bias, pack(layer.down),
+                                    layer.down_bias).operator_args()
+                tensors += t
+                kinds += k
+            head = pack(self.head)
+            new = [w for w in packed.values() if w.kind in (KIND_Q4_1P, KIND_Q8_0P)]
+            self._register([t for w in new for t in (w.data, w.scales)])
+            self._panel_operands = (tensors, kinds, head)
+        return self._panel_operands
 
     @property
     def activations(self) -> str:
@@ -114,17 +150,17 @@ class LeanModel(torch.nn.Module):
     def forward(self, inputs: LeanInputs, kv: KVCache) -> torch.Tensor:
         ops = torch.ops.specserve_cpu
         c = self.config
+        tensors, kinds, head = self._operands()
         x = ops.embed(inputs.input_ids, self.embed.data, self.embed.scales, self.embed.kind, c.hidden_size)
         cos, sin = self.rotary.looked_up(inputs.positions, torch.float32)
         t, keys = x.shape[0], inputs.keys
-        ops.decoder_layers(x, self._tensors, self._kinds, cos.reshape(t, -1), sin.reshape(t, -1), kv.data,
+        ops.decoder_layers(x, tensors, kinds, cos.reshape(t, -1), sin.reshape(t, -1), kv.data,
                            keys.slot_mapping, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots,
                            keys.block_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self._act)
         if self.keep_features:
             self.features = ops.rms_norm(x, self.norm, c.rms_norm_eps)
         h = ops.rms_norm(x.index_select(0, inputs.logits_indices), self.norm, c.rms_norm_eps)
-        logits: torch.Tensor = ops.linear(h, self.head.data, self.head.scales, self.head.kind, c.hidden_size, None,
-                                          self._act)
+        logits: torch.Tensor = ops.linear(h, head.data, head.scales, head.kind, c.hidden_size, None, self._act)
         return logits
 
     # ---- construction ----------------------------------------------------------------------

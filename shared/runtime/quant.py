@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specserve.shared.runtime.kernels import KIND_F32, KIND_Q4_1, KIND_Q8_0
+from specserve.shared.runtime.kernels import KIND_F32, KIND_Q4_1, KIND_Q4_1P, KIND_Q8_0, KIND_Q8_0P, PANEL
 from specserve.shared.runtime.model_config import ModelLoadError
 
 GGUF_FILE = "model.gguf"  # the GGUF file kept in a model directory, beside its safetensors (model_store.py writes it)
@@ -167,6 +167,26 @@ def dequantize(weight: StoredWeight) -> torch.Tensor:
     q = torch.cat((packed & 0xF, packed >> 4), dim=-1).float()  # elements 0-15, then 16-31
     d, m = weight.scales[..., 0:1], weight.scales[..., 1:2]
     return (d * q + m).reshape(weight.rows, weight.cols)
+
+
+def panels(weight: StoredWeight) -> StoredWeight | None:
+    """The same blocks packed in panels of PANEL rows for the int8 products' AVX-512 VNNI code (cpu_ops.cpp,
+    kinds Q4_1P / Q8_0P: a 512-bit register holds 4 bytes of each of 16 rows); None for float32 weights and
+    rows that are not a multiple of PANEL. A byte permutation (and Q8_0's values + 128): nothing is rounded."""
+    if weight.kind not in (KIND_Q4_1, KIND_Q8_0) or weight.rows % PANEL:
+        return None
+    p, nb = weight.rows // PANEL, weight.cols // 32
+    if weight.kind == KIND_Q4_1:
+        data = weight.data.reshape(p, PANEL, nb, 4, 4).permute(0, 2, 3, 1, 4)
+        scales = weight.scales.reshape(p, PANEL, nb, 2).permute(0, 2, 3, 1)
+        kind = KIND_Q4_1P
+    else:
+        values = (weight.data.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        data = values.reshape(p, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        scales = weight.scales.reshape(p, PANEL, nb).permute(0, 2, 1)
+        kind = KIND_Q8_0P
+    return StoredWeight(data.contiguous().reshape(weight.rows, -1), scales.contiguous(), kind, weight.rows,
+                        weight.cols)
 
 
 def concat_rows(parts: list[StoredWeight]) -> StoredWeight:

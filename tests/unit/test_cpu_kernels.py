@@ -38,11 +38,11 @@ from safetensors.torch import load_file
 
 from specserve.shared.runtime import kernels
 from specserve.shared.runtime.batch import Chunk, Tree
-from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, KIND_Q4_1, KIND_Q8_0
+from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, KIND_Q4_1, KIND_Q4_1P, KIND_Q8_0, KIND_Q8_0P
 from specserve.shared.runtime.lean_model import LeanModel
 from specserve.shared.runtime.loader import describe
 from specserve.shared.runtime.model_config import ModelLoadError
-from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, quantize, read_gguf
+from specserve.shared.runtime.quant import GGUF_FILE, StoredWeight, dequantize, panels, quantize, read_gguf
 from specserve.shared.runtime.random_model import TINY_CONFIG
 from tests.support.gguf_model import VARIANTS, linear, small_runner
 
@@ -213,6 +213,64 @@ def test_int8_rows_do_not_depend_on_the_rest_of_the_call(kind, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
+def test_panels_equal_the_q8_1_reference_in_every_variant_bit_for_bit(kind, variant):
+    """The same blocks packed in panels of 16 rows (int8 activations only): within float32 rounding of the
+    exact sums, under each variant (AVX-512 VNNI's code or plain C++'s), the same bits as plain C++'s."""
+    gen = torch.Generator().manual_seed(40 + kind)
+    for cols in (32, 96, 576, 1536):
+        w = quantize(torch.randn(48, cols, generator=gen) * 0.1, kind)
+        packed = panels(w)
+        assert packed is not None and packed.kind == {KIND_Q8_0: KIND_Q8_0P, KIND_Q4_1: KIND_Q4_1P}[kind]
+        assert packed.nbytes == w.nbytes
+        bias = torch.randn(48, generator=gen)
+        x = torch.randn(9, cols, generator=gen) * 3
+        got, ref = linear(x, packed, bias, ACT_INT8), _int8_reference(x, w, bias)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        current = torch.ops.specserve_cpu.variant()
+        torch.ops.specserve_cpu.set_variant("generic")
+        try:
+            assert torch.equal(linear(x, packed, bias, ACT_INT8), got), cols
+        finally:
+            torch.ops.specserve_cpu.set_variant(current)
+
+
+@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_panels_rows_do_not_depend_on_the_rest_of_the_call(kind, threads):
+    gen = torch.Generator().manual_seed(7)
+    w = quantize(torch.randn(96, 576, generator=gen), kind)
+    packed = panels(w)
+    assert packed is not None
+    x = torch.randn(23, 576, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = linear(x, packed, act=ACT_INT8)
+        for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16), (5, 14)]:
+            assert torch.equal(linear(x[start:stop], packed, act=ACT_INT8), whole[start:stop]), (start, stop)
+        part = panels(quantize(dequantize(w)[16:64], kind))
+        assert part is not None and torch.equal(linear(x, part, act=ACT_INT8), whole[:, 16:64])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_panels_are_refused_where_they_do_not_apply():
+    gen = torch.Generator().manual_seed(8)
+    assert panels(quantize(torch.randn(40, 64, generator=gen), KIND_Q4_1)) is None  # rows not a multiple of 16
+    assert panels(quantize(torch.randn(32, 64, generator=gen), KIND_F32)) is None
+    packed = panels(quantize(torch.randn(32, 64, generator=gen), KIND_Q8_0))
+    assert packed is not None
+    x = torch.randn(2, 64, generator=gen)
+    with pytest.raises(RuntimeError, match="int8 activations only"):
+        linear(x, packed, act=ACT_F32)
+    with pytest.raises(RuntimeError, match="row layout"):
+        torch.ops.specserve_cpu.embed(torch.tensor([1]), packed.data, packed.scales, packed.kind, packed.cols)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.specserve_cpu.linear(x, packed.data[:8], packed.scales[:1], packed.kind, packed.cols, None,
+                                       ACT_INT8)
+
+
 def test_a_killed_builds_lock_file_does_not_hold_up_the_next_build(tmp_path):
     """torch's lock file left by a killed build (every later build or load would wait on it for ever) is removed
     under our own lock, which a second process cannot take while the first holds it."""
@@ -302,6 +360,30 @@ def test_int8_a_token_in_a_tree_of_1_to_16_equals_it_decoded_alone(gguf_model, t
                 assert torch.equal(tree[node], decoded[node]), (n, node)
     finally:
         torch.set_num_threads(before)
+
+
+def test_int8_reads_panels_where_its_code_is_avx512_vnni(gguf_model):
+    """With AVX-512 VNNI the int8 pass multiplies panels of the same blocks: each product is the row layout's
+    up to float32 summation order, which can move a later layer's activation across an int8 rounding step, so
+    the logits are the row layout's (the AVX2 code's, switched in-process) within int8 quantization."""
+    if torch.ops.specserve_cpu.int8_variant() != "avx512_vnni":
+        pytest.skip("the int8 products run the row layout on this CPU")
+    prompt = torch.randint(0, TINY_CONFIG["vocab_size"], (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    entry = [Chunk("r", prompt, logits_at=range(len(prompt)))]
+    runner = small_runner(gguf_model, activations="int8")
+    (packed,) = runner.forward(entry)
+    tensors, kinds, head = runner.model._operands()
+    assert set(kinds) <= {KIND_Q4_1P, KIND_Q8_0P} and head.kind in (KIND_Q4_1P, KIND_Q8_0P)
+    current = torch.ops.specserve_cpu.variant()
+    torch.ops.specserve_cpu.set_variant("avx2")
+    try:
+        rows = small_runner(gguf_model, activations="int8")
+        (by_rows,) = rows.forward(entry)
+        assert rows.model._operands()[2].kind in (KIND_Q4_1, KIND_Q8_0)
+    finally:
+        torch.ops.specserve_cpu.set_variant(current)
+    assert (packed - by_rows).abs().max() <= 0.02 * by_rows.abs().max()
+    assert (packed.argmax(-1) == by_rows.argmax(-1)).float().mean() >= 0.9
 
 
 def test_the_activation_mode_switch(gguf_model):

@@ -16,7 +16,8 @@ The operators (see cpu_ops.cpp for their exactness rules):
 - `variant()`: the code the operators run, "avx512", "avx2" (AVX2 + FMA + F16C) or "generic" (plain C++);
   `variants()`: those this CPU runs; `set_variant(name)`: switch within this process (tests);
 - `int8_variant()`: the int8 products' code: "avx512_vnni", "avx2" or "generic"
-  (SPECSERVE_CPU_INT8_VARIANT=avx2 / generic picks a lesser one).
+  (SPECSERVE_CPU_INT8_VARIANT=avx2 / generic picks a lesser one); weights packed in panels
+  (KIND_Q8_0P / KIND_Q4_1P, quant.py `panels`) run on int8 activations only, fastest with "avx512_vnni".
 - `set_parallel(name)`: how the matrix products and attention split their work over torch's intra-op
   threads: "pool" (the default: the library's worker pool, where threads take chunks from a shared counter
   and the caller computes what no thread took, so a descheduled thread holds nobody up) or "openmp"
@@ -50,6 +51,8 @@ import torch
 log = logging.getLogger(__name__)
 
 KIND_F32, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
+KIND_Q8_0P, KIND_Q4_1P = 3, 4  # the same blocks packed in panels of PANEL rows, for int8 activations on AVX-512 VNNI
+PANEL = 16
 ACT_F32, ACT_INT8 = 0, 1  # activation modes of `linear` and `decoder_layers`
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 NAME = "specserve_cpu"

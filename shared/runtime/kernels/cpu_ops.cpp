@@ -53,8 +53,11 @@
 
 namespace {
 
-enum Kind : int64_t { kF32 = 0, kQ8_0 = 1, kQ4_1 = 2 };
+enum Kind : int64_t { kF32 = 0, kQ8_0 = 1, kQ4_1 = 2, kQ8_0P = 3, kQ4_1P = 4 };
 constexpr int64_t QK = 32;  // elements per quantized block
+constexpr int64_t PANEL = 16;  // rows of a panel (kQ8_0P, kQ4_1P)
+
+inline bool is_panel(int64_t kind) { return kind == kQ8_0P || kind == kQ4_1P; }
 
 // A weight in the operators' layout (shared/runtime/quant.py packs it at load, exactly):
 // - F32: data float32 [rows, cols];
@@ -63,6 +66,13 @@ constexpr int64_t QK = 32;  // elements per quantized block
 //   as GGUF stores them), scales float32 [rows, cols / 32, 2] (d, m).
 // GGUF's fp16 d and m are widened to float32 once at load (exact), so a block costs 24 bytes (Q4_1)
 // or 36 (Q8_0) instead of 20 or 34, for fewer instructions per block.
+// The panel kinds hold the same blocks for the int8 products alone (quant.py `panels` packs them), 16 rows
+// (a panel) side by side, so that one 512-bit register holds 4 bytes of each of 16 rows:
+// - Q4_1P: data per (panel, block) 4 x 64 bytes: chunk k, lane i = bytes 4k..4k+3 of row i's 16 nibble
+//   bytes; scales per (panel, block) d of the 16 rows, then m of the 16 rows;
+// - Q8_0P: data per (panel, block) 8 x 64 bytes: chunk k, lane i = values 4k..4k+3 of row i, each stored
+//   + 128 (as uint8); scales per (panel, block) d of the 16 rows.
+// Rows: a multiple of 16.
 struct Weight {
   const uint8_t* data;
   const float* scales;
@@ -73,7 +83,7 @@ struct Weight {
 Weight make_weight(const at::Tensor& data, const at::Tensor& scales, int64_t kind, int64_t cols,
                    const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "weights must be contiguous CPU tensors");
-  TORCH_CHECK(kind == kF32 || kind == kQ8_0 || kind == kQ4_1, "unknown weight kind ", kind);
+  TORCH_CHECK(kind >= kF32 && kind <= kQ4_1P, "unknown weight kind ", kind);
   TORCH_CHECK(kind == kF32 ? data.scalar_type() == at::kFloat : data.scalar_type() == at::kByte,
               "weight kind ", kind, " does not match the tensor's dtype");
   TORCH_CHECK(kind == kF32 || cols % QK == 0, "quantized rows must be a multiple of 32 wide");
@@ -81,12 +91,13 @@ Weight make_weight(const at::Tensor& data, const at::Tensor& scales, int64_t kin
   w.data = static_cast<const uint8_t*>(data.data_ptr());
   w.kind = kind;
   w.cols = cols;
-  const int64_t row_bytes = kind == kF32 ? cols * 4 : kind == kQ8_0 ? cols : cols / 2;
+  const int64_t row_bytes = kind == kF32 ? cols * 4 : kind == kQ8_0 || kind == kQ8_0P ? cols : cols / 2;
   TORCH_CHECK(cols > 0 && data.numel() * data.element_size() % row_bytes == 0, "weight size is not a whole number of rows");
   w.rows = data.numel() * data.element_size() / row_bytes;
+  TORCH_CHECK(!is_panel(kind) || w.rows % PANEL == 0, "a panel weight's rows must be a multiple of ", PANEL);
   w.scales = nullptr;
   if (kind != kF32) {
-    const int64_t per_row = kind == kQ8_0 ? cols / QK : cols / QK * 2;
+    const int64_t per_row = kind == kQ8_0 || kind == kQ8_0P ? cols / QK : cols / QK * 2;
     TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.rows * per_row,
                 "scales must be float32 with ", per_row, " values per row");
     w.scales = scales.data_ptr<float>();
@@ -1126,6 +1137,10 @@ void attend(const float* q, float* out, int64_t t, int64_t g, const KeyLayout& k
 // At the end the 16 lanes are reduced as halves (i + 8, i + 4, i + 2, i + 1), and Q4_1 adds
 // (mac[1] + mac[3]) + (mac[5] + mac[7]). The AVX-512 VNNI, AVX2 and plain C++ variants do exactly these
 // float32 operations on the same exact integers, so they agree bit for bit.
+// The panel kinds (Q4_1P, Q8_0P: packed for AVX-512 VNNI, a lane per row) take another fixed order, per
+// block in turn: acc = fma(float(sum), d_w * d_x, acc), and for Q4_1P mac = fma(m_w, s_x, mac); the result
+// acc + mac. Their AVX-512 VNNI and plain C++ code agree bit for bit; a panel weight's products differ
+// from the same blocks' in the row layout by float32 rounding only.
 
 enum Activations : int64_t { kActF32 = 0, kActInt8 = 1 };
 
@@ -1139,23 +1154,37 @@ constexpr int64_t kGroup = 4;  // blocks a group
 // - s: Q4_1: (d, s) of each block (8 floats); Q8_0: d of each block (4 floats).
 // - c (Q8_0): per 4-byte lane, -128 * the lane's sum of q (AVX-512's unsigned x signed product reads
 //   w + 128; this takes the 128 * sum back off).
+// - panel kinds (`panel`): q in order, 32 per block; s: (d, d * sum(q)) of each block; c: -128 * sum(q)
+//   of each block (Q8_0P).
 struct Acts {
-  int64_t groups = 0, s_width = 0;
+  int64_t groups = 0, s_width = 0, blocks = 0;
+  bool panel = false;
   std::vector<int8_t> q;
   std::vector<float> s;
   std::vector<int32_t> c;
   const int8_t* qt(int64_t t) const { return q.data() + t * groups * 128; }
   const float* st(int64_t t) const { return s.data() + t * groups * s_width; }
   const int32_t* ct(int64_t t) const { return c.data() + t * groups * 32; }
+  const int8_t* pq(int64_t t) const { return q.data() + t * blocks * QK; }
+  const float* ps(int64_t t) const { return s.data() + t * blocks * 2; }
+  const int32_t* pc(int64_t t) const { return c.data() + t * blocks; }
 };
 
 void quantize(const float* X, int64_t T, int64_t ldx, int64_t cols, int64_t kind, Acts& a) {
   const int64_t nb = cols / QK;
+  a.blocks = nb;
+  a.panel = is_panel(kind);
   a.groups = (nb + kGroup - 1) / kGroup;
   a.s_width = kind == kQ4_1 ? 8 : 4;
-  a.q.assign(T * a.groups * 128, 0);
-  a.s.assign(T * a.groups * a.s_width, 0.0f);
-  if (kind == kQ8_0) a.c.assign(T * a.groups * 32, 0);
+  if (a.panel) {
+    a.q.assign(T * nb * QK, 0);
+    a.s.assign(T * nb * 2, 0.0f);
+    a.c.assign(T * nb, 0);
+  } else {
+    a.q.assign(T * a.groups * 128, 0);
+    a.s.assign(T * a.groups * a.s_width, 0.0f);
+    if (kind == kQ8_0) a.c.assign(T * a.groups * 32, 0);
+  }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t b = 0; b < nb; ++b) {
       const float* x = X + t * ldx + b * QK;
@@ -1168,6 +1197,13 @@ void quantize(const float* X, int64_t T, int64_t ldx, int64_t cols, int64_t kind
         float v = std::nearbyint(x[i] * id);  // half to even (the default rounding mode)
         q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
         sum += q[i];
+      }
+      if (a.panel) {
+        std::memcpy(a.q.data() + (t * nb + b) * QK, q, QK);
+        a.s[(t * nb + b) * 2] = d;
+        a.s[(t * nb + b) * 2 + 1] = d * static_cast<float>(sum);
+        a.c[t * nb + b] = -128 * sum;
+        continue;
       }
       const int64_t g = b / kGroup, j = b % kGroup;
       int8_t* dst = a.q.data() + (t * a.groups + g) * 128;
@@ -1245,6 +1281,46 @@ inline void store(const Weight& w, int64_t r, float s, float* Y, int64_t t, int6
 void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy, bool accumulate) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t r = r0; r < r1; ++r) store(w, r, dot_row(w, r, a, t), Y, t, ldy, accumulate);
+}
+
+// Panel kinds, plain C++, one (row, token) at a time, in the order every panel code follows: per block in
+// turn, its exact int32 sum i, acc = fma(float(i), d_w * d_x, acc) and (Q4_1P) mac = fma(m_w, d_x * sum(q),
+// mac); the result acc + mac.
+float panel_dot(const Weight& w, int64_t r, const Acts& a, int64_t t) {
+  const int64_t nb = w.cols / QK, p = r / PANEL, i = r % PANEL;
+  const bool q4 = w.kind == kQ4_1P;
+  const int64_t chunks = q4 ? 4 : 8;
+  const uint8_t* base = w.data + p * nb * chunks * 64 + i * 4;
+  const float* sc = w.scales + p * nb * (q4 ? 2 : 1) * PANEL + i;
+  const int8_t* xq = a.pq(t);
+  const float* xs = a.ps(t);
+  float acc = 0.0f, mac = 0.0f;
+  for (int64_t b = 0; b < nb; ++b, xq += QK, xs += 2) {
+    int32_t sum = 0;
+    const uint8_t* blk = base + b * chunks * 64;
+    for (int64_t k = 0; k < chunks; ++k)
+      for (int j = 0; j < 4; ++j) {
+        const int32_t v = blk[k * 64 + j];
+        if (q4)
+          sum += (v & 0xF) * xq[4 * k + j] + (v >> 4) * xq[16 + 4 * k + j];
+        else
+          sum += (v - 128) * xq[4 * k + j];
+      }
+    if (q4) {
+      const float* s = sc + b * 2 * PANEL;
+      acc = std::fma(static_cast<float>(sum), s[0] * xs[0], acc);
+      mac = std::fma(s[PANEL], xs[1], mac);
+    } else {
+      acc = std::fma(static_cast<float>(sum), sc[b * PANEL] * xs[0], acc);
+    }
+  }
+  return q4 ? acc + mac : acc;
+}
+
+void panel_rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy,
+                bool accumulate) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = r0; r < r1; ++r) store(w, r, panel_dot(w, r, a, t), Y, t, ldy, accumulate);
 }
 
 }  // namespace q8
@@ -1393,6 +1469,112 @@ void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, flo
   for (int64_t t0 = 0; t0 < T; t0 += kTile) {
     const int64_t tb = std::min<int64_t>(kTile, T - t0);
     for (int64_t r = r0; r < r1; ++r) tile_tokens<1>(w, r, a, t0, tb, Y, ldy, accumulate);
+  }
+}
+
+// ---- panel kinds: 16 rows a register, one lane per row ----
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Stores 16 rows' sums of token t (panel p): + bias, then into or onto Y.
+inline void panel_store(const Weight& w, int64_t p, __m512 s, float* Y, int64_t t, int64_t ldy, bool accumulate) {
+  if (w.bias) s = _mm512_add_ps(s, _mm512_loadu_ps(w.bias + p * PANEL));
+  float* y = Y + t * ldy + p * PANEL;
+  _mm512_storeu_ps(y, accumulate ? _mm512_add_ps(_mm512_loadu_ps(y), s) : s);
+}
+
+// Panel p of a Q4_1P weight times TB tokens (t0..): a block's nibbles unpacked once for the tile; per token
+// 8 vpdpbusd on the 16 rows at once, then the block's scale product and min term.
+template <int TB>
+void panel_q4_1(const Weight& w, int64_t p, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m512 acc[TB], mac[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = mac[t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* base = w.data + p * nb * 256;
+  const float* sc = w.scales + p * nb * 2 * PANEL;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[4], hi[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i z = _mm512_loadu_si512(base + (b * 4 + k) * 64);
+      lo[k] = _mm512_and_si512(z, low);
+      hi[k] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+    }
+    const __m512 dw = _mm512_loadu_ps(sc + b * 2 * PANEL), mw = _mm512_loadu_ps(sc + b * 2 * PANEL + PANEL);
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = a.pq(t0 + t) + b * QK;
+      const float* xs = a.ps(t0 + t) + b * 2;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xq));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4(xq + 16));
+      for (int k = 1; k < 4; ++k) {
+        s0 = _mm512_dpbusd_epi32(s0, lo[k], bcast4(xq + 4 * k));
+        s1 = _mm512_dpbusd_epi32(s1, hi[k], bcast4(xq + 16 + 4 * k));
+      }
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(xs[0])), acc[t]);
+      mac[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[1]), mac[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) panel_store(w, p, _mm512_add_ps(acc[t], mac[t]), Y, t0 + t, ldy, accumulate);
+}
+
+// Panel p of a Q8_0P weight times TB tokens: (w + 128) x q by vpdpbusd from -128 * sum(q).
+template <int TB>
+void panel_q8_0(const Weight& w, int64_t p, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const uint8_t* base = w.data + p * nb * 512;
+  const float* sc = w.scales + p * nb * PANEL;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[8];
+    for (int k = 0; k < 8; ++k) wv[k] = _mm512_loadu_si512(base + (b * 8 + k) * 64);
+    const __m512 dw = _mm512_loadu_ps(sc + b * PANEL);
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = a.pq(t0 + t) + b * QK;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(a.pc(t0 + t)[b]), wv[0], bcast4(xq));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], bcast4(xq + 4));
+      for (int k = 2; k < 8; k += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, wv[k], bcast4(xq + 4 * k));
+        s1 = _mm512_dpbusd_epi32(s1, wv[k + 1], bcast4(xq + 4 * k + 4));
+      }
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(a.ps(t0 + t)[b * 2])), acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) panel_store(w, p, acc[t], Y, t0 + t, ldy, accumulate);
+}
+
+template <int TB>
+void panel_tile(const Weight& w, int64_t p, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  if (w.kind == kQ4_1P)
+    panel_q4_1<TB>(w, p, a, t0, Y, ldy, accumulate);
+  else
+    panel_q8_0<TB>(w, p, a, t0, Y, ldy, accumulate);
+}
+
+// Rows r0..r1 (whole panels) in token tiles of up to kPanelTile.
+constexpr int64_t kPanelTile = 4;
+void panel_rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy,
+                bool accumulate) {
+  for (int64_t t0 = 0; t0 < T; t0 += kPanelTile) {
+    const int64_t tb = std::min<int64_t>(kPanelTile, T - t0);
+    for (int64_t p = r0 / PANEL; p < r1 / PANEL; ++p) {
+      switch (tb) {
+        case 1: panel_tile<1>(w, p, a, t0, Y, ldy, accumulate); break;
+        case 2: panel_tile<2>(w, p, a, t0, Y, ldy, accumulate); break;
+        case 3: panel_tile<3>(w, p, a, t0, Y, ldy, accumulate); break;
+        case 4: panel_tile<4>(w, p, a, t0, Y, ldy, accumulate); break;
+        case 5: panel_tile<5>(w, p, a, t0, Y, ldy, accumulate); break;
+        case 6: panel_tile<6>(w, p, a, t0, Y, ldy, accumulate); break;
+        case 7: panel_tile<7>(w, p, a, t0, Y, ldy, accumulate); break;
+        default: panel_tile<kPanelTile>(w, p, a, t0, Y, ldy, accumulate); break;
+      }
+    }
   }
 }
 
@@ -1566,6 +1748,12 @@ void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, i
   const Variant v = variant();
   pool::parallel_chunks(tasks, [&](int64_t c) {
     const int64_t r0 = c * chunk, r1 = std::min(w.rows, r0 + chunk);
+    if (a.panel) {
+#if SPECSERVE_X86
+      if (v == Variant::kAvx512Vnni) return avx512_q8::panel_rows(w, r0, r1, a, T, Y, ldy, accumulate);
+#endif
+      return panel_rows(w, r0, r1, a, T, Y, ldy, accumulate);
+    }
 #if SPECSERVE_X86
     if (v == Variant::kAvx512Vnni)
       avx512_q8::rows(w, r0, r1, a, T, Y, ldy, accumulate);
@@ -1583,6 +1771,7 @@ void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, i
 void matmul_as(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, int64_t ldy, bool accumulate,
                int64_t act, q8::Acts& scratch) {
   TORCH_CHECK(act == kActF32 || act == kActInt8, "unknown activation mode ", act, " (0: float32, 1: int8)");
+  TORCH_CHECK(act == kActInt8 || !is_panel(w.kind), "a panel weight (kind ", w.kind, ") runs on int8 activations only");
   if (act == kActInt8 && w.kind != kF32)
     q8::matmul(w, X, T, ldx, Y, ldy, accumulate, scratch);
   else
@@ -1608,6 +1797,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 
 at::Tensor embed(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& scales, int64_t kind, int64_t cols) {
   Weight w = make_weight(weight, scales, kind, cols, c10::nullopt);
+  TORCH_CHECK(!is_panel(kind), "embed reads weights in the row layout, not panels (kind ", kind, ")");
   at::Tensor idc = ids.to(at::kLong).contiguous();
   const int64_t T = idc.numel();
   at::Tensor out = at::empty({T, cols}, at::TensorOptions().dtype(at::kFloat));
