@@ -85,7 +85,7 @@ async def load_cost(config: GatewayConfig, vocab_size: int,
     finally:
         await client.close()
     budget = config.budget if config.budget else prof.budget_tokens
-    return (lambda: PassCost(budget, prof.baseline_iteration_ms, list(prof.curve))), path
+    return (lambda: PassCost(budget, prof.baseline_iteration_ms, list(prof.curve), single=list(prof.single))), path
 
 
 def model_info(config: GatewayConfig) -> tuple[PreTrainedTokenizerBase, ModelInfo]:

@@ -13,6 +13,7 @@ import pytest
 from specserve.cli.main import BUNDLED_TARGET
 from specserve.gateway.perf.profile import (
     MIN_DECODE_PASSES,
+    SINGLE_SIZES,
     Profile,
     format_table,
     knee,
@@ -62,7 +63,8 @@ def test_measure_through_a_target_service(tmp_path):
             cut = await measure(bounded, output_tokens=40, tree_sizes=(1, 2), repeats=5, vocab_size=vocab,
                                 progress=False, time_budget_s=0.0)
             assert cut.output_tokens == MIN_DECODE_PASSES
-            assert bounded.calls == 1 + MIN_DECODE_PASSES + 2 * 2  # prefill, decode passes, 2 rounds of 2 sizes
+            # two prefills (the batch, the lone request), decode passes, 2 rounds of 2 sizes and 4 lone chains
+            assert bounded.calls == 2 + MIN_DECODE_PASSES + 2 * (2 + len(SINGLE_SIZES))
             with pytest.raises(ConnectionError):
                 await measure(failing, output_tokens=16, tree_sizes=(1, 2), repeats=2, vocab_size=vocab,
                               progress=False)
@@ -83,6 +85,7 @@ def test_measure_through_a_target_service(tmp_path):
         assert s.resident_requests == 0 and s.entry_errors == 0, s
     assert [n for n, _ in profile.curve] == [8, 16, 32]  # batch x k
     assert all(ms > 0 for _, ms in profile.curve)
+    assert [n for n, _ in profile.single] == list(SINGLE_SIZES) and all(ms > 0 for _, ms in profile.single)
     assert profile.budget_tokens >= 8 and profile.budget_tokens in (8, 16, 32)
     assert profile.budget_tokens == knee(profile.curve, profile.reference_ms, profile.knee_ratio)
     # the baseline (min of the early decode passes) and the reference (median of later ones) are taken
@@ -97,7 +100,8 @@ def test_measure_through_a_target_service(tmp_path):
     path = profile.save(tmp_path / "sub" / "profile.json")
     loaded = Profile.load(path)
     assert loaded == profile
-    assert isinstance(loaded.curve[0], tuple)
+    assert isinstance(loaded.curve[0], tuple) and isinstance(loaded.single[0], tuple)
+    assert "a lone request's chain: 1 nodes" in format_table(profile)
     assert f"[8, {profile.curve[0][1]}]" in path.read_text()  # one line per point
     weird = Profile(**{**vars(profile), "model": 'dir [\n  1,\n  2\n] "x"'})
     assert Profile.load(weird.save(tmp_path / "weird.json")) == weird

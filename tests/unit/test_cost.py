@@ -120,6 +120,26 @@ def test_short_passes_alone_do_not_tilt_the_slope_the_table_is_extended_with():
     assert 0.3 < slope < 0.8  # the profile's 0.53 ms per token, not what 1-5 token passes suggest
 
 
+def test_small_passes_are_priced_by_the_lone_requests_chains_beyond_the_counts_timed():
+    """At one request only the 1-token pass is timed: 2..8 tokens are priced by the profile's lone chains (what
+    one more token costs there), not by the batch curve's slope; beyond 8 by the slope."""
+    curve = [(8, 40.0), (16, 51.0), (32, 73.0)]  # 1.375 ms a token at batch 8
+    single = [(1, 5.0), (2, 5.8), (4, 7.6), (8, 15.0)]
+    plain, shaped = PassCost(8, 38.0, curve), PassCost(8, 38.0, curve, single=single)
+    for cost in (plain, shaped):
+        for _ in range(5):
+            cost.observe(PassSample(1, 4.0, 5.0, 6.0, 0.5))
+    slope = shaped.line.theta[1]  # the line's, refitted online
+    assert 1.0 < slope < 2.5 and plain.target_ms(2) == pytest.approx(4.0 + plain.line.theta[1])
+    assert shaped.target_ms(2) == pytest.approx(4.0 + 0.8)
+    assert shaped.target_ms(3) == pytest.approx(4.0 + 1.7)  # between the lone chains' points
+    assert shaped.target_ms(12) == pytest.approx(4.0 + 10.0 + 4 * slope)
+    # a lone chain timed faster than a shorter one (noise) never prices a longer pass cheaper
+    noisy = PassCost(8, 38.0, curve, single=[(1, 5.0), (2, 4.9), (4, 7.6)])
+    noisy.observe(PassSample(1, 4.0, 5.0, 6.0, 0.5))
+    assert noisy.target_ms(2) == pytest.approx(4.0)
+
+
 def test_a_sorted_window_gives_numpys_quantiles_to_the_last_bit():
     import numpy as np
 

@@ -263,11 +263,13 @@ def test_turbospec_probes_after_a_long_off_period():
     p = TurboSpec(probe_every=5)
     big = BatchView([req(f"r{i}") for i in range(64)])
     lat = latency(curve=[(8, 10.0), (64, 38.0)])
-    probes = []
-    for _ in range(12):
+    probes, depths = [], []
+    for _ in range(17):
         shapes = p.shapes(big, lat)
         probes.append(sum(1 for s in shapes.values() if s.depth > 0))
-    assert probes == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]  # one request, every 5th iteration
+        depths += [s.depth for s in shapes.values() if s.depth > 0]
+    assert probes == [0, 0, 0, 0, 1] * 3 + [0, 0]  # one request, every 5th iteration
+    assert sorted(depths) == [1, 2, 4]  # the chain's depth in turn: the draft's cost is fitted at several
 
 
 def test_turbospec_draft_prefill_skip_and_late_enablement():

@@ -11,10 +11,12 @@ depth d and width w for `spec` requests that catch up `lag` committed tokens:
     T = R_t + target(tokens, kv) + T_gw + [d > 0 and spec > 0] (R_d + draft(d, spec, w, lag))
 
 - `target(tokens, kv)`: the target service's time. At a token count it has timed, the moving
-  average of those passes; between timed counts, interpolated; beyond them, a line c0 + c1 * tokens
-  (fitted from the profile's curve, refitted online with the profile as a prior that keeps the weight
-  of LINE_PRIOR_PASSES passes) moved to pass through the nearest timed count. A line alone is wrong at
-  small counts on a CPU, where a 1-token pass takes a cheap matrix-vector path. A pass at or above
+  average of those passes; between timed counts, interpolated; beyond them, from the nearest timed
+  count by the profile's lone-request chains (`single`: 1..8 tokens) up to their largest count, and a
+  line c0 + c1 * tokens beyond (fitted from the profile's curve, refitted online with the profile as a
+  prior that keeps the weight of LINE_PRIOR_PASSES passes). A line alone is wrong at small counts on a
+  CPU, where a 1-token pass takes a cheap matrix-vector path and a 2-token pass costs less than the
+  batch-8 curve's slope adds: priced by the line, one request never drafts there. A pass at or above
   the least timed count enters the table (and the line) at most OUTLIER_FACTOR times what it was
   priced at: a count timed once (a 256-token chunk at concurrency 1) would otherwise keep one stalled
   pass's time for good. The context term k_kv * (kv - kv at that count) corrects for the KV held;
@@ -156,12 +158,17 @@ class PassCost:
     """One replica's iteration time (ms) as a function of its pass, its context and the draft call."""
 
     def __init__(self, budget_tokens: int, baseline_iteration_ms: float, curve: list[tuple[int, float]] | None = None,
-                 *, smoothing: float = 0.2, t_spec_ms: float = 0.0, window: int = 512):
+                 *, single: list[tuple[int, float]] | None = None, smoothing: float = 0.2, t_spec_ms: float = 0.0,
+                 window: int = 512):
         self.budget_tokens = budget_tokens  # B: tokens per target pass, roots included (the profile's)
         self.baseline_iteration_ms = baseline_iteration_ms  # the profile's decode iteration at batch 8
         self.curve = list(curve or [])  # (tokens in a target pass, median ms): the profile's
         self.smoothing = smoothing  # weight of the newest iteration in every moving average
         self.t_spec_ms = t_spec_ms if t_spec_ms > 0 else baseline_iteration_ms  # moving average of iterations
+        # the profile's lone-request chains (tokens, ms), never falling with the tokens: the shape of small passes
+        points = sorted(single or [])
+        self.single = (np.array([float(n) for n, _ in points]),
+                       np.maximum.accumulate(np.array([ms for _, ms in points], dtype=np.float64)))
         c0, c1 = _line(self.curve, baseline_iteration_ms)
         # the line's prior weighs like LINE_PRIOR_PASSES passes spread over the profile's curve, and never
         # decays: passes of a few tokens alone (concurrency 1) cannot tilt the slope it extrapolates with
@@ -209,8 +216,17 @@ class PassCost:
             x0, x1 = keys[i - 1], keys[i]
             return max(1e-3, at(x0) + (at(x1) - at(x0)) * (tokens - x0) / (x1 - x0))
         near = keys[0] if i == 0 else keys[-1]
-        c0, c1 = self.line.theta
-        return max(1e-3, at(near) + c1 * (tokens - near))
+        return max(1e-3, at(near) + self._shape(tokens) - self._shape(near))
+
+    def _shape(self, tokens: int) -> float:
+        """A pass's time up to a constant: the lone-request chains' times up to their largest count, the line's
+        slope beyond (and throughout, without them)."""
+        xs, ys = self.single
+        slope = float(self.line.theta[1])
+        if len(xs) < 2:
+            return slope * tokens
+        top = float(xs[-1])
+        return float(np.interp(min(tokens, top), xs, ys)) + slope * max(0.0, tokens - top)
 
     def draft_ms(self, depth: int, spec: int, width: int, lag: int) -> float:
         return self.draft.predict([1.0, float(depth), float(depth * spec * width), float(lag)])

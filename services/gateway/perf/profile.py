@@ -14,7 +14,9 @@ latency stays within `knee_ratio` x that reference; never below 8 (the batch's r
 The curve is measured in interleaved rounds (every size once per round, the reference's decode pass
 included), so the reference and the points share the same conditions: the same context lengths
 (which grow during the run) and any interference from other processes spread over all sizes alike
-instead of landing on a few consecutive ones.
+instead of landing on a few consecutive ones. The same rounds time a lone request's chains of
+SINGLE_SIZES nodes (`single`): what one more drafted token costs at small passes, where a CPU's
+one-token pass takes a cheaper path than the batch-8 curve's slope says (the cost model's small counts).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -47,6 +49,7 @@ log = logging.getLogger("specserve.profile")
 MIN_BUDGET = 8  # B never goes below the batch-8 decode pass: 8 roots
 BATCH, INPUT_TOKENS, OUTPUT_TOKENS = 8, 32, 128  # AdaServe's baseline-latency setting
 DEFAULT_TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # nodes per request (a chain: root + k-1 drafts)
+SINGLE_SIZES = (1, 2, 4, 8)  # nodes of a lone request's chains (the `single` curve)
 QUICK = {"output_tokens": 16, "tree_sizes": (1, 2, 4, 8), "repeats": 3}  # --quick
 # The profile's wall-clock bound: on a slow machine (or pass) it measures fewer decode passes and rounds,
 # never fewer than MIN_DECODE_PASSES and one timed round, so that a first start takes minutes at most.
@@ -70,12 +73,14 @@ class Profile:
     output_tokens: int
     reference_ms: float = 0.0  # median latency of the batch-decode pass in the curve's rounds: the knee's reference
     fingerprint: str = ""  # the measured target's (HealthReply.fingerprint): what set these latencies
+    single: list[tuple[int, float]] = field(default_factory=list)  # (nodes of a lone request's chain, median ms)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = asdict(self)
         data["curve"] = [list(point) for point in self.curve]
+        data["single"] = [list(point) for point in self.single]
         text = json.dumps(data, indent=2)
         # one line per curve point (JSON strings hold no raw line feeds, so this touches only the pairs)
         text = re.sub(r"\[\n\s+(-?\d+),\n\s+([-+.\deE]+)\n\s+\]", r"[\1, \2]", text)
@@ -90,6 +95,7 @@ class Profile:
         known = {f.name for f in fields(cls)}
         profile = cls(**{k: v for k, v in data.items() if k in known})  # unknown keys: a newer writer
         profile.curve = [(int(n), float(ms)) for n, ms in profile.curve]
+        profile.single = [(int(n), float(ms)) for n, ms in profile.single]
         return profile
 
 
@@ -136,7 +142,10 @@ def kv_blocks_needed(batch: int, input_tokens: int, output_tokens: int, tree_siz
     calls = [(repeats + 1, k) for k in {1, *tree_sizes}]  # one untimed warm-up round
     grown = sum(n * k for n, k in calls) if worst_case else sum(n for n, _ in calls)
     per_request = input_tokens + 1 + output_tokens + grown + max(tree_sizes, default=1)
-    return batch * _blocks(per_request, block_size)
+    lone = [(repeats + 1, k) for k in SINGLE_SIZES]  # the lone request: no decode passes
+    grown_lone = sum(n * k for n, k in lone) if worst_case else sum(n for n, _ in lone)
+    return batch * _blocks(per_request, block_size) + _blocks(input_tokens + 1 + grown_lone + max(SINGLE_SIZES),
+                                                              block_size)
 
 
 class _Batch:
@@ -193,7 +202,9 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
     3. one untimed warm-up round, then `repeats` rounds; a round runs one pass per tree size k (and
        k = 1 if not listed) in which every request verifies a chain of k nodes (root + k-1 random
        tokens). Curve point: (batch*k, median ms over the rounds). The knee's reference is the
-       median of the k = 1 passes (the batch-decode pass, measured beside the other points).
+       median of the k = 1 passes (the batch-decode pass, measured beside the other points). Each
+       round also runs one pass per k in SINGLE_SIZES in which a lone request (prefilled likewise)
+       verifies a chain of k nodes: the `single` points (k, median ms).
     Bounded by `time_budget_s` of wall clock: the decode passes stop early (never before
     MIN_DECODE_PASSES) once they have taken DECODE_SHARE of it, and the rounds stop early (never before
     the first timed round) when the next round, as long as the last, would end past it; the profile
@@ -207,21 +218,24 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
     rng = random.Random(seed)
     tag = uuid.uuid4().hex[:8]
     run = _Batch(target, [f"profile-{tag}-{i}" for i in range(batch)], vocab_size, rng)
+    lone = _Batch(target, [f"profile-{tag}-lone"], vocab_size, rng)
     sizes = sorted({1, *tree_sizes})
-    bar = tqdm(total=1 + output_tokens + len(sizes) * (repeats + 1), desc="profile", unit="pass",
+    shapes = [(run, k) for k in sizes] + [(lone, k) for k in SINGLE_SIZES]
+    bar = tqdm(total=2 + output_tokens + len(shapes) * (repeats + 1), desc="profile", unit="pass",
                file=sys.stderr, disable=not progress, dynamic_ncols=True)
     finished = False
     start = time.monotonic()
     try:
-        await run.prefill(input_tokens)
-        bar.update()
+        for each in (run, lone):
+            await each.prefill(input_tokens)
+            bar.update()
         decode = await _decode_passes(run, output_tokens, start, time_budget_s, bar.update)
-        samples, rounds = await _rounds(run, sizes, repeats, start, time_budget_s, bar.update)
+        samples, rounds = await _rounds(shapes, repeats, start, time_budget_s, bar.update)
         finished = True
     finally:
         bar.close()
         try:
-            await target.release(run.rids)
+            await target.release(run.rids + lone.rids)
         except Exception:
             if finished:
                 raise
@@ -230,12 +244,14 @@ async def measure(target: TargetClient, *, batch: int = BATCH, input_tokens: int
     if len(decode) < output_tokens or rounds < repeats:
         print(f"profile: {len(decode)} of {output_tokens} decode passes and {rounds} of {repeats} rounds "
               f"within its {time_budget_s:.0f} s bound ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
-    curve = [(batch * k, round(statistics.median(samples[k]), 3)) for k in sorted(set(tree_sizes))]
-    reference = statistics.median(samples[1])
+    curve = [(batch * k, round(statistics.median(samples[0, k]), 3)) for k in sorted(set(tree_sizes))]
+    single = [(k, round(statistics.median(samples[1, k]), 3)) for k in SINGLE_SIZES]
+    reference = statistics.median(samples[0, 1])
     return Profile(budget_tokens=knee(curve, reference, knee_ratio), baseline_iteration_ms=round(min(decode), 3),
                    knee_ratio=knee_ratio, curve=curve, model=health.model, device=health.device, dtype=health.dtype,
                    fingerprint=health.fingerprint, created=datetime.now(UTC).isoformat(timespec="seconds"),
-                   batch=batch, input_tokens=input_tokens, output_tokens=len(decode), reference_ms=round(reference, 3))
+                   batch=batch, input_tokens=input_tokens, output_tokens=len(decode), reference_ms=round(reference, 3),
+                   single=single)
 
 
 async def _check(target: TargetClient, batch: int, input_tokens: int, output_tokens: int, tree_sizes: tuple[int, ...],
@@ -268,19 +284,20 @@ async def _decode_passes(run: _Batch, count: int, start: float, time_budget_s: f
     return decode
 
 
-async def _rounds(run: _Batch, sizes: list[int], repeats: int, start: float, time_budget_s: float,
-                  tick: Callable[[], object]) -> tuple[dict[int, list[float]], int]:
-    """An untimed warm-up round, then up to `repeats` timed rounds of one pass per size (ms by size), the
-    last one begun only if, as long as the round before it, it ends within the time bound; and the
-    timed rounds run."""
-    samples: dict[int, list[float]] = {k: [] for k in sizes}
+async def _rounds(shapes: list[tuple[_Batch, int]], repeats: int, start: float, time_budget_s: float,
+                  tick: Callable[[], object]) -> tuple[dict[tuple[int, int], list[float]], int]:
+    """An untimed warm-up round, then up to `repeats` timed rounds of one pass per shape (a batch and its
+    chains' nodes k), the last one begun only if, as long as the round before it, it ends within the time
+    bound. Returns the ms by (the batch's index among the shapes' batches, k) and the timed rounds run."""
+    runs = list(dict.fromkeys(run for run, _ in shapes))
+    samples: dict[tuple[int, int], list[float]] = {(runs.index(run), k): [] for run, k in shapes}
     rounds = 0
     for round_ in range(repeats + 1):  # round 0 is the warm-up (each shape's first pass)
         began = time.monotonic()
-        for k in sizes:
+        for run, k in shapes:
             elapsed = await run.verify_chains(k)
             if round_:
-                samples[k].append(elapsed)
+                samples[runs.index(run), k].append(elapsed)
             tick()
         rounds = round_
         now = time.monotonic()
@@ -350,6 +367,8 @@ def format_table(profile: Profile) -> str:
         else:
             mark = "  over" if over else ""
         lines.append(f"{tokens:>7} {tokens // profile.batch:>8} {ms:>10.2f} {ratio:>6.2f}{mark}")
+    if profile.single:
+        lines.append("a lone request's chain: " + ", ".join(f"{k} nodes {ms:.2f} ms" for k, ms in profile.single))
     return "\n".join(lines)
 
 

@@ -66,8 +66,9 @@ class SloGoodput(Policy):
                   for r in batch.requests}
         self.budget[batch.replica] = n + sum(min(k, r.remaining - 1) for r in spec if k > 0)
         if probe is not None:
-            shapes[probe.rid] = Shape(1, 1)
-            self.budget[batch.replica] += 1
+            rid, extra = probe
+            shapes[rid] = Shape(extra, 1)
+            self.budget[batch.replica] += extra
         return shapes
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:

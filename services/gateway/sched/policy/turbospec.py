@@ -11,8 +11,9 @@ The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
   k is positive again and the batch is below `thr`, skipped requests whose draft lag is at most
   `late_lag` tokens are enabled late (their catch-up is priced in the draft time);
 - probes after long off periods: after `probe_every` iterations at k = 0, one request (the least
-  draft lag, in turn among equals) speculates with k = 1 for one iteration so the acceptance
-  estimate and the draft fit stay fresh; and the other way, after `probe_every` iterations at
+  draft lag, in turn among equals) speculates for one iteration with k = 1, 2, 4 in turn
+  (PROBE_DEPTHS), so that the acceptance estimate, the draft's per-step cost and the target's cost
+  of a few more tokens are measured at more than one depth; and the other way, after `probe_every` iterations at
   k > 0, one iteration runs without a draft call so the plain pass stays measured (on a CPU the
   1-token-per-request pass is much cheaper than the profiled line says).
 
@@ -30,6 +31,8 @@ from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import SchedulerView
 from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
 from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens
+
+PROBE_DEPTHS = (1, 2, 4)  # a probe's chain, in turn
 
 
 @dataclass(slots=True)
@@ -118,8 +121,9 @@ class GoodputControl:
         self.settle(batch, k, late, spec)
         return k, spec
 
-    def probe(self, batch: BatchView, spec: list[RequestView], k: int) -> RequestView | None:
-        """After `probe_every` iterations at k = 0, one request (in turn) speculates with k = 1."""
+    def probe(self, batch: BatchView, spec: list[RequestView], k: int) -> tuple[str, int] | None:
+        """After `probe_every` iterations at k = 0, one request (in turn) speculates for one iteration: its
+        rid and chain (PROBE_DEPTHS in turn, within its remaining tokens)."""
         off = self.off_steps.get(batch.replica, 0) + 1 if k == 0 else 0
         self.off_steps[batch.replica] = off
         candidates = [r for r in spec if r.remaining > 1]
@@ -129,7 +133,8 @@ class GoodputControl:
         self.probe_turn += 1
         least = min(r.draft_lag for r in candidates)  # the cheapest catch-up; in turn among equals
         cheapest = [r for r in candidates if r.draft_lag == least]
-        return cheapest[self.probe_turn % len(cheapest)]
+        r = cheapest[self.probe_turn % len(cheapest)]
+        return r.rid, min(PROBE_DEPTHS[self.probe_turn % len(PROBE_DEPTHS)], r.remaining - 1)
 
     def pause(self, batch: BatchView, k: int) -> bool:
         """After `probe_every` iterations at k > 0, one iteration without a draft call, so the plain
@@ -184,7 +189,8 @@ class TurboSpec(Policy):
         shapes = {r.rid: Shape(min(k, r.remaining - 1), 1) if r.rid in chosen else Shape(0, 1)
                   for r in batch.requests}
         if probe is not None:
-            shapes[probe.rid] = Shape(1, 1)
+            rid, depth = probe
+            shapes[rid] = Shape(depth, 1)
         return shapes
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
