@@ -9,9 +9,9 @@ blocks as stored, weights quantized at load, or float32.
 quantized to int8 per token per 32-wide block (exact int32 sums per block; faster, close to float32
 but not equal) or in float32 (equal to a float32 matmul over the dequantized weights up to summation
 order).
-Float32 weights always run in float32. Where the int8 products run AVX-512 VNNI code, they read a second
-copy of the Q4_1 / Q8_0 weights packed in panels of 16 rows (quant.py `panels`), made at the first int8
-pass.
+Float32 weights always run in float32. Where the int8 products run vector code (AVX-512 VNNI, AVX2), they
+read a second copy of the Q4_1 / Q8_0 weights packed in panels of 16 rows (quant.py `panels`), made at the
+first int8 pass.
 
 Every operator is batch invariant (cpu_ops.cpp), so a token's logits do not depend on what else
 shares its pass: tree verification equals decoding one token at a time, bit for bit.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, KIND_Q4_1P, KIND_Q8_0P
+from specserve.shared.runtime.kernels import ACT_F32, ACT_INT8, KIND_F32, KIND_Q4_1, KIND_Q8_0
 from specserve.shared.runtime.kv_cache import KVCache
 from specserve.shared.runtime.lean_inputs import LeanInputs
 from specserve.shared.runtime.model_config import ModelConfig, ModelLoadError
@@ -33,6 +33,9 @@ from specserve.shared.runtime.rope import RotaryEmbedding
 
 _NO_TENSOR = torch.empty(0)
 ACTIVATION_MODES = {"float32": ACT_F32, "int8": ACT_INT8}
+# The int8 code (`int8_variant()`) that reads panels, and the weight kinds it reads so: where they measured faster
+# than the row layout (docs/lab/cpu_pass.md, "Panels"; AVX2's Q8_0 panels lose at 1-2 tokens)
+PANEL_CODE = {"avx512_vnni": (KIND_Q4_1, KIND_Q8_0), "avx2": (KIND_Q4_1,)}
 
 
 @dataclass(slots=True)
@@ -90,7 +93,8 @@ class LeanModel(torch.nn.Module):
             if tensor.numel():
                 unique.setdefault(id(tensor), tensor)
         self._register(unique.values())
-        self._panel_operands: tuple[list[torch.Tensor], list[int], StoredWeight] | None = None
+        self._packed: dict[int, StoredWeight] = {}  # id of a weight as stored -> its panels
+        self._panel_operands: dict[str, tuple[list[torch.Tensor], list[int], StoredWeight]] = {}  # by int8 code
 
     def _register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Each tensor as a buffer: `named_buffers()` is how the draft's offload moves them."""
@@ -99,17 +103,23 @@ class LeanModel(torch.nn.Module):
             self.register_buffer(f"weight_{start + i}", tensor, persistent=False)
 
     def _operands(self) -> tuple[list[torch.Tensor], list[int], StoredWeight]:
-        """The decoder layers' tensors and kinds and the head, as this pass's products read them: panels for
-        int8 activations on AVX-512 VNNI (packed at the first such pass), else the weights as stored."""
-        if self._act != ACT_INT8 or torch.ops.specserve_cpu.int8_variant() != "avx512_vnni":
+        """The decoder layers' tensors and kinds and the head, as this pass's products read them: on int8
+        activations, the weights of the kinds PANEL_CODE names for the int8 code in use as panels (packed at
+        the first such pass, once), the others as stored."""
+        code = torch.ops.specserve_cpu.int8_variant() if self._act == ACT_INT8 else ""
+        if code not in PANEL_CODE:
             return self._tensors, self._kinds, self.head
-        if self._panel_operands is None:
-            packed: dict[int, StoredWeight] = {}
+        if code not in self._panel_operands:
+            kinds_packed = PANEL_CODE[code]
 
             def pack(w: StoredWeight) -> StoredWeight:
-                if id(w) not in packed:
-                    packed[id(w)] = panels(w) or w
-                return packed[id(w)]
+                if w.kind not in kinds_packed:
+                    return w
+                if id(w) not in self._packed:
+                    self._packed[id(w)] = panels(w) or w
+                    if self._packed[id(w)] is not w:
+                        self._register([self._packed[id(w)].data, self._packed[id(w)].scales])
+                return self._packed[id(w)]
 
             tensors: list[torch.Tensor] = []
             kinds: list[int] = []
@@ -119,11 +129,8 @@ class LeanModel(torch.nn.Module):
                                     layer.down_bias).operator_args()
                 tensors += t
                 kinds += k
-            head = pack(self.head)
-            new = [w for w in packed.values() if w.kind in (KIND_Q4_1P, KIND_Q8_0P)]
-            self._register([t for w in new for t in (w.data, w.scales)])
-            self._panel_operands = (tensors, kinds, head)
-        return self._panel_operands
+            self._panel_operands[code] = (tensors, kinds, pack(self.head))
+        return self._panel_operands[code]
 
     @property
     def activations(self) -> str:

@@ -1137,10 +1137,10 @@ void attend(const float* q, float* out, int64_t t, int64_t g, const KeyLayout& k
 // At the end the 16 lanes are reduced as halves (i + 8, i + 4, i + 2, i + 1), and Q4_1 adds
 // (mac[1] + mac[3]) + (mac[5] + mac[7]). The AVX-512 VNNI, AVX2 and plain C++ variants do exactly these
 // float32 operations on the same exact integers, so they agree bit for bit.
-// The panel kinds (Q4_1P, Q8_0P: packed for AVX-512 VNNI, a lane per row) take another fixed order, per
-// block in turn: acc = fma(float(sum), d_w * d_x, acc), and for Q4_1P mac = fma(m_w, s_x, mac); the result
-// acc + mac. Their AVX-512 VNNI and plain C++ code agree bit for bit; a panel weight's products differ
-// from the same blocks' in the row layout by float32 rounding only.
+// The panel kinds (Q4_1P, Q8_0P: a lane per row) take another fixed order, per block in turn:
+// acc = fma(float(sum), d_w * d_x, acc), and for Q4_1P mac = fma(m_w, s_x, mac); the result acc + mac. Their
+// AVX-512 VNNI, AVX2 and plain C++ code agree bit for bit; a panel weight's products differ from the same
+// blocks' in the row layout by float32 rounding only.
 
 enum Activations : int64_t { kActF32 = 0, kActInt8 = 1 };
 
@@ -1701,6 +1701,108 @@ void rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, flo
     for (int64_t r = r0; r < r1; ++r) tile<1>(w, r, a, t0, Y, ldy, accumulate);
 }
 
+// ---- panel kinds: 8 rows a register (half a panel), one lane per row ----
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Stores 8 rows' sums (half h of panel p) of token t: + bias, then into or onto Y.
+inline void half_store(const Weight& w, int64_t row0, __m256 s, float* Y, int64_t t, int64_t ldy, bool accumulate) {
+  if (w.bias) s = _mm256_add_ps(s, _mm256_loadu_ps(w.bias + row0));
+  float* y = Y + t * ldy + row0;
+  _mm256_storeu_ps(y, accumulate ? _mm256_add_ps(_mm256_loadu_ps(y), s) : s);
+}
+
+// Half h of panel p of a Q4_1P weight times TB tokens: per block and token 8 vpmaddubsw summed in int16 (8 x 2 x
+// 15 x 127 fits), one vpmaddwd, then the block's scale product and min term.
+template <int TB>
+void half_q4_1(const Weight& w, int64_t p, int h, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m256 acc[TB], mac[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = mac[t] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* base = w.data + p * nb * 256 + h * 32;
+  const float* sc = w.scales + p * nb * 2 * PANEL + h * 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i lo[4], hi[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (b * 4 + k) * 64));
+      lo[k] = _mm256_and_si256(z, low);
+      hi[k] = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+    }
+    const __m256 dw = _mm256_loadu_ps(sc + b * 2 * PANEL), mw = _mm256_loadu_ps(sc + b * 2 * PANEL + PANEL);
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = a.pq(t0 + t) + b * QK;
+      const float* xs = a.ps(t0 + t) + b * 2;
+      __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(xq)), _mm256_maddubs_epi16(hi[0], bcast4(xq + 16)));
+      for (int k = 1; k < 4; ++k)
+        s16 = _mm256_add_epi16(s16, _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], bcast4(xq + 4 * k)),
+                                                      _mm256_maddubs_epi16(hi[k], bcast4(xq + 16 + 4 * k))));
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(xs[0])), acc[t]);
+      mac[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[1]), mac[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t)
+    half_store(w, p * PANEL + h * 8, _mm256_add_ps(acc[t], mac[t]), Y, t0 + t, ldy, accumulate);
+}
+
+// Half h of panel p of a Q8_0P weight times TB tokens: |w| x sign(q, w) by vpmaddubsw (|w| and w taken once for
+// the tile from the stored w + 128), one vpmaddwd a 4-byte step.
+template <int TB>
+void half_q8_0(const Weight& w, int64_t p, int h, const Acts& a, int64_t t0, float* Y, int64_t ldy, bool accumulate) {
+  const int64_t nb = w.cols / QK;
+  __m256 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const uint8_t* base = w.data + p * nb * 512 + h * 32;
+  const float* sc = w.scales + p * nb * PANEL + h * 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (b * 8 + k) * 64)), flip);
+      const __m256i aw = _mm256_sign_epi8(wv, wv);
+      for (int t = 0; t < TB; ++t) {
+        const __m256i xv = bcast4(a.pq(t0 + t) + b * QK + 4 * k);
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(sc + b * PANEL);
+    for (int t = 0; t < TB; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(dw, _mm256_set1_ps(a.ps(t0 + t)[b * 2])), acc[t]);
+  }
+  for (int t = 0; t < TB; ++t) half_store(w, p * PANEL + h * 8, acc[t], Y, t0 + t, ldy, accumulate);
+}
+
+// Rows r0..r1 (whole panels) by halves, tokens in tiles (Q4_1P: 2, its unpacked block takes 8 registers of 16;
+// Q8_0P: 4).
+void panel_rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t T, float* Y, int64_t ldy,
+                bool accumulate) {
+  const bool q4 = w.kind == kQ4_1P;
+  const int64_t tile = q4 ? 2 : 4;
+  for (int64_t t0 = 0; t0 < T; t0 += tile) {
+    const int64_t tb = std::min<int64_t>(tile, T - t0);
+    for (int64_t p = r0 / PANEL; p < r1 / PANEL; ++p)
+      for (int h = 0; h < 2; ++h) {
+        if (q4) {
+          if (tb == 2) half_q4_1<2>(w, p, h, a, t0, Y, ldy, accumulate);
+          else half_q4_1<1>(w, p, h, a, t0, Y, ldy, accumulate);
+        } else {
+          switch (tb) {
+            case 1: half_q8_0<1>(w, p, h, a, t0, Y, ldy, accumulate); break;
+            case 2: half_q8_0<2>(w, p, h, a, t0, Y, ldy, accumulate); break;
+            case 3: half_q8_0<3>(w, p, h, a, t0, Y, ldy, accumulate); break;
+            default: half_q8_0<4>(w, p, h, a, t0, Y, ldy, accumulate); break;
+          }
+        }
+      }
+  }
+}
+
 }  // namespace avx2_q8
 #pragma GCC pop_options
 
@@ -1751,6 +1853,7 @@ void matmul(const Weight& w, const float* X, int64_t T, int64_t ldx, float* Y, i
     if (a.panel) {
 #if SPECSERVE_X86
       if (v == Variant::kAvx512Vnni) return avx512_q8::panel_rows(w, r0, r1, a, T, Y, ldy, accumulate);
+      if (v == Variant::kAvx2) return avx2_q8::panel_rows(w, r0, r1, a, T, Y, ldy, accumulate);
 #endif
       return panel_rows(w, r0, r1, a, T, Y, ldy, accumulate);
     }
