@@ -178,7 +178,7 @@ def test_joint_drafts_chains_under_slo_pressure():
 
 
 def test_a_probe_stays_a_chain():
-    """Drafting off (k = 0, verification dear): TurboSpec's probe drafts one token for one request, as a
+    """Drafting off (k = 0, verification dear): TurboSpec's first probe drafts one token for one request, as a
     chain even where the draft's width is free."""
     p = make_policy("joint")
     lat = cost(DEAR)

@@ -134,7 +134,7 @@ class GoodputControl:
         least = min(r.draft_lag for r in candidates)  # the cheapest catch-up; in turn among equals
         cheapest = [r for r in candidates if r.draft_lag == least]
         r = cheapest[self.probe_turn % len(cheapest)]
-        return r.rid, min(PROBE_DEPTHS[self.probe_turn % len(PROBE_DEPTHS)], r.remaining - 1)
+        return r.rid, min(PROBE_DEPTHS[(self.probe_turn - 1) % len(PROBE_DEPTHS)], r.remaining - 1)
 
     def pause(self, batch: BatchView, k: int) -> bool:
         """After `probe_every` iterations at k > 0, one iteration without a draft call, so the plain
