@@ -26,7 +26,9 @@ tests/service/test_cpu_kernels.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -49,6 +51,17 @@ from tests.support.gguf_model import VARIANTS, linear, small_runner
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU operators not built: {kernels.error()}")
 KINDS = {"float32": KIND_F32, "q8_0": KIND_Q8_0, "q4_1": KIND_Q4_1}
 QTYPES = {KIND_Q8_0: GGMLQuantizationType.Q8_0, KIND_Q4_1: GGMLQuantizationType.Q4_1}
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count (the operators' workers) set to n within, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
@@ -94,12 +107,8 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(kind, cols, varia
         part = StoredWeight(w.data[start:stop].contiguous(), w.scales[start:stop].contiguous(), w.kind, stop - start,
                             w.cols)
         assert torch.equal(linear(x, part), whole[:, start:stop]), (start, stop)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _threads(2):
         assert torch.equal(linear(x, w), whole)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_the_variants_vector_helpers_agree_with_torch(variant):
@@ -196,21 +205,34 @@ def test_int8_keeps_zero_blocks_and_float32_weights_exact():
         linear(x, quantize(torch.randn(10, 96, generator=gen), KIND_Q8_0), act=7)
 
 
+def _as_stored(w: StoredWeight) -> StoredWeight:
+    return w
+
+
+def _as_panels(w: StoredWeight) -> StoredWeight:
+    packed = panels(w)
+    assert packed is not None
+    return packed
+
+
+# layout: (how a weight is laid out, the seed, its rows, the rows of a part of it)
+LAYOUTS = {"rows": (_as_stored, 6, 70, (5, 40)), "panels": (_as_panels, 7, 96, (16, 64))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int8_rows_do_not_depend_on_the_rest_of_the_call(kind, threads):
-    gen = torch.Generator().manual_seed(6)
-    w = quantize(torch.randn(70, 576, generator=gen), kind)
+def test_int8_rows_do_not_depend_on_the_rest_of_the_call(layout, kind, threads, variant):
+    """In the row layout and in panels (16 rows side by side), under each variant."""
+    lay, seed, rows, (lo, hi) = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(seed)
+    w = quantize(torch.randn(rows, 576, generator=gen), kind)
     x = torch.randn(23, 576, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        whole = linear(x, w, act=ACT_INT8)
+    with _threads(threads):
+        whole = linear(x, lay(w), act=ACT_INT8)
         for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16), (5, 14)]:
-            assert torch.equal(linear(x[start:stop], w, act=ACT_INT8), whole[start:stop]), (start, stop)
-        assert torch.equal(linear(x, quantize(dequantize(w)[5:40], kind), act=ACT_INT8), whole[:, 5:40])
-    finally:
-        torch.set_num_threads(before)
+            assert torch.equal(linear(x[start:stop], lay(w), act=ACT_INT8), whole[start:stop]), (start, stop)
+        assert torch.equal(linear(x, lay(quantize(dequantize(w)[lo:hi], kind)), act=ACT_INT8), whole[:, lo:hi])
 
 
 @pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
@@ -233,26 +255,6 @@ def test_panels_equal_the_q8_1_reference_in_every_variant_bit_for_bit(kind, vari
             assert torch.equal(linear(x, packed, bias, ACT_INT8), got), cols
         finally:
             torch.ops.specserve_cpu.set_variant(current)
-
-
-@pytest.mark.parametrize("kind", [KIND_Q8_0, KIND_Q4_1])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_panels_rows_do_not_depend_on_the_rest_of_the_call(kind, threads, variant):
-    gen = torch.Generator().manual_seed(7)
-    w = quantize(torch.randn(96, 576, generator=gen), kind)
-    packed = panels(w)
-    assert packed is not None
-    x = torch.randn(23, 576, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        whole = linear(x, packed, act=ACT_INT8)
-        for start, stop in [(0, 1), (7, 8), (3, 5), (4, 11), (9, 23), (0, 16), (5, 14)]:
-            assert torch.equal(linear(x[start:stop], packed, act=ACT_INT8), whole[start:stop]), (start, stop)
-        part = panels(quantize(dequantize(w)[16:64], kind))
-        assert part is not None and torch.equal(linear(x, part, act=ACT_INT8), whole[:, 16:64])
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_panels_are_refused_where_they_do_not_apply():
@@ -348,9 +350,7 @@ def test_int8_a_token_in_a_tree_of_1_to_16_equals_it_decoded_alone(gguf_model, t
     runner.forward([Chunk("r", context)])
     decoded = [runner.forward([Chunk("r", [t], logits_at=[0])])[0][0] for t in path]
     runner.release("r")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         for n in range(1, 17):
             runner.forward([Chunk("r", context)])
             (tree,) = runner.forward([Tree("r", path[:n], [-1, *range(n - 1)])])
@@ -358,8 +358,6 @@ def test_int8_a_token_in_a_tree_of_1_to_16_equals_it_decoded_alone(gguf_model, t
             runner.release("r")
             for node in range(n):
                 assert torch.equal(tree[node], decoded[node]), (n, node)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_int8_reads_panels_where_its_code_is_vectorized(gguf_model):

@@ -1179,7 +1179,7 @@ void quantize(const float* X, int64_t T, int64_t ldx, int64_t cols, int64_t kind
   if (a.panel) {
     a.q.assign(T * nb * QK, 0);
     a.s.assign(T * nb * 2, 0.0f);
-    a.c.assign(T * nb, 0);
+    if (kind == kQ8_0P) a.c.assign(T * nb, 0);
   } else {
     a.q.assign(T * a.groups * 128, 0);
     a.s.assign(T * a.groups * a.s_width, 0.0f);
@@ -1202,7 +1202,7 @@ void quantize(const float* X, int64_t T, int64_t ldx, int64_t cols, int64_t kind
         std::memcpy(a.q.data() + (t * nb + b) * QK, q, QK);
         a.s[(t * nb + b) * 2] = d;
         a.s[(t * nb + b) * 2 + 1] = d * static_cast<float>(sum);
-        a.c[t * nb + b] = -128 * sum;
+        if (kind == kQ8_0P) a.c[t * nb + b] = -128 * sum;
         continue;
       }
       const int64_t g = b / kGroup, j = b % kGroup;
@@ -1568,10 +1568,6 @@ void panel_rows(const Weight& w, int64_t r0, int64_t r1, const Acts& a, int64_t 
         case 1: panel_tile<1>(w, p, a, t0, Y, ldy, accumulate); break;
         case 2: panel_tile<2>(w, p, a, t0, Y, ldy, accumulate); break;
         case 3: panel_tile<3>(w, p, a, t0, Y, ldy, accumulate); break;
-        case 4: panel_tile<4>(w, p, a, t0, Y, ldy, accumulate); break;
-        case 5: panel_tile<5>(w, p, a, t0, Y, ldy, accumulate); break;
-        case 6: panel_tile<6>(w, p, a, t0, Y, ldy, accumulate); break;
-        case 7: panel_tile<7>(w, p, a, t0, Y, ldy, accumulate); break;
         default: panel_tile<kPanelTile>(w, p, a, t0, Y, ldy, accumulate); break;
       }
     }
