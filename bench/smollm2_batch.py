@@ -19,7 +19,10 @@ last answer) with min-max, and the ratio to `hf_batched` taken within each round
 checked equal to the same prompt's answer under transformers `generate` at batch 1 (computed once,
 before the rounds); a batched `generate` may differ from it (padding changes float32 sums), and is
 reported, not required, to be equal. The services run without their prefix cache unless --prefix-caching
-(as in bench/smollm2_c1.py).
+(as in bench/smollm2_c1.py). Per specserve mode and round also (`iterations` in the results, from the gateway's
+counters as bench/step_overhead.py reads them): its iterations, their mean time and its split (target, draft,
+transport, scheduling), the draft nodes verified beyond the roots and those accepted, and the last request's
+time to first token.
 
 Figures: docs/lab/smollm2_batch.md, "SmolLM2-135M-Instruct, 16 at once".
 """
@@ -38,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.smollm2_c1 import CHAT, EDIT, _ids, _llama_cpp, _llama_generate, add_service_options, service_env  # noqa: E402
+from bench.step_overhead import _iteration_split  # noqa: E402
 from bench.sweep import spread  # noqa: E402
 
 POLICIES = ["none", "joint"]
@@ -59,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.batch < 1:
         ap.error("--rounds and --batch must be >= 1")
 
+    import httpx
     import openai
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specserve.cli.loadgen.scrape import parse_counters, server_delta
     from specserve.shared.runtime.model_store import resolve
     from tests.support.procs import Up, gateway
+
+    def counters(url: str) -> dict[str, float]:
+        return parse_counters(httpx.get(f"{url}/metrics", timeout=60).text)
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateway share it
@@ -100,14 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     urls = {policies[0]: up.url, **{p: g.address for p, g in gateways.items()}}
 
     async def serve(url: str) -> tuple[list[str], int]:
+        before = await asyncio.to_thread(counters, url)
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800)
         async with client:
             resps = await asyncio.gather(*(client.chat.completions.create(
                 model="smollm2-135m-instruct", temperature=0, max_tokens=args.max_tokens, service_tier="chat",
                 extra_body={"slo": {"best_effort": True}},  # a throughput run: served, never refused
                 messages=[{"role": "user", "content": t}]) for t in texts))
-        steps = [s for r in resps for s in r.model_extra["specserve"]["steps"]]
+        after = await asyncio.to_thread(counters, url)
+        reports = [r.model_extra["specserve"] for r in resps]
+        steps = [s for rep in reports for s in rep["steps"]]
         passes.append(sum(1 + accepted for _, _, accepted in steps) / len(steps))
+        splits.append({**_iteration_split(server_delta(before, after)["iteration"]),
+                       "drafted_nodes": sum(nodes - 1 for _, nodes, _ in steps),
+                       "accepted": sum(accepted for _, _, accepted in steps),
+                       "last_ttft_ms": max(rep["ttft_ms"] for rep in reports)})
         return [r.choices[0].message.content for r in resps], sum(r.usage.completion_tokens for r in resps)
 
     def llama_cpp() -> tuple[list[str], int]:
@@ -119,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return answers, n
 
     modes = ["hf_batched", *(["llama_cpp"] if llm is not None else []), *policies]
-    rounds, passes = [], []  # passes: tokens per target pass of the last specserve mode run
+    rounds, passes, splits = [], [], []  # of each specserve mode run: tokens per target pass, the iteration split
     try:
         for r in range(args.rounds):
             row = {}
@@ -130,12 +146,17 @@ def main(argv: list[str] | None = None) -> int:
                               else asyncio.run(serve(urls[mode])))
                 wall = time.perf_counter() - t0
                 same = sum(a == ref[t] for a, t in zip(answers, texts))
-                per_pass = None if mode in ("hf_batched", "llama_cpp") else passes[-1]
+                ours = mode not in ("hf_batched", "llama_cpp")
+                per_pass, split = (passes[-1], splits[-1]) if ours else (None, None)
                 row[mode] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "equal_to_generate": same,
-                             "tokens_per_pass": per_pass}
+                             "tokens_per_pass": per_pass, "iterations": split}
                 print(f"round {r + 1} {mode:10s} {n / wall:7.2f} tok/s  {n} tokens  "
                       f"{same}/{len(texts)} equal to generate at batch 1"
-                      + ("" if per_pass is None else f"  {per_pass:.2f} tokens per pass"), flush=True)
+                      + ("" if split is None else
+                         f"  {per_pass:.2f} tokens per pass; {split['iterations']} iterations of "
+                         f"{split['iteration_ms']:.2f} ms (target {split['target_ms']:.2f}); "
+                         f"{split['drafted_nodes']} drafted nodes, {split['accepted']} accepted; "
+                         f"last first token at {split['last_ttft_ms']:.0f} ms"), flush=True)
             rounds.append(row)
     finally:
         for g in gateways.values():
