@@ -10,8 +10,8 @@ quantized to int8 per token per 32-wide block (exact int32 sums per block; faste
 but not equal) or in float32 (equal to a float32 matmul over the dequantized weights up to summation
 order).
 Float32 weights always run in float32. Where the int8 products run vector code (AVX-512 VNNI, AVX2), they
-read a second copy of the Q4_1 / Q8_0 weights packed in panels of 16 rows (quant.py `panels`), made at the
-first int8 pass.
+read a second copy of the Q4_1 / Q8_0 weights packed in panels of 16 rows (quant.py `panels`), made when the
+model is made with int8 activations (or at the first int8 pass, where they are switched on later).
 
 Every operator is batch invariant (cpu_ops.cpp), so a token's logits do not depend on what else
 shares its pass: tree verification equals decoding one token at a time, bit for bit.
@@ -95,6 +95,8 @@ class LeanModel(torch.nn.Module):
         self._register(unique.values())
         self._packed: dict[int, StoredWeight] = {}  # id of a weight as stored -> its panels
         self._panel_operands: dict[str, tuple[list[torch.Tensor], list[int], StoredWeight]] = {}  # by int8 code
+        if self._act == ACT_INT8:
+            self._operands()  # the panels packed now (SmolLM2: 0.24 s), not in a first request's pass
 
     def _register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Each tensor as a buffer: `named_buffers()` is how the draft's offload moves them."""
@@ -104,8 +106,9 @@ class LeanModel(torch.nn.Module):
 
     def _operands(self) -> tuple[list[torch.Tensor], list[int], StoredWeight]:
         """The decoder layers' tensors and kinds and the head, as this pass's products read them: on int8
-        activations, the weights of the kinds PANEL_CODE names for the int8 code in use as panels (packed at
-        the first such pass, once), the others as stored."""
+        activations, the weights of the kinds PANEL_CODE names for the int8 code in use as panels (packed once:
+        for the code in use when the model is made with int8 activations, else at the first such pass), the others
+        as stored."""
         code = torch.ops.specserve_cpu.int8_variant() if self._act == ACT_INT8 else ""
         if code not in PANEL_CODE:
             return self._tensors, self._kinds, self.head

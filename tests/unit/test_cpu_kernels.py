@@ -388,6 +388,14 @@ def test_int8_reads_panels_where_its_code_is_vectorized(gguf_model):
     assert (packed.argmax(-1) == by_rows.argmax(-1)).float().mean() >= 0.9
 
 
+def test_int8_panels_are_packed_when_the_model_is_made(gguf_model):
+    """The panels exist before the first pass (a first request's pass does not pack them); float32 packs none."""
+    if torch.ops.specserve_cpu.int8_variant() not in PANEL_CODE:
+        pytest.skip("the int8 products run the row layout on this CPU")
+    assert small_runner(gguf_model, activations="int8").model._packed
+    assert not small_runner(gguf_model, activations="float32").model._packed
+
+
 def test_the_activation_mode_switch(gguf_model):
     """auto: float32; int8 logits within 5% of the logits' scale of the float32
     ones, with mostly the same argmax; int8 with the torch pass is refused."""
