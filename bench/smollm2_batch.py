@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.smollm2_c1 import CHAT, EDIT, _ids, _llama_cpp, _llama_generate, add_service_options, service_env  # noqa: E402
-from bench.step_overhead import _iteration_split  # noqa: E402
+from bench.step_overhead import iteration_split  # noqa: E402
 from bench.sweep import spread  # noqa: E402
 
 POLICIES = ["none", "joint"]
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         reports = [r.model_extra["specserve"] for r in resps]
         steps = [s for rep in reports for s in rep["steps"]]
         passes.append(sum(1 + accepted for _, _, accepted in steps) / len(steps))
-        splits.append({**_iteration_split(server_delta(before, after)["iteration"]),
+        splits.append({**iteration_split(server_delta(before, after)["iteration"]),
                        "drafted_nodes": sum(nodes - 1 for _, nodes, _ in steps),
                        "accepted": sum(accepted for _, _, accepted in steps),
                        "last_ttft_ms": max(rep["ttft_ms"] for rep in reports)})

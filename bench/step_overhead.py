@@ -78,12 +78,12 @@ async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int]
         wall = time.monotonic() - start
         after = await scrape(session, url)
     delta = server_delta(before, after)
-    split = _iteration_split(delta["iteration"])
+    split = iteration_split(delta["iteration"])
     return {"inflight": inflight, **split, "stack_us_per_request": split["stack_ms"] * 1e3 / inflight,
             "tokens_per_s": tokens / wall, "tokens_per_pass": delta["mean_acceptance_length"]}
 
 
-def _iteration_split(it: dict) -> dict:
+def iteration_split(it: dict) -> dict:
     """server_delta's iteration part as ms per iteration: the whole, the target's pass, the rest (the stack's)."""
     n = max(it["iterations"], 1)
     iteration_ms = it["mean_ms"] or 0.0
@@ -175,7 +175,7 @@ def _sequential(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
             steps += out["specserve"]["steps"]  # [.., nodes, accepted drafts] per verify step
         wall = time.perf_counter() - start
         it = server_delta(before, parse_counters(client.get("/metrics").text))["iteration"]
-    return {"tokens_per_s": tokens / wall, **_iteration_split(it),
+    return {"tokens_per_s": tokens / wall, **iteration_split(it),
             "tokens_per_pass": sum(1 + a for _, _, a in steps) / len(steps) if steps else 1.0}
 
 

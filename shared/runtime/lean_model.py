@@ -96,7 +96,7 @@ class LeanModel(torch.nn.Module):
         self._packed: dict[int, StoredWeight] = {}  # id of a weight as stored -> its panels
         self._panel_operands: dict[str, tuple[list[torch.Tensor], list[int], StoredWeight]] = {}  # by int8 code
         if self._act == ACT_INT8:
-            self._operands()  # the panels packed now (SmolLM2: 0.24 s), not in a first request's pass
+            self._operands()  # the panels packed now, not in a first request's pass
 
     def _register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Each tensor as a buffer: `named_buffers()` is how the draft's offload moves them."""
