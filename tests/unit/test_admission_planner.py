@@ -695,6 +695,29 @@ def test_a_replica_full_of_best_effort_kv_admits_an_slo_arrival():
     assert p.preempt == ["be0", "be1"]  # two give 50 blocks; the least decoded go first
 
 
+def test_an_arrival_that_may_run_best_effort_never_preempts_best_effort():
+    """Evicting a best-effort request for one that would itself run best effort only trades one
+    recomputed request for another (with no SLO asked, a closed loop at 64 in flight preempted
+    one or more requests in most iterations); a strict arrival still preempts."""
+    def full():
+        adm = SloAdmission()
+        dec = [RequestView(f"be{i}", "chat", 10.0, 1000.0, 5 + i, 50.0, 100, [], 0, 0, 25) for i in range(4)]
+        for r in dec:
+            adm.best_effort.add(r.rid)
+            adm.tier_of[r.rid] = 1e6
+        view = rview([w("flex", blocks=40, best_effort=True), w("strict", blocks=40)], (), dec, total=100)
+        view.replicas[0].reserved_blocks = 100
+        return adm, view
+
+    adm, view = full()
+    p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
+    assert "strict" in [a.rid for a in p.admitted] and p.preempt[:2] == ["be0", "be1"]  # the least decoded
+    adm, view = full()
+    view.waiting = view.waiting[:1]  # the flexible arrival alone: nobody is evicted, it waits its turn
+    p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
+    assert p.preempt == [] and p.admitted == [] and "flex" not in p.rejected
+
+
 def test_who_may_run_best_effort():
     from specserve.gateway.http.api import allows_best_effort
     from specserve.gateway.http.protocol import SloSpec

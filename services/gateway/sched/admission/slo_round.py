@@ -207,7 +207,8 @@ class SloRound:
             first = next((w for w in cands if w.kv_blocks <= self.free[replica] and (best_effort or (
                 w.tpot_ms >= self.baseline[replica] and w.waited_ms < w.ttft_ms))), None)
             took = {first.rid} if first is not None else took
-        if not best_effort and len(took) < len(cands) and self.best_effort_on[replica]:
+        if not best_effort and self.best_effort_on[replica] and any(
+                w.rid not in took and w.rid not in self.best_effort_ok for w in cands):
             took = self.preempt_for(replica, cands, took, at)
         for w in cands:
             if w.rid in took:
@@ -218,7 +219,10 @@ class SloRound:
                     points: list[ReplicaBudget]) -> set[str]:
         """SLO arrivals come before best effort (digest §8): plan again as if the replica's k best-effort
         requests with the least output (the cheapest to recompute) gave their KV back, k = 1, 2, 4, ...;
-        the first k that admits more is preempted."""
+        the first k that admits more of the candidates that may not run best effort is preempted. One
+        that may (no SLO asked, `flex`, `slo.best_effort`) never evicts another: declined here, it is
+        served best effort itself, and an eviction would only trade one recomputed request for another."""
+        strict = {w.rid for w in cands if w.rid not in self.best_effort_ok}
         victims = sorted(self.best_effort_on[replica], key=lambda r: r.decoded)
         k = 1
         while True:
@@ -231,7 +235,7 @@ class SloRound:
             unit = max(1, math.ceil(free / self.adm.memory_buckets))
             new = self.nodes(replica, cands, False, self.slots[replica] + k, free, unit)
             took2 = best_plan(self.held[replica] + new, base, free // unit, points)
-            if len(took2) > len(took):
+            if len(took2 & strict) > len(took & strict):
                 self.preempt.extend(r.rid for r in going)
                 self.best_effort_on[replica] = victims[k:]
                 self.base[replica], self.free[replica] = base, free
