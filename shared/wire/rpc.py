@@ -37,11 +37,13 @@ All of RemoteError and RpcProtocolError are RuntimeErrors.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 import torch
@@ -52,11 +54,13 @@ from specserve.shared.wire.auth import AuthError, ClientHandshake, ServerHandsha
 from specserve.shared.wire.messages import AuthChallenge, AuthHello, AuthOk, AuthProof, Error, Health, Message
 from specserve.shared.wire.transport import (
     DEFAULT_MAX_FRAME_BYTES,
+    PREFIX,
     FrameError,
     MessageError,
     Tensors,
+    decode_frame,
     encode_frame,
-    read_frame,
+    frame_lengths,
     read_traced_frame,
     write_buffers,
     write_frame,
@@ -278,14 +282,85 @@ class RpcServer:
             return Error("internal", f"{type(exc).__name__}: {exc}"), None
 
 
+class _Replies(asyncio.Protocol):
+    """The client's end of a connection: each frame is decoded as soon as its last byte arrives and
+    handed to the call that waits for it (replies come in call order), in the event loop's callback
+    itself, so the caller resumes one turn of the loop after the bytes arrive."""
+
+    def __init__(self, max_frame_bytes: int, ipc: CudaIpc | None):
+        self.max_frame_bytes = max_frame_bytes
+        self.ipc = ipc
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiting: collections.deque[tuple[asyncio.Future[Any], Callable[[], None]]] = collections.deque()
+        self.error: BaseException | None = None  # why no further call can be made on this connection
+        self.lost = asyncio.get_running_loop().create_future()  # done once the connection is closed
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def expect(self, done: Callable[[], None]) -> asyncio.Future[Any]:
+        """A future for the next reply; `done` is called when that reply (or the connection's end) arrives,
+        whether or not anyone still waits for it."""
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((future, done))
+        return future
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        while len(buffer) >= PREFIX.size:
+            try:
+                header_len, payload_len = frame_lengths(buffer, self.max_frame_bytes)
+            except FrameError as exc:
+                self._fail(exc)
+                return
+            end = PREFIX.size + header_len + payload_len
+            if len(buffer) < end:
+                return
+            header = bytes(buffer[PREFIX.size : PREFIX.size + header_len])
+            payload = buffer[PREFIX.size + header_len : end] if payload_len else bytearray()
+            del buffer[:end]
+            if not self.waiting:
+                self._fail(FrameError("unexpected_frame", "the service sent a frame that answers no call"))
+                return
+            future, done = self.waiting.popleft()
+            done()
+            if future.done():  # its caller gave up (a timeout): the reply is read, the stream stays in step
+                continue
+            try:
+                future.set_result(decode_frame(header, payload, self.ipc)[:3])
+            except MessageError as exc:
+                future.set_exception(exc)
+
+    def eof_received(self) -> bool:
+        self._fail(asyncio.IncompleteReadError(bytes(self.buffer), None))
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc if exc is not None else ConnectionResetError("the connection was closed"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The connection is unusable: every waiting call gets `exc`, later calls too; it is closed."""
+        if self.error is None:
+            self.error = exc
+        while self.waiting:
+            future, done = self.waiting.popleft()
+            done()
+            if not future.done():
+                future.set_exception(self.error)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
+
+
 class RpcClient:
     """One connection; call() sends a message and waits for its reply (one call at a time)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, cuda_ipc: bool = False):
-        self.reader, self.writer, self.address = reader, writer, address
-        self.max_frame_bytes = max_frame_bytes
-        self.ipc = _ipc(cuda_ipc)
+    def __init__(self, transport: asyncio.Transport, replies: _Replies, address: str):
+        self.transport, self.replies, self.address = transport, replies, address
+        self.ipc = replies.ipc
         self._next_id = 0
         self._lock = asyncio.Lock()
 
@@ -293,20 +368,32 @@ class RpcClient:
     async def connect(cls, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                       cuda_ipc: bool = False, secret: str | bytes | None = None) -> RpcClient:
         """Connect and authenticate with the shared secret (default: shared/wire/auth.py's lookup).
-        Raises SettingsError if there is no secret, AuthError if the handshake fails."""
+        Raises SettingsError if there is none, AuthError if the handshake fails."""
         key = load_secret(secret)
+        loop = asyncio.get_running_loop()
         host, port = parse_address(address)
+        ipc = _ipc(cuda_ipc)
         if host == "unix":
-            reader, writer = await asyncio.open_unix_connection(cast(str, port), limit=2**20)
+            transport, replies = await loop.create_unix_connection(lambda: _Replies(max_frame_bytes, ipc),
+                                                                   cast(str, port))
         else:
-            reader, writer = await asyncio.open_connection(host, port, limit=2**20)
-        client = cls(reader, writer, address, max_frame_bytes, cuda_ipc)
+            transport, replies = await loop.create_connection(lambda: _Replies(max_frame_bytes, ipc), host,
+                                                              cast(int, port))
+        client = cls(transport, replies, address)
         try:
             await client._authenticate(key)
         except BaseException:
             await client.close()
             raise
         return client
+
+    @classmethod
+    async def attach(cls, sock: socket.socket, address: str,
+                     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> RpcClient:
+        """A client on a connected socket, with no handshake (for a peer that has none, as in tests)."""
+        transport, replies = await asyncio.get_running_loop().create_connection(
+            lambda: _Replies(max_frame_bytes, None), sock=sock)
+        return cls(transport, replies, address)
 
     async def _authenticate(self, secret: bytes) -> None:
         handshake = ClientHandshake(secret)
@@ -321,21 +408,17 @@ class RpcClient:
 
     def _send(self, body: Message, tensors: Tensors | None) -> int:
         """Write the call's frame now (the lock is held); returns its call id."""
+        if self.replies.error is not None:
+            raise self.replies.error
+        if self.transport.is_closing():
+            raise ConnectionResetError("the connection was closed")
         self._next_id += 1
         call_id = self._next_id
         if self.ipc is not None:
             self.ipc.new_frame()
         trace = tracing.carrier() if tracing.ENABLED else None  # the caller's span, when tracing is on
-        write_buffers(self.writer, encode_frame(call_id, body, tensors, self.ipc, trace))
+        self.transport.writelines(encode_frame(call_id, body, tensors, self.ipc, trace))
         return call_id
-
-    async def _reply(self) -> tuple[int, Message, dict[str, torch.Tensor]]:
-        """Drain the call's frame and read its reply; then the next call may go (the lock is released)."""
-        try:
-            await self.writer.drain()
-            return await read_frame(self.reader, self.max_frame_bytes, self.ipc)
-        finally:
-            self._lock.release()
 
     async def call(self, body: Message, reply_type: type[ReplyT],
                    tensors: Tensors | None = None) -> tuple[ReplyT, dict[str, torch.Tensor]]:
@@ -343,25 +426,24 @@ class RpcClient:
 
         Raises RemoteError if the service answered Error, UnexpectedReply if it answered another
         message type, and one of TRANSPORT_ERRORS if the connection failed (see the module docstring).
-        A caller that is cancelled (a timeout) does not cancel the round trip: it still reads its
-        own reply, so the connection stays in step for the next call.
+        A caller that is cancelled (a timeout) does not cancel the round trip: its reply is still read
+        (and dropped) when it comes, so the connection stays in step for the next call, which is sent
+        only then.
 
         The frame is written in the caller's own turn of the event loop (when no other call holds
         the connection, taking the lock does not yield), so a Forward leaves before any other ready
-        task runs; only the reply is read by a task of its own, shielded from the caller's cancellation.
+        task runs; the reply is decoded in the protocol's callback as its bytes arrive.
         """
         if not (isinstance(reply_type, type) and issubclass(reply_type, msgspec.Struct)):
             raise TypeError(f"call(body, reply_type, tensors): reply_type must be a message class, "
                             f"not {reply_type!r}")
-        await self._lock.acquire()  # held until this call's reply has been read (_reply releases it)
+        await self._lock.acquire()  # held until this call's reply has arrived (the protocol releases it)
         try:
             call_id = self._send(body, tensors)
         except BaseException:
             self._lock.release()
             raise
-        task = asyncio.ensure_future(self._reply())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # orphaned errors are retrieved
-        reply_id, reply, out = await asyncio.shield(task)
+        reply_id, reply, out = await self.replies.expect(self._lock.release)
         if reply_id not in (call_id, -1):
             raise ReplyOutOfStep(call_id, reply_id)
         if isinstance(reply, Error):
@@ -375,9 +457,12 @@ class RpcClient:
         """The connection is open at both ends as far as this process knows now: the peer has not
         closed it (a killed service's socket is closed by its kernel, and the event loop sees the EOF
         at once, with no call in flight) and no error or close happened on our side."""
-        return not (self.writer.is_closing() or self.reader.at_eof() or self.reader.exception() is not None)
+        return self.replies.error is None and not self.transport.is_closing()
 
     async def close(self) -> None:
-        self.writer.close()
+        self.transport.close()
         with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await asyncio.shield(self.replies.lost)
+        if not self.replies.lost.done():
+            self.transport.abort()

@@ -200,13 +200,7 @@ async def read_traced_frame(
 
     timeout_s: once the prefix has arrived, the header and payload must follow within this many
     seconds, else FrameError("frame_timeout") (None: no limit). Waiting for a prefix is not limited."""
-    prefix = await reader.readexactly(PREFIX.size)
-    magic, header_len, payload_len = PREFIX.unpack(prefix)
-    if magic != MAGIC:
-        raise FrameError("malformed_frame", f"bad frame magic {magic!r} (expected {MAGIC!r})")
-    if header_len + payload_len > max_bytes:
-        raise FrameError("message_too_large",
-                         f"frame of {header_len + payload_len} bytes exceeds the limit of {max_bytes} bytes")
+    header_len, payload_len = frame_lengths(await reader.readexactly(PREFIX.size), max_bytes)
     try:
         async with asyncio.timeout(timeout_s):
             header_bytes = await reader.readexactly(header_len)
@@ -214,6 +208,24 @@ async def read_traced_frame(
     except TimeoutError:
         raise FrameError("frame_timeout", f"the frame's {header_len + payload_len} bytes did not arrive within "
                                           f"{timeout_s:g} s of its prefix") from None
+    return decode_frame(header_bytes, payload, ipc)
+
+
+def frame_lengths(prefix: bytes | bytearray | memoryview, max_bytes: int) -> tuple[int, int]:
+    """A frame's header and payload lengths from its prefix; FrameError if the stream cannot be trusted."""
+    magic, header_len, payload_len = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise FrameError("malformed_frame", f"bad frame magic {magic!r} (expected {MAGIC!r})")
+    if header_len + payload_len > max_bytes:
+        raise FrameError("message_too_large",
+                         f"frame of {header_len + payload_len} bytes exceeds the limit of {max_bytes} bytes")
+    return header_len, payload_len
+
+
+def decode_frame(header_bytes: bytes | bytearray | memoryview, payload: bytearray, ipc: HandleSharer | None = None,
+                 ) -> tuple[int, Message, dict[str, torch.Tensor], dict[str, str] | None]:
+    """A whole frame's header and payload decoded: call id, message, tensors (views into `payload`) and
+    trace context. MessageError (with the call id where it could be read) if its content is bad."""
     try:
         header = _decoder.decode(header_bytes)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -41,6 +41,7 @@ from specserve.shared.wire.transport import MAGIC, PREFIX, frame_bytes, read_fra
 from tests.support import poll
 from tests.support.drive import Req, drive
 from tests.support.fixtures import start_services
+from tests.support.raw_link import raw_link
 
 FRAME_TIMEOUT_S = 1.0
 HANDSHAKE_TIMEOUT_S = 2.0
@@ -213,12 +214,12 @@ def test_an_authenticated_client_is_served_and_may_stay_idle(services, kind):
     async def main():
         client = await RpcClient.connect(address)  # idle from here on
         silent, _ = await _open(address)
-        half = await RpcClient.connect(address)
-        half.writer.write(PREFIX.pack(MAGIC, 16, 1000))
-        await half.writer.drain()
-        (_, expired, _), _ = await asyncio.gather(asyncio.wait_for(read_frame(half.reader), 10),
+        half_reader, half = await raw_link(address)
+        half.write(PREFIX.pack(MAGIC, 16, 1000))
+        await half.drain()
+        (_, expired, _), _ = await asyncio.gather(asyncio.wait_for(read_frame(half_reader), 10),
                                                   _closed_after(silent))
-        await half.close()
+        half.close()
         reply = await client.call(Health(), HealthReply)
         await client.close()
         return expired, reply
@@ -263,13 +264,13 @@ def test_a_half_sent_frame_is_dropped_after_the_frame_timeout(services, kind):
     service = services[kind]
 
     async def main():
-        client = await RpcClient.connect(service.address)
+        reader, writer = await raw_link(service.address)
         base = _rss_mib(service.proc.pid)
         t0 = time.monotonic()  # the frame's clock starts when its prefix arrives, before the 64 MiB are in
-        client.writer.write(PREFIX.pack(MAGIC, 64, 200 << 20) + bytes(64 + (64 << 20)))
-        await client.writer.drain()
-        reply_id, reply, _ = await asyncio.wait_for(read_frame(client.reader), 10)
-        closed_s = time.monotonic() - t0 + await _closed_after(client.reader)
+        writer.write(PREFIX.pack(MAGIC, 64, 200 << 20) + bytes(64 + (64 << 20)))
+        await writer.drain()
+        reply_id, reply, _ = await asyncio.wait_for(read_frame(reader), 10)
+        closed_s = time.monotonic() - t0 + await _closed_after(reader)
         return reply_id, reply, closed_s, base
 
     reply_id, reply, closed_s, base = _run(main())

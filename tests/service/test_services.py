@@ -20,12 +20,12 @@ from specserve.shared.runtime.generate import generate
 from specserve.shared.runtime.model_config import ModelConfig
 from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.wire.messages import Error, Forward, Health, HealthReply, PrefillEntry, SamplingSpec
-from specserve.shared.wire.rpc import RpcClient
 from specserve.shared.wire.service_client import DraftClient, PrefillItem, SpeculateItem, TargetClient, VerifyItem
 from specserve.shared.wire.transport import MAGIC, PREFIX, frame_bytes, read_frame
 from tests.support import poll
 from tests.support.drive import Req, drive
 from tests.support.fixtures import start_services
+from tests.support.raw_link import raw_link
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "bench" / "workloads"
 MAX_NEW = 40
@@ -196,8 +196,7 @@ def _raw_call(address: str, data: bytes, read: bool = True) -> bytes:
 
 async def _exchange(address: str, frames: list[bytes]) -> list:
     """Send frames one by one on one authenticated connection, reading each reply."""
-    client = await RpcClient.connect(address)
-    reader, writer = client.reader, client.writer
+    reader, writer = await raw_link(address)
     replies = []
     for frame in frames:
         writer.write(frame)
@@ -292,7 +291,7 @@ def test_a_client_that_vanishes_mid_call_disturbs_no_one(services, prompts):
                                          {"prefill_tokens": _ints(prompt)})),
             (draft.address, _speculate_frame("gone", prompt)),
         ):
-            writer = (await RpcClient.connect(address)).writer
+            _, writer = await raw_link(address)
             writer.write(frame)
             await writer.drain()
             writer.transport.abort()

@@ -7,7 +7,6 @@ tests/unit/test_transport.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import msgspec
 import pytest
@@ -45,6 +44,7 @@ from specserve.shared.wire.transport import (
     read_frame,
 )
 from tests.support.echo import HEALTHY, assert_same, echo, run
+from tests.support.raw_link import raw_link
 
 
 def raw_frame(call_id: int, metas: list[TensorMeta], payload: bytes, body=None) -> bytes:
@@ -110,8 +110,7 @@ def test_server_echoes_call_ids_in_order_and_survives_bad_input(kind, tmp_path):
     async def main():
         server = RpcServer(echo)
         address = await server.start(server_address(kind, tmp_path))
-        client = await RpcClient.connect(address)  # the handshake; then frames by hand on its socket
-        reader, writer = client.reader, client.writer
+        reader, writer = await raw_link(address)  # the handshake; then frames by hand on its socket
         try:
             body, tensors = speculate(1)
             writer.write(frame_bytes(10, Health()))
@@ -240,6 +239,7 @@ def test_reply_of_another_type_is_an_unexpected_reply_and_the_connection_survive
 
 def test_reply_with_another_call_id_is_a_transport_error():
     """A peer that answers with the wrong call id: the stream is out of step."""
+    import socket
 
     async def wrong_id(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         call_id, _, _ = await read_frame(reader)
@@ -251,8 +251,7 @@ def test_reply_with_another_call_id_is_a_transport_error():
     async def main():
         server = await asyncio.start_server(wrong_id, "127.0.0.1", 0)
         host, port = server.sockets[0].getsockname()[:2]
-        reader, writer = await asyncio.open_connection(host, port)
-        client = RpcClient(reader, writer, f"{host}:{port}")  # not connect(): this peer has no handshake
+        client = await RpcClient.attach(socket.create_connection((host, port)), f"{host}:{port}")  # no handshake
         try:
             with pytest.raises(ReplyOutOfStep) as err:
                 await client.call(Health(), HealthReply)
@@ -336,15 +335,13 @@ def test_a_peer_that_resets_right_after_accepting_is_a_transport_error_under_uvl
             listener.bind(("127.0.0.1", 0))
             listener.listen()
             host, port = listener.getsockname()
-            reader, writer = await asyncio.open_connection(host, port)
+            client = await RpcClient.attach(socket.create_connection((host, port)), f"{host}:{port}")
             accepted, _ = listener.accept()
             accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             accepted.close()  # RST
             # the client's loop sees the reset and closes its transport
-            with contextlib.suppress(ConnectionError):
-                await asyncio.wait_for(writer.wait_closed(), 5)
-            assert writer.transport.is_closing()
-            client = RpcClient(reader, writer, f"{host}:{port}")
+            await asyncio.wait_for(asyncio.shield(client.replies.lost), 5)
+            assert not client.alive
             try:
                 with pytest.raises(TRANSPORT_ERRORS):
                     await client.call(Health(), HealthReply)
@@ -377,8 +374,7 @@ def test_a_call_writes_its_frame_before_it_first_yields():
 
     async def main():
         ours, peer = socket.socketpair()
-        reader, writer = await asyncio.open_connection(sock=ours)
-        client = RpcClient(reader, writer, "socketpair")
+        client = await RpcClient.attach(ours, "socketpair")
         try:
             call = client.call(Health(), HealthReply)
             pending = call.send(None)  # run the call up to its first suspension, and no further
