@@ -176,9 +176,9 @@ async def _stats(kind: str, address: str):
 
 
 def test_best_effort_is_preempted_for_an_slo_request_and_resumes_exactly(up, reference):
-    """One slot: a best-effort stream is running when an SLO request arrives; the SLO request takes
-    the slot (the best-effort one is preempted), and the best-effort stream resumes by recompute and
-    still equals transformers."""
+    """One slot: a best-effort stream is running when an SLO request arrives (a named tier: it may not
+    run best effort, so it is worth an eviction); the SLO request takes the slot (the best-effort one
+    is preempted), and the best-effort stream resumes by recompute and still equals transformers."""
     g = gateway(up, "none", "--budget", "24", "--admission", "slo", "--router", "slo", "--max-running", "1")
     try:
         async def run():
@@ -200,7 +200,7 @@ def test_best_effort_is_preempted_for_an_slo_request_and_resumes_exactly(up, ref
             async def slo_request():
                 await arrived.wait()
                 return await c.completions.create(model="target", prompt=PROMPTS[4], max_tokens=MAX_TOKENS,
-                                                  temperature=0)
+                                                  temperature=0, extra_body={"service_tier": "chat"})
 
             _, r = await asyncio.gather(consume(), slo_request())
             await c.close()
