@@ -108,14 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     gateways = {p: gateway(up, p, "--model", model_dir, "--profile", str(profile)) for p in policies[1:]}
     urls = {policies[0]: up.url, **{p: g.address for p, g in gateways.items()}}
 
-    async def serve(url: str) -> tuple[list[str], int]:
+    async def serve(url: str) -> tuple[list[str], int, float]:
+        """The 16 requests at once: answers, tokens, and the wall time from the first request sent to the last
+        answer (the gateway's counters are read before and after, outside it)."""
         before = await asyncio.to_thread(counters, url)
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800)
         async with client:
+            t0 = time.perf_counter()
             resps = await asyncio.gather(*(client.chat.completions.create(
                 model="smollm2-135m-instruct", temperature=0, max_tokens=args.max_tokens, service_tier="chat",
                 extra_body={"slo": {"best_effort": True}},  # a throughput run: served, never refused
                 messages=[{"role": "user", "content": t}]) for t in texts))
+            wall = time.perf_counter() - t0
         after = await asyncio.to_thread(counters, url)
         reports = [r.model_extra["specserve"] for r in resps]
         steps = [s for rep in reports for s in rep["steps"]]
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                        "drafted_nodes": sum(nodes - 1 for _, nodes, _ in steps),
                        "accepted": sum(accepted for _, _, accepted in steps),
                        "last_ttft_ms": max(rep["ttft_ms"] for rep in reports)})
-        return [r.choices[0].message.content for r in resps], sum(r.usage.completion_tokens for r in resps)
+        return [r.choices[0].message.content for r in resps], sum(r.usage.completion_tokens for r in resps), wall
 
     def llama_cpp() -> tuple[list[str], int]:
         answers, n = [], 0
@@ -141,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             row = {}
             for mode in modes:
                 time.sleep(args.quiet_s)
-                t0 = time.perf_counter()
-                answers, n = (generate(chats) if mode == "hf_batched" else llama_cpp() if mode == "llama_cpp"
-                              else asyncio.run(serve(urls[mode])))
-                wall = time.perf_counter() - t0
+                if mode in ("hf_batched", "llama_cpp"):
+                    t0 = time.perf_counter()
+                    answers, n = generate(chats) if mode == "hf_batched" else llama_cpp()
+                    wall = time.perf_counter() - t0
+                else:
+                    answers, n, wall = asyncio.run(serve(urls[mode]))
                 same = sum(a == ref[t] for a, t in zip(answers, texts))
                 ours = mode not in ("hf_batched", "llama_cpp")
                 per_pass, split = (passes[-1], splits[-1]) if ours else (None, None)
