@@ -682,14 +682,21 @@ def test_slo_arrivals_preempt_best_effort():
     assert p.preempt == [] and "strict" in p.rejected
 
 
-def test_a_replica_full_of_best_effort_kv_admits_an_slo_arrival():
+def full_of_best_effort(waiting: list[WaitingView]) -> tuple[SloAdmission, SchedulerView]:
+    """One replica whose 100 KV blocks are all reserved by 4 best-effort decoders (25 each, be0 the least
+    decoded), and these arrivals."""
     adm = SloAdmission()
     dec = [RequestView(f"be{i}", "chat", 10.0, 1000.0, 5 + i, 50.0, 100, [], 0, 0, 25) for i in range(4)]
     for r in dec:
         adm.best_effort.add(r.rid)
         adm.tier_of[r.rid] = 1e6
-    view = rview([w("strict", blocks=40)], (), dec, total=100)  # 4 x 25 blocks reserved: none free
+    view = rview(waiting, (), dec, total=100)
     view.replicas[0].reserved_blocks = 100
+    return adm, view
+
+
+def test_a_replica_full_of_best_effort_kv_admits_an_slo_arrival():
+    adm, view = full_of_best_effort([w("strict", blocks=40)])
     p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
     assert [a.rid for a in p.admitted] == ["strict"]
     assert p.preempt == ["be0", "be1"]  # two give 50 blocks; the least decoded go first
@@ -699,21 +706,11 @@ def test_an_arrival_that_may_run_best_effort_never_preempts_best_effort():
     """Evicting a best-effort request for one that would itself run best effort only trades one
     recomputed request for another (with no SLO asked, a closed loop at 64 in flight preempted
     one or more requests in most iterations); a strict arrival still preempts."""
-    def full():
-        adm = SloAdmission()
-        dec = [RequestView(f"be{i}", "chat", 10.0, 1000.0, 5 + i, 50.0, 100, [], 0, 0, 25) for i in range(4)]
-        for r in dec:
-            adm.best_effort.add(r.rid)
-            adm.tier_of[r.rid] = 1e6
-        view = rview([w("flex", blocks=40, best_effort=True), w("strict", blocks=40)], (), dec, total=100)
-        view.replicas[0].reserved_blocks = 100
-        return adm, view
-
-    adm, view = full()
+    adm, view = full_of_best_effort([w("flex", blocks=40, best_effort=True), w("strict", blocks=40)])
     p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
     assert "strict" in [a.rid for a in p.admitted] and p.preempt[:2] == ["be0", "be1"]  # the least decoded
-    adm, view = full()
-    view.waiting = view.waiting[:1]  # the flexible arrival alone: nobody is evicted, it waits its turn
+    # the flexible arrival alone: nobody is evicted, it waits its turn
+    adm, view = full_of_best_effort([w("flex", blocks=40, best_effort=True)])
     p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
     assert p.preempt == [] and p.admitted == [] and "flex" not in p.rejected
 
