@@ -330,7 +330,7 @@ class _Replies(asyncio.Protocol):
                 continue
             try:
                 future.set_result(decode_frame(header, payload, self.ipc)[:3])
-            except MessageError as exc:
+            except Exception as exc:  # MessageError, or a bug: the frame was read whole, the stream is in step
                 future.set_exception(exc)
 
     def eof_received(self) -> bool:
@@ -368,7 +368,7 @@ class RpcClient:
     async def connect(cls, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                       cuda_ipc: bool = False, secret: str | bytes | None = None) -> RpcClient:
         """Connect and authenticate with the shared secret (default: shared/wire/auth.py's lookup).
-        Raises SettingsError if there is none, AuthError if the handshake fails."""
+        Raises SettingsError if there is no secret, AuthError if the handshake fails."""
         key = load_secret(secret)
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
