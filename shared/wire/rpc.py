@@ -410,14 +410,12 @@ class RpcClient:
         """Write the call's frame now (the lock is held); returns its call id."""
         if self.replies.error is not None:
             raise self.replies.error
-        if self.transport.is_closing():
-            raise ConnectionResetError("the connection was closed")
         self._next_id += 1
         call_id = self._next_id
         if self.ipc is not None:
             self.ipc.new_frame()
         trace = tracing.carrier() if tracing.ENABLED else None  # the caller's span, when tracing is on
-        self.transport.writelines(encode_frame(call_id, body, tensors, self.ipc, trace))
+        write_buffers(self.transport, encode_frame(call_id, body, tensors, self.ipc, trace))
         return call_id
 
     async def call(self, body: Message, reply_type: type[ReplyT],

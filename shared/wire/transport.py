@@ -248,9 +248,9 @@ async def write_frame(writer: asyncio.StreamWriter, call_id: int, body: Message,
     await writer.drain()
 
 
-def write_buffers(writer: asyncio.StreamWriter, buffers: list[bytes | memoryview]) -> None:
-    """writelines, but a connection the peer has already closed (e.g. reset right after connect)
-    raises ConnectionResetError, not uvloop's RuntimeError for a closed handle."""
+def write_buffers(writer: asyncio.StreamWriter | asyncio.WriteTransport, buffers: list[bytes | memoryview]) -> None:
+    """writelines (on a stream or a protocol's transport), but a connection the peer has already closed (e.g.
+    reset right after connect) raises ConnectionResetError, not uvloop's RuntimeError for a closed handle."""
     if writer.is_closing():
         raise ConnectionResetError("the connection was closed by the peer")
     writer.writelines(buffers)
