@@ -704,8 +704,7 @@ def test_a_replica_full_of_best_effort_kv_admits_an_slo_arrival():
 
 def test_an_arrival_that_may_run_best_effort_never_preempts_best_effort():
     """Evicting a best-effort request for one that would itself run best effort only trades one
-    recomputed request for another (with no SLO asked, a closed loop at 64 in flight preempted
-    one or more requests in most iterations); a strict arrival still preempts."""
+    recomputed request for another: such an arrival waits; a strict arrival still preempts."""
     adm, view = full_of_best_effort([w("flex", blocks=40, best_effort=True), w("strict", blocks=40)])
     p = Scheduler(Policy(), make_router("slo"), admission=adm).plan(view, 1)
     assert "strict" in [a.rid for a in p.admitted] and p.preempt[:2] == ["be0", "be1"]  # the least decoded
