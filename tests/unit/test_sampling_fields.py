@@ -5,6 +5,7 @@ model directory (generation_config.json, a GGUF's metadata)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -167,6 +168,26 @@ def test_eos_ends_the_output_unseen_and_a_stop_token_id_ends_it_kept(engine):
     assert emitted(engine, [7, 0, 9, 8], stop_token_ids=[9], min_tokens=3) == ([7, 0, 9, 8], None)
     assert emitted(engine, [7, 0, 9, 4], stop_token_ids=[9], min_tokens=3) == ([7, 0, 9], "stop")
     assert emitted(engine, [7, 4, 8], ignore_eos=True) == ([7, 4, 8], None)
+
+
+def test_a_final_only_request_gets_its_tokens_once_with_its_end(engine):
+    """A response not streamed (no stop string, no logprobs) wakes its handler once: the engine holds its tokens
+    and hands them over as one event just before its Finished, whichever way it ends."""
+    for tokens, reason in (([7, 8], "length"), ([7, 4], "stop")):
+        sub = build_request(INFO, engine, [5, 6], sampling_of(parse_completion(completion(max_tokens=3))), CHAT, "c")
+        r = GenRequest.of(dataclasses.replace(sub, final_only=True))
+        core = engine.engine
+        core.table.queue(r)
+        core.passes.commit.emit(r, [3], 0.0)
+        assert r.events.empty() and r.output == [3]
+        core.passes.commit.emit(r, tokens, 0.0)  # ends it: max_tokens 3, or EOS (4) unseen
+        events = [r.events.get_nowait() for _ in range(r.events.qsize())]
+        assert [type(e) for e in events] == [Tokens, Finished] and events[1].reason == reason
+        assert events[0].tokens == r.output == [3, *tokens[: 2 if reason == "length" else 1]]
+    aborted = GenRequest.of(dataclasses.replace(sub, final_only=True))
+    engine.engine.table.queue(aborted)
+    engine.engine.table.finish(aborted, "abort")  # nothing emitted: its Finished alone
+    assert [type(aborted.events.get_nowait())] == [Finished] and aborted.events.empty()
 
 
 # ---- the model's defaults ------------------------------------------------------------------------------

@@ -102,7 +102,9 @@ class Commit:
         r.token_times.extend([now] * len(keep))
         r.draft_unsent.extend(keep)
         prompt_logprobs = r.prompt_logprobs if first else None
-        if keep or prompt_logprobs is not None:
+        if r.final_only:  # (it asked for no logprobs)
+            r.held.extend(keep)
+        elif keep or prompt_logprobs is not None:
             r.events.put_nowait(Tokens(keep, None if logprobs is None else logprobs.head(len(keep)), prompt_logprobs))
         if first:
             r.prompt_logprobs = None

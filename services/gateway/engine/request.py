@@ -69,6 +69,9 @@ class Submission:
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it
     trace: SpanContext | None = None  # the request span it was submitted under (a front end's), if any
     grammar: RequestGrammar | None = None  # structured output: the grammar every output token must follow
+    # its handler reads the output once, at the end (a response not streamed, with no stop string and no
+    # logprobs): the engine hands its tokens over with its Finished, not every iteration (as vLLM's FINAL_ONLY)
+    final_only: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -107,13 +110,16 @@ class GenRequest:
     prompt_logprobs: TokenLogprobs | None = None  # with sampling.prompt_logprobs: the prompt's, until its first token
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks (prefix.py)
     grammar: Constraint | None = None  # structured output: its matcher, and its trees shaped by it (constrain.py)
+    final_only: bool = False  # Submission.final_only: its tokens are handed over at its end, not as they come
+    held: list[int] = field(default_factory=list)  # final_only: output tokens not handed over yet
 
     @classmethod
     def of(cls, sub: Submission, events: asyncio.Queue | None = None) -> GenRequest:
         """The engine's state of a submitted request; its events go to `events` (a new queue if None)."""
         req = cls(sub.rid, list(sub.prompt), sub.sampling, sub.max_tokens, sub.slo, sub.stop_ids,
                   frozenset(sub.sampling.stop_token_ids) - sub.stop_ids, best_effort_ok=sub.best_effort_ok,
-                  trace=sub.trace, grammar=sub.grammar.constraint() if sub.grammar is not None else None)
+                  trace=sub.trace, grammar=sub.grammar.constraint() if sub.grammar is not None else None,
+                  final_only=sub.final_only)
         if events is not None:
             req.events = events
         return req

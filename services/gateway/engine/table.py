@@ -16,7 +16,7 @@ import time
 from specserve.gateway.backends.pool import ServicePool
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.prefix import PrefixCaches
-from specserve.gateway.engine.request import Finished, GenRequest
+from specserve.gateway.engine.request import Finished, GenRequest, Tokens
 from specserve.gateway.obs.metrics import GatewayMetrics
 
 
@@ -94,6 +94,9 @@ class RequestTable:
             if self.pool.draft is not None and r.draft_seen:
                 self.pool.draft.owed_releases.add(r.rid)
         self.requests.pop(r.rid, None)
+        if r.held:  # a final-only request's output, handed over with its end
+            r.events.put_nowait(Tokens(r.held, None, None))
+            r.held = []
         r.events.put_nowait(Finished(reason, error, retry_after_s, r.report()))
         served = reason in ("stop", "length")
         e2e = time.perf_counter() - r.arrival

@@ -152,7 +152,7 @@ class FrontendLink:
             return
         # the iterations link to the front end's request span
         sub = Submission(m.rid, m.prompt, m.sampling, m.max_tokens, SloClass(m.tier, m.tpot_ms, m.ttft_ms),
-                         frozenset(m.stop_ids), m.best_effort_ok, spans.from_wire(m.trace), grammar)
+                         frozenset(m.stop_ids), m.best_effort_ok, spans.from_wire(m.trace), grammar, m.final_only)
         try:
             self.local.submit(sub, _Sink(conn, m.rid))
         except ServiceUnavailable as exc:

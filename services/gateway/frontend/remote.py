@@ -102,7 +102,8 @@ class RemoteEngine:
         self._send(wire.Submit(sub.rid, sub.prompt, sub.sampling, sub.max_tokens, sub.slo.name, sub.slo.tpot_ms,
                                sub.slo.ttft_ms, sorted(sub.stop_ids), sub.best_effort_ok,
                                spans.to_wire(spans.current()) if tracing.ENABLED else b"",
-                               *((spec.kind, spec.source, spec.field) if spec is not None else ())))
+                               *((spec.kind, spec.source, spec.field) if spec is not None else ("", "", "")),
+                               final_only=sub.final_only))
         return events
 
     def abort(self, rid: str, reason: str = "abort") -> None:

@@ -44,6 +44,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     grammar_kind: str = ""  # structured output: its GrammarSpec (engine/grammar.py), compiled again by the engine
     grammar_source: str = ""
     grammar_field: str = ""
+    final_only: bool = False  # Submission.final_only
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

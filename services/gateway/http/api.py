@@ -199,6 +199,10 @@ class Generation:
                 self.first_token_at = time.perf_counter()
             if track is not None:
                 self._rows(track, event)
+            elif not self.stop.active:  # nothing to look at token by token: the event's text in one call
+                self.completion_tokens += len(event.tokens)
+                yield self.detok.add(event.tokens)
+                continue
             for token in event.tokens:
                 self.completion_tokens += 1
                 made = self.detok.add([token])
@@ -249,7 +253,9 @@ class Generation:
         }
         if self.admitted_at is not None:
             out["gen_ai.latency.time_in_queue"] = self.admitted_at - self.arrival
-        if self.first_token_at is not None:
+        if sub.final_only and report.get("ttft_ms") is not None:  # its tokens came at its end: the engine's time
+            out["gen_ai.latency.time_to_first_token"] = report["ttft_ms"] / 1e3
+        elif self.first_token_at is not None:
             out["gen_ai.latency.time_to_first_token"] = self.first_token_at - self.arrival
         if report.get("tpot_ms") is not None:
             out["specserve.tpot_ms"] = report["tpot_ms"]

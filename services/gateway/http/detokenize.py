@@ -127,6 +127,11 @@ class StopMatcher:
         self._held = ""
         self.stopped = False
 
+    @property
+    def active(self) -> bool:
+        """Whether it looks for any stop string (without one, `feed` passes text through)."""
+        return bool(self._stops)
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, stopped). Must not be called again once it has stopped."""
         if self.stopped:

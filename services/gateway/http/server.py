@@ -160,6 +160,8 @@ class Gateway:
         grammar = await self._grammar(req)
         if grammar is not None:
             sub = replace(sub, grammar=grammar)
+        if not req.stream and not sampling.stop and sampling.logprobs is None:
+            sub = replace(sub, final_only=True)  # the text is read once, at the end
         choices = Choices(self.engine, sub.rid, choice_submissions(sub, sampling.n), self.tokenizer, sampling.stop,
                           self._echo(req, prompt_ids), None if sampling.logprobs is None else self.strings)
         request[spans.ATTRIBUTES] = choices.span_attributes  # the request span's attributes at the end (tracing on)
