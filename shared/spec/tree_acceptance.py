@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.shared.spec.penalties import TokenHistory, penalize
-from specserve.shared.spec.sampling import SamplingParams, probabilities, sample
+from specserve.shared.spec.sampling import SamplingParams, greedy_tokens, probabilities, sample
 from specserve.shared.spec.token_tree import children_by_token
 
 
@@ -46,7 +46,7 @@ def accept_tree(
     if history is not None and (params.penalized or params.holds_stops):
         logits = penalize(logits, tokens, parents, params, history)
     if params.is_greedy:
-        choices: list[int] = logits.argmax(-1).tolist()
+        choices = greedy_tokens(logits)
 
         def draw(node: int) -> int:
             return choices[node]

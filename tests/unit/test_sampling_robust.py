@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.shared.spec.penalties import TokenHistory, penalize
-from specserve.shared.spec.sampling import SamplingParams, probabilities, sample
+from specserve.shared.spec.sampling import SamplingParams, greedy_tokens, probabilities, sample
 
 INF = float("inf")
 # Values that used to break the sampler or sit at the edges of float32 / float64.
@@ -191,3 +191,14 @@ def test_ordinary_values_give_the_same_seeded_draws():
                 draws += 1
                 differing += sample(p_new, g_new) != int(torch.multinomial(p_old, 1, generator=g_old).item())
     assert draws > 10_000 and differing == 0, (differing, draws)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([*SPECIAL_LOGITS, math.nan, 2.0, 2.0]), min_size=1, max_size=9),
+                min_size=1, max_size=5).filter(lambda rows: len({len(r) for r in rows}) == 1))
+def test_greedy_tokens_are_torchs_argmax(rows):
+    """NumPy's argmax on the CPU (greedy acceptance's) picks what torch's does: the first of equal largest
+    values, a NaN over any number, the first NaN; other dtypes and devices go through torch."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist()
+    assert greedy_tokens(logits.to(torch.float64)) == logits.to(torch.float64).argmax(-1).tolist()
