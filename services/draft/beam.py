@@ -44,7 +44,7 @@ def _select(tree: BeamTree, layer_logp: torch.Tensor, logprobs: torch.Tensor, wi
     """Append the top-`width` extensions of the current layer (logprobs [len(layer), V])."""
     vocab = logprobs.shape[-1]
     scores = (layer_logp.to(logprobs.device)[:, None] + logprobs).flatten()
-    if width == 1:  # a chain: the argmax (greedy_tokens: through NumPy on the CPU, 10x torch's topk there)
+    if width == 1:  # a chain: the argmax (greedy_tokens, cheaper than torch.topk on the CPU)
         index = greedy_tokens(scores[None])[0]
         best = [(float(scores[index]), index)]
     else:

@@ -78,9 +78,9 @@ class SamplingParams:
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax (the first index of its largest value; a NaN counts as the largest, as in torch). On
-    the CPU through NumPy, whose argmax is vectorized: about 4 us a 49,152-wide float32 row against torch's
-    40 us (torch 2.13); the same indices."""
+    """Each row's argmax (the first index of its largest value; a NaN counts as the largest, as in torch). A
+    float32 tensor on the CPU goes through NumPy's vectorized argmax (the same indices; why:
+    docs/lab/step_overhead.md); others through torch."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         chosen: list[int] = logits.detach().numpy().argmax(-1).tolist()
         return chosen
