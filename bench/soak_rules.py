@@ -3,7 +3,8 @@
 1. `lost`: no request is lost that a fault did not own. A request either completes, or is refused at
    admission (503 with Retry-After: counted apart, not lost), or is owned by a fault: a killed target
    replica owns the requests it was serving when it died (in flight then, ended with the gateway's
-   "the target service failed" error), a killed front end the streams it served (in flight then, its
+   "the target service failed" error; that happens only when no other replica is up, else they move
+   and complete), a killed front end the streams it served (in flight then, its
    pid in their `X-Specserve-Frontend` header, or no response at all for a connection it had accepted
    but not yet answered). Everything else that fails is lost.
 2. `rss`: after the warm-up, no process's anonymous RSS (what a leak grows; the file-backed pages of

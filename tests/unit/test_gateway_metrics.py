@@ -70,6 +70,8 @@ EXPORTED = {
     "specserve:draft_ahead_hits_total": ("counter", M, "Trees drafted ahead whose guess the target's answer "
                                                        "matched (used next step)."),
     "specserve:requests_received_total": ("counter", M, "Requests received (queued)."),
+    "specserve:requests_moved_total": ("counter", M, "Requests moved off a target replica that was lost, to resume "
+                                                     "on another by recompute."),
     "specserve:request_slo_total": ("counter", (*M, "tier", "met"),
                                     "Finished requests by SLO tier and whether the SLO was met."),
     "specserve:request_ttft_seconds": ("histogram", (*M, "tier"), "Time to first token of finished requests, by "

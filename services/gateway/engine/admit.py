@@ -3,7 +3,8 @@ the way (`--kv-lookahead-tokens`).
 
 An admitted request is bound to its replica (whose loop is woken) and told `Admitted`; a rejected one
 ends with its reason and Retry-After. A preempted request gives its KV back on both services and waits
-again at the head of the queue with its tokens (preempt.py chooses whom).
+again at the head of the queue with its tokens (preempt.py chooses whom); so do the requests of a replica
+that is lost while another is up.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 
-from specserve.gateway.backends.pool import ServicePool
+from specserve.gateway.backends.pool import ServicePool, TargetReplica
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.preempt import Holder, victims
@@ -84,17 +85,42 @@ class Admitter:
 
     def preempt(self, r: GenRequest) -> None:
         """Give its KV back on both services and queue it again at the head; it keeps its tokens."""
-        assert r.replica is not None
         index = r.replica
+        self._requeue(r)
+        self.metrics.on_preempted()
+        log.info("preempted %s (%d tokens kept) to free KV on target %d", r.rid, len(r.output), index)
+
+    def replica_lost(self, replica: TargetReplica, why: str) -> None:
+        """A replica that cannot be reached. While another replica takes new requests, every request it held
+        waits again at the head of the queue, in admission order, with its tokens, and resumes there by
+        recompute (prompt + output, as after a preemption: a stream goes on where it was); with none, they
+        end with an error."""
+        held = [self.table.requests[rid] for rid in replica.requests if rid in self.table.requests]
+        if not held:
+            return
+        if not any(t.view().up for t in self.pool.targets if t is not replica):
+            log.error("target %d (%s) failed (%s) and no other replica is up: ending its %d requests",
+                      replica.index, replica.address, why, len(held))
+            for r in held:
+                self.table.finish(r, "error", f"the target service failed: {why}")
+            return
+        for r in reversed(held):
+            self._requeue(r)
+        self.metrics.on_moved(len(held))
+        log.warning("target %d (%s) failed (%s): its %d requests wait to resume on another replica",
+                    replica.index, replica.address, why, len(held))
+        self.wake(None)
+
+    def _requeue(self, r: GenRequest) -> None:
+        """Off its replica (its KV owed back there, its draft state rebuilt) to the head of the waiting queue,
+        keeping its tokens; never refused when it is planned again."""
+        assert r.replica is not None
         self.table.unbind(r)
         if r.draft_seen:
             self.drafts.resync(r)
         r.replica, r.prefilled, r.out_of_blocks = None, 0, 0
-        r.resuming = bool(r.output)
+        r.resuming, r.readmitted = bool(r.output), True
         r.kv_blocks = self.table.reserve_blocks_for(len(r.context), r.remaining)
         self.table.queue(r, first=True)
-        self.metrics.on_preempted()
-        log.info("preempted %s (%d tokens kept) to free KV on target %d", r.rid, len(r.output), index)
-
 
 __all__ = ["Admitter"]

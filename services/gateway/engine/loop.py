@@ -16,8 +16,9 @@ are down, pings them while nothing runs, and starts a loop for every replica tha
 
 Failures stay where they belong: an error on one entry ends that request; a service that answers a
 whole call with an error stays up and only that call's requests are ended (target) or fall back to
-plain decoding (draft); a service that cannot be reached is marked down, its requests end with an
-error (target) or speculation pauses (draft), and it is reconnected when it is back.
+plain decoding (draft); a service that cannot be reached is marked down, its requests move to another
+target replica and resume there by recompute (or end with an error when none is up) or speculation
+pauses (draft), and it is reconnected when it is back.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class Engine:
         self.intake = Intake(self.table, pool, metrics, config, scheduler.admission is not None, self._wake)
         self.drafts = DraftCalls(self.table, pool, self.executor)
         self.admitter = Admitter(self.table, pool, self.drafts, metrics, config, scheduler.admission, self._wake)
-        self.passes = Passes(self.table, pool, self.executor, policy, self.drafts, metrics, config.forced_tokens)
+        self.passes = Passes(self.table, pool, self.executor, policy, self.drafts, metrics,
+                             self.admitter.replica_lost, config.forced_tokens)
         self.snapshots = Snapshots(self.table, pool, config)
         self.grow_kv = config.kv_lookahead_tokens > 0  # reservations grow on the way (--kv-lookahead-tokens)
         self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
@@ -174,7 +176,7 @@ class Engine:
             await replica.mark_down()
         if not replica.up:
             if replica.requests:
-                self.passes.end_replica_requests(replica, "the connection was lost")
+                self.admitter.replica_lost(replica, "the connection was lost")
             return False
         if not replica.requests and not self.table.waiting:
             return True  # only releases were owed

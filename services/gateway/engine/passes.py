@@ -5,14 +5,15 @@ which nodes of each batch's trees to verify and puts the replica's prompt chunks
 (with their grammar's masks, and its forced tokens whatever the policy chose) into one `TargetPass`.
 `run` sends it, and beside it one draft call (the eager sync's d = 0 entries and, with --overlap, the
 entries drafting ahead); then it commits each replica's outputs and keeps the trees whose guess was
-right. A replica that fails ends the requests
-in its pass (refused) or all it holds (down).
+right. A replica that refuses a call ends the requests in its pass; one that cannot be reached is
+handed to `Admitter.replica_lost` (its requests move to another replica, or end).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from specserve.gateway.backends.executor import Executor, Failure, TargetPass
 from specserve.gateway.backends.pool import ServicePool, TargetReplica
@@ -32,9 +33,11 @@ log = logging.getLogger("specserve.gateway")
 
 class Passes:
     def __init__(self, table: RequestTable, pool: ServicePool, executor: Executor, policy: Policy,
-                 drafts: DraftCalls, metrics: GatewayMetrics, forced_tokens: int = 0):
+                 drafts: DraftCalls, metrics: GatewayMetrics, replica_lost: Callable[[TargetReplica, str], None],
+                 forced_tokens: int = 0):
         self.table, self.pool, self.executor, self.policy = table, pool, executor, policy
         self.drafts, self.metrics = drafts, metrics
+        self.replica_lost = replica_lost  # a replica that cannot be reached (Admitter.replica_lost)
         self.forced_tokens = forced_tokens  # a grammar's forced tokens put into a tree per pass (--forced-tokens)
         self.commit = Commit(table, metrics)
 
@@ -150,18 +153,10 @@ class Passes:
         if drafted:
             keep_hits(self.table, ahead, drafted, record)
 
-    def end_replica_requests(self, replica: TargetReplica, why: str) -> None:
-        """A replica that cannot be reached: every request it holds ends with an error."""
-        ended = [self.table.requests[rid] for rid in sorted(replica.requests) if rid in self.table.requests]
-        log.error("target %d (%s) failed (%s): ending its %d requests", replica.index, replica.address, why,
-                  len(ended))
-        for r in ended:
-            self.table.finish(r, "error", f"the target service failed: {why}")
-
     def _failed(self, p: TargetPass, failure: Failure | None) -> None:
         replica = p.replica
         if failure is not None and failure.kind == "down":
-            self.end_replica_requests(replica, failure.message)
+            self.replica_lost(replica, failure.message)
             return
         ids = [i.rid for i in p.prefill] + [i.rid for i in p.verify]
         log.error("target %d refused a call (%s): ending the %d requests in it", replica.index, failure, len(ids))

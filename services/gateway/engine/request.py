@@ -104,6 +104,7 @@ class GenRequest:
     out_of_blocks: int = 0  # iterations its replica refused it for lack of free KV blocks
     finish_reason: str | None = None
     resuming: bool = False  # preempted: its KV is being rebuilt from `context` before it decodes again
+    readmitted: bool = False  # admitted once and waiting again (preempted, or its replica lost): never refused
     served_best_effort: bool = False  # admitted in the best-effort tier: no SLO applies to it
     best_effort_ok: bool = False  # may be served without an SLO when no replica can meet it (SLO-aware admission)
     trace: SpanContext | None = None  # its HTTP request's span, while tracing is on (iterations link to it)

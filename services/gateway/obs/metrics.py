@@ -261,6 +261,8 @@ class GatewayMetrics:
         self.per_iteration = _IterationCounters(self.model_name)
         r.register(self.per_iteration)
         self.requests_received = counter("specserve:requests_received_total", "Requests received (queued).")
+        self.requests_moved = counter("specserve:requests_moved_total", "Requests moved off a target replica that "
+                                      "was lost, to resume on another by recompute.")
         self.slo = counter("specserve:request_slo_total",
                            "Finished requests by SLO tier and whether the SLO was met.", (*MODEL, "tier", "met"))
         # per SLO tier (the dashboard's p50/p99 per tier): observed when a request finishes
@@ -344,6 +346,9 @@ class GatewayMetrics:
 
     def on_preempted(self, count: int = 1) -> None:
         self.preemptions.inc(count)
+
+    def on_moved(self, count: int) -> None:
+        self.requests_moved.inc(count)
 
     def on_prefix_cache(self, queried: int, hits: int) -> None:
         """A prompt chunk looked up in its replica's prefix cache (`queried` tokens), `hits` of them found there."""
