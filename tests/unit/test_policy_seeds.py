@@ -394,6 +394,23 @@ def test_joint_is_turbospec_when_every_request_keeps_its_pace_and_lost_ones_neve
                                                               for rid, s in shapes.items()}  # chains verified whole
 
 
+def test_joint_does_not_lengthen_the_pass_that_prompts_wait_behind_unless_its_tokens_pay_for_them():
+    """Four requests with slack on a target whose verification costs 0.3 ms a token: alone they draft
+    (TurboSpec's choice). With 30 requests waiting for admission, or prefilling on the replica, each
+    would start as much later as the drafts lengthen the pass, and lose a token a pass for it: the
+    chains do not pay that, and nobody drafts. One waiting request costs less than the chains gain."""
+    lat = latency(curve=[(1, 10.0), (64, 29.0)])
+    fine = [req(f"f{i}", tpot=1000.0) for i in range(4)]
+
+    def depths(**kw) -> set[int]:
+        return {s.depth for s in Joint(tree_width=1).shapes(BatchView(fine, **kw), lat).values()}
+
+    alone = {s.depth for s in TurboSpec().shapes(BatchView(fine), lat).values()}
+    assert depths() == alone and max(alone) > 0
+    assert depths(waiting=30) == {0} and depths(prefilling=30) == {0}
+    assert max(depths(waiting=1)) > 0
+
+
 def test_joint_off_switch_when_nothing_pays():
     p = Joint()
     big = BatchView([req(f"r{i}") for i in range(64)])

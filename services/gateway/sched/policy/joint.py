@@ -12,7 +12,8 @@ acceptance MLE and the three-service step-time model, refitted online):
    - *at risk* when its root alone cannot keep its pace (t > pace);
    - *slack* otherwise.
 2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
-   goodput-optimal length k in 0..K_max (tokens per ms of the whole pass, with its hysteresis); the
+   goodput-optimal length k in 0..K_max (tokens per ms of the whole pass, with its hysteresis; less
+   what the longer pass costs the requests whose first token waits on it: `wide`); the
    narrow one, the at-risk requests alone drafting chains of the k of the best predicted *SLO
    goodput*: the expected tokens of the requests that keep their pace at the option's step time T
    (a chain of k yields l(a, k) tokens per T; a request that falls behind its pace counts nothing),
@@ -79,6 +80,25 @@ class Joint(TurboSpec):
                 good += tokens
         return good / t
 
+    def wide(self, batch: BatchView, model: PassCost, may: list[RequestView],
+             rates: dict[str, float]) -> dict[int, float]:
+        """Per k, the wide option's goodput: TurboSpec's tokens per ms of the pass when `may` draft k-token
+        chains, less what the longer pass costs the requests whose first token waits on it (waiting for
+        admission, or prefilling on this replica): each starts that much later, and once decoding makes
+        a token a pass, so a pass longer by dt than the one without drafts costs each of them dt / t0
+        tokens."""
+        c = self.control
+        behind = batch.waiting + batch.prefilling
+        out: dict[int, float] = {}
+        t0 = 0.0
+        for k in range(c.max_k + 1):
+            ks, t = c.step_ms(batch, model, may, k)
+            tokens = sum(expected_tokens(rates[r.rid], kr) for r, kr in zip(may, ks, strict=True))
+            tokens += len(batch.requests) - len(may)
+            t0 = t if k == 0 else t0
+            out[k] = (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
+        return out
+
     def choose(self, batch: BatchView, model: PassCost) -> tuple[int, list[RequestView]]:
         """(k, the requests that draft k-token chains): the wider option unless the narrow one's
         predicted SLO goodput is higher."""
@@ -91,7 +111,7 @@ class Joint(TurboSpec):
         may = [r for r in batch.requests if r.rid in allowed and r.remaining > 1 and states[r.rid] != LOST]
         current = c.current.get(batch.replica, 0)
         rates = c.acceptance.rates(batch.requests) if may else {}
-        wide = {k: c.goodput(batch, model, may, k, rates) for k in range(c.max_k + 1)} if may else {0: 0.0}
+        wide = self.wide(batch, model, may, rates) if may else {0: 0.0}
         k, spec = best_depth(wide, current, c.margin), may
         narrow = [r for r in may if states[r.rid] == AT_RISK]
         if narrow and len(narrow) < len(may):
