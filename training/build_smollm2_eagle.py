@@ -57,6 +57,7 @@ TREES = ((4, 2), (4, 4))  # (depth, width) of beam trees; AdaServe selects its t
 EVAL_PROMPTS = 64
 EVAL_TOKENS = 64
 NOISE = 0.05  # Gaussian noise on the true input features, times their RMS
+UNROLL = 2  # training-time test: steps the head is unrolled on its own predictions (4: models/README.md)
 
 
 def chat_ids(tok, prompt: str) -> list[int]:
@@ -137,8 +138,10 @@ def _batches(samples: list[dict], epoch: int) -> list[list[int]]:
 
 
 def _train_loss(head: EagleHead, samples: list[dict]) -> tuple[torch.Tensor, dict]:
-    """Teacher forcing, unrolled two steps: step 1 reads the target's features, step 2 the head's own
-    predictions (as a tree node's child does), each attending to the true entries before it."""
+    """Teacher forcing, unrolled UNROLL steps (EAGLE-3's training-time test): step 1 reads the target's
+    features; step j reads step j-1's prediction at the same base entry, as the j-th node of a chain
+    does. Entry e's step j sits at position e + j - 1 and attends to the true entries 0..e and to its
+    own chain's steps 2..j (the step-diagonal keys)."""
     lens = [len(s["features"]) for s in samples]
     b, t = len(samples), max(lens)
     feats = torch.zeros(b, t, head.hidden_size)
@@ -148,37 +151,44 @@ def _train_loss(head: EagleHead, samples: list[dict]) -> tuple[torch.Tensor, dic
         toks[r, :lens[r]] = s["tokens"][1:lens[r] + 1].long()
     valid = torch.arange(t)[None, :] < torch.tensor(lens)[:, None] - 1  # entry e has a target: f_{e+1}
     rms = feats.pow(2).mean().sqrt()
-    x1 = head.inputs(feats + torch.randn_like(feats) * NOISE * rms, toks)
-    pos = torch.arange(t)
-    q1, k1, v1 = (z.view(b, t, *z.shape[1:]) for z in head.qkv(x1.reshape(b * t, -1), pos.repeat(b)))
     g = head.heads // head.kv_heads
-    k1r, v1r = k1.repeat_interleave(g, 2), v1.repeat_interleave(g, 2)
+    pos = torch.arange(t)
     causal = torch.ones(t, t, dtype=torch.bool).tril()
-    s1 = torch.einsum("bnhd,bmhd->bhnm", q1, k1r) * head.scale
-    a1 = s1.masked_fill(~causal, float("-inf")).float().softmax(-1).to(v1r.dtype)
-    h1 = head.finish(x1, torch.einsum("bhnm,bmhd->bnhd", a1, v1r).reshape(b, t, -1))
-    # step 2: entry e (e >= 1) reads h1[e - 1]; its keys are the true entries before e and itself
-    x2 = head.inputs(h1[:, :-1], toks[:, 1:])
-    q2, k2, v2 = (z.view(b, t - 1, *z.shape[1:]) for z in head.qkv(x2.reshape(b * (t - 1), -1), pos[1:].repeat(b)))
-    k2r, v2r = k2.repeat_interleave(g, 2), v2.repeat_interleave(g, 2)
-    s2 = torch.einsum("bnhd,bmhd->bhnm", q2, k1r[:, :-1]) * head.scale
-    s2 = s2.masked_fill(~causal[:-1, :-1], float("-inf"))
-    diag = torch.einsum("bnhd,bnhd->bhn", q2, k2r)[..., None] * head.scale
-    a2 = torch.cat((s2, diag), -1).float().softmax(-1).to(v2r.dtype)
-    o2 = torch.einsum("bhnm,bmhd->bnhd", a2[..., :-1], v1r[:, :-1]) + a2[..., -1].transpose(1, 2)[..., None] * v2r
-    h2 = head.finish(x2, o2.reshape(b, t - 1, -1))
     with torch.no_grad():
         target_p = head.logits(feats[:, 1:]).softmax(-1)  # [b, t-1, V']: the target's distribution
         target_top = target_p.argmax(-1)
     losses, stats = [], {}
-    for name, pred, tp, top, f, m in (("s1", h1[:, :-1], target_p, target_top, feats[:, 1:], valid[:, :-1]),
-                                      ("s2", h2[:, :-1], target_p[:, 1:], target_top[:, 1:], feats[:, 2:],
-                                       valid[:, 1:-1])):
-        logp = F.log_softmax(head.logits(pred[m]), -1)
-        ce = -(tp[m] * logp).sum(-1).mean()
-        reg = F.smooth_l1_loss(pred[m].float(), f[m])
+    true_k = true_v = None  # step 1's keys and values (the true entries), repeated over query-head groups
+    chain_k: list[torch.Tensor] = []  # steps 2..j-1's keys and values, by base entry
+    chain_v: list[torch.Tensor] = []
+    h = feats + torch.randn_like(feats) * NOISE * rms  # step 1's input features: the target's, noised
+    for j in range(1, UNROLL + 1):
+        n = t - j + 1  # base entries 0..n-1 (entry e's step j sits at position e + j - 1)
+        x = head.inputs(h[:, :n], toks[:, j - 1:j - 1 + n])
+        q, k, v = (z.view(b, n, *z.shape[1:]) for z in head.qkv(x.reshape(b * n, -1), pos[j - 1:j - 1 + n].repeat(b)))
+        kr, vr = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+        if true_k is None:
+            true_k, true_v = kr, vr
+        s_true = torch.einsum("bnhd,bmhd->bhnm", q, true_k[:, :n]) * head.scale
+        s_true = s_true.masked_fill(~causal[:n, :n], float("-inf"))
+        own = [*(c[:, :n] for c in chain_k), kr] if j > 1 else []
+        diag = [torch.einsum("bnhd,bnhd->bhn", q, c)[..., None] * head.scale for c in own]
+        a = torch.cat((s_true, *diag), -1).float().softmax(-1).to(vr.dtype)
+        o = torch.einsum("bhnm,bmhd->bnhd", a[..., :n], true_v[:, :n])
+        for i, c in enumerate([*(c[:, :n] for c in chain_v), vr] if j > 1 else []):
+            o = o + a[..., n + i].transpose(1, 2)[..., None] * c
+        h = head.finish(x, o.reshape(b, n, -1))
+        if j > 1:
+            chain_k.append(kr)
+            chain_v.append(vr)
+        # step j at base e predicts f_{e+j} and the target's distribution there
+        m = valid[:, j - 1:t - 1]
+        pred = h[:, :t - j][m]
+        logp = F.log_softmax(head.logits(pred), -1)
+        ce = -(target_p[:, j - 1:][m] * logp).sum(-1).mean()
+        reg = F.smooth_l1_loss(pred.float(), feats[:, j:][m])
         losses.append(ce + FEATURE_WEIGHT * reg)
-        stats[f"{name}_acc"] = (logp.argmax(-1) == top[m]).float().mean().item()
+        stats[f"s{j}_acc"] = (logp.argmax(-1) == target_top[:, j - 1:][m]).float().mean().item()
     return sum(losses) / len(losses), stats | {"entries": int(valid.sum())}
 
 
@@ -221,7 +231,7 @@ def stage_train(state: dict) -> None:
         log.append({"step": step + 1, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in stats.items()},
                     "time_s": round(time.perf_counter() - t0, 1)})
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", s1=f"{stats['s1_acc']:.2f}", s2=f"{stats['s2_acc']:.2f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", **{f"s{j}": f"{stats[f's{j}_acc']:.2f}" for j in (1, UNROLL)})
     bar.close()
     head.eval()
     if OUT.exists():
@@ -233,7 +243,9 @@ def stage_train(state: dict) -> None:
                       "draft_vocab": DRAFT_VOCAB, "vocab_coverage": round(coverage, 4), "epochs": EPOCHS,
                       "steps": total, "lr": LR, "wall_s": log[-1]["time_s"],
                       "final_loss": round(sum(e["loss"] for e in tail) / len(tail), 4),
-                      "final_top1": {k: round(sum(e[k] for e in tail) / len(tail), 4) for k in ("s1_acc", "s2_acc")}}
+                      "unroll": UNROLL,
+                      "final_top1": {f"s{j}_acc": round(sum(e[f"s{j}_acc"] for e in tail) / len(tail), 4)
+                                     for j in range(1, UNROLL + 1)}}
 
 
 def _held_out_runs(target_dir: str) -> list[dict]:
