@@ -92,9 +92,7 @@ class Joint(TurboSpec):
         out: dict[int, float] = {}
         t0 = 0.0
         for k in range(c.max_k + 1):
-            ks, t = c.step_ms(batch, model, may, k)
-            tokens = sum(expected_tokens(rates[r.rid], kr) for r, kr in zip(may, ks, strict=True))
-            tokens += len(batch.requests) - len(may)
+            tokens, t = c.tokens_ms(batch, model, may, k, rates)
             t0 = t if k == 0 else t0
             out[k] = (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
         return out

@@ -81,14 +81,19 @@ class GoodputControl:
                               sum(1 for kr in ks if kr > 0), 1, lag, batch.kv_blocks)
         return ks, t
 
-    def goodput(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int,
-                rates: dict[str, float] | None = None) -> float:
-        """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains
+    def tokens_ms(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int,
+                  rates: dict[str, float] | None = None) -> tuple[float, float]:
+        """(predicted tokens, ms) of this replica's pass if the requests in `spec` draft k-token chains
         (rates: `Acceptance.rates` of them, when the caller prices several k)."""
         ks, t = self.step_ms(batch, cost, spec, k)
         rates = rates or self.acceptance.rates(spec)
         tokens = sum(expected_tokens(rates[r.rid], kr) for r, kr in zip(spec, ks, strict=True))
-        tokens += len(batch.requests) - len(spec)
+        return tokens + len(batch.requests) - len(spec), t
+
+    def goodput(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int,
+                rates: dict[str, float] | None = None) -> float:
+        """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains."""
+        tokens, t = self.tokens_ms(batch, cost, spec, k, rates)
         return tokens / t
 
     def eligible(self, batch: BatchView) -> tuple[list[RequestView], list[RequestView]]:
