@@ -38,6 +38,7 @@ from specserve.shared.runtime.loader import load_model, parse_device, parse_dtyp
 from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.spec import token_mask
 from specserve.shared.spec.penalties import TokenHistory
+from specserve.shared.spec.sampling import greedy_rows
 from specserve.shared.spec.token_tree import InvalidTree, validate_tree
 from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
 from specserve.shared.wire.messages import (
@@ -95,10 +96,11 @@ class TargetEngine:
         emitted: dict[int, tuple[list[int], int]] = {}
         kept: dict[int, torch.Tensor] = {}  # by result index: the features returned
         scored = CallLogprobs()
+        greedy = self._greedy(entries, logits, masks)
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
                 chosen = entry_logits if index not in masks else token_mask.apply_last(entry_logits, masks[index])
-                emitted[index], path = self._accept(all_entries[index], entry, chosen)
+                emitted[index], path = self._accept(all_entries[index], entry, chosen, greedy.get(i))
                 if features:
                     kept[index] = features[i] if path is None else features[i][path]
                 req = self.requests.get(entry.request_id)
@@ -328,10 +330,26 @@ class TargetEngine:
         return Chunk(rid, rest, logits_at=[len(rest) - 1] if chunk.logits_at else []), taken, undo
 
     # ---- acceptance --------------------------------------------------------------------------
-    def _accept(self, message: PrefillEntry | VerifyEntry, entry: Chunk | Tree,
-                logits: torch.Tensor) -> tuple[tuple[list[int], int], list[int] | None]:
-        """Commit the entry's outcome; return (emitted tokens, accepted draft nodes) and, for a tree,
-        its accepted path (node indices, root first; None for a prefill chunk)."""
+    def _greedy(self, entries: list[tuple[int, Chunk | Tree]], logits: list[torch.Tensor],
+                masks: dict[int, torch.Tensor]) -> dict[int, list[int]]:
+        """By entry position, the argmax at every node of the trees whose acceptance reads their logits as
+        they are (a greedy request with no penalty, stop ids held back or token mask), taken for all of them
+        at once: on a GPU one read back a call instead of one a request."""
+        if self.accept is not None:
+            return {}
+        plain = []
+        for i, (index, entry) in enumerate(entries):
+            req = self.requests.get(entry.request_id)
+            if isinstance(entry, Tree) and index not in masks and req is not None and req.params.is_greedy \
+                    and not (req.params.penalized or req.params.holds_stops):
+                plain.append(i)
+        return dict(zip(plain, greedy_rows([logits[i] for i in plain]), strict=True))
+
+    def _accept(self, message: PrefillEntry | VerifyEntry, entry: Chunk | Tree, logits: torch.Tensor,
+                greedy: list[int] | None = None) -> tuple[tuple[list[int], int], list[int] | None]:
+        """Commit the entry's outcome (greedy: its argmax at every node, from `_greedy`); return (emitted
+        tokens, accepted draft nodes) and, for a tree, its accepted path (node indices, root first; None for
+        a prefill chunk)."""
         rid = entry.request_id
         req = self.requests.get(rid)
         if isinstance(entry, Chunk):
@@ -362,8 +380,9 @@ class TargetEngine:
             req.committed, req.last_token = req.prefilled + 1, token
             return ([token], 0), None
         assert req is not None  # _check_verify refused a tree of an unknown request
-        acceptance = (self.accept or accept_tree)(entry.tokens, entry.parents, logits, req.params, req.generator,
-                                                  req.history)
+        acceptance = accept_tree(entry.tokens, entry.parents, logits, req.params, req.generator, req.history,
+                                 greedy=greedy) if self.accept is None else \
+            self.accept(entry.tokens, entry.parents, logits, req.params, req.generator, req.history)
         self.runner.commit_tree(rid, acceptance.path)
         if req.history is not None:
             req.history.add_output(acceptance.tokens)

@@ -13,6 +13,7 @@ in float32 and mask every token.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,23 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
         return chosen
     on_device: list[int] = logits.argmax(-1).tolist()
     return on_device
+
+
+def greedy_rows(logits: Sequence[torch.Tensor]) -> list[list[int]]:
+    """`greedy_tokens` of each tensor, with one read back for all of them: on a GPU the argmaxes stay on the
+    device until a single copy to the host (one synchronization a call, not one a tensor); float32 on the
+    CPU goes through NumPy as in `greedy_tokens`."""
+    if not logits:
+        return []
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in logits):
+        return [greedy_tokens(t) for t in logits]
+    flat: list[int] = torch.cat([t.argmax(-1).reshape(-1) for t in logits]).tolist()
+    out, at = [], 0
+    for t in logits:
+        n = t.shape[0]
+        out.append(flat[at:at + n])
+        at += n
+    return out
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

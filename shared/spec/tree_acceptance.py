@@ -39,14 +39,18 @@ def accept_tree(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     history: TokenHistory | None = None,
+    greedy: Sequence[int] | None = None,
 ) -> Acceptance:
     """logits [n_nodes, V]: the target's next-token logits at every node of the tree; history: the
-    request's tokens so far, which the penalties read (required when `params` asks for any)."""
+    request's tokens so far, which the penalties read (required when `params` asks for any); greedy: the
+    logits' argmax at every node where the caller took them already (`greedy_rows` over a whole call),
+    used when no penalty changes the logits."""
     children = children_by_token(tokens, parents)
-    if history is not None and (params.penalized or params.holds_stops):
+    penalized = history is not None and (params.penalized or params.holds_stops)
+    if history is not None and penalized:
         logits = penalize(logits, tokens, parents, params, history)
     if params.is_greedy:
-        choices = greedy_tokens(logits)
+        choices: Sequence[int] = greedy if greedy is not None and not penalized else greedy_tokens(logits)
 
         def draw(node: int) -> int:
             return choices[node]

@@ -132,10 +132,10 @@ def test_extreme_sampling_values_sample_alone(target, control, spec):
 def test_a_failing_acceptance_ends_its_request_alone(target, control, monkeypatch):
     real = target_engine.accept_tree
 
-    def accept_tree(tokens, parents, logits, params, generator=None, history=None):
+    def accept_tree(tokens, parents, logits, params, generator=None, history=None, greedy=None):
         if params.seed == POISON_SEED:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(tokens, parents, logits, params, generator, history)
+        return real(tokens, parents, logits, params, generator, history, greedy=greedy)
 
     monkeypatch.setattr(target_engine, "accept_tree", accept_tree)
     out, poison = run_with_poison(target, control, "accept", SamplingSpec(temperature=0.0, seed=POISON_SEED))

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.shared.spec.penalties import TokenHistory, penalize
-from specserve.shared.spec.sampling import SamplingParams, greedy_tokens, probabilities, sample
+from specserve.shared.spec.sampling import SamplingParams, greedy_rows, greedy_tokens, probabilities, sample
 
 INF = float("inf")
 # Values that used to break the sampler or sit at the edges of float32 / float64.
@@ -202,3 +202,17 @@ def test_greedy_tokens_are_torchs_argmax(rows):
     logits = torch.tensor(rows, dtype=torch.float32)
     assert greedy_tokens(logits) == logits.argmax(-1).tolist()
     assert greedy_tokens(logits.to(torch.float64)) == logits.to(torch.float64).argmax(-1).tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=0, max_size=6), st.sampled_from([torch.float32, torch.float64]),
+       st.integers(0, 2**31 - 1))
+def test_greedy_rows_are_each_tensors_greedy_tokens(counts, dtype, seed):
+    """One read back for a call's tensors (the torch path: float64 here, any dtype on a GPU) gives each
+    tensor's rows what `greedy_tokens` gives them alone, ties and NaNs included."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randint(-2, 3, (n, 7), generator=gen).to(dtype) for n in counts]
+    for t in tensors[:1]:
+        t[0, 3] = math.nan
+    assert greedy_rows(tensors) == [greedy_tokens(t) for t in tensors]
+    assert greedy_rows(tensors) == [t.argmax(-1).tolist() for t in tensors]
