@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specserve.draft.beam import BeamRequest, beam_search
+from specserve.draft.beam import BeamRequest, BeamTree, _extend_chains, _select, beam_search
 from specserve.draft.static_step import StaticBeamStep, bucket
 from specserve.shared.runtime.batch import Chunk, DraftNodes, Tree
 from specserve.shared.runtime.random_model import TINY_CONFIG, write_random_model
@@ -84,6 +84,28 @@ def test_batched_beam_search_matches_the_reference_search(model_dir, depth, widt
         # A path probability never exceeds its parent's.
         for node, parent in enumerate(trees[rid].parents[1:], start=1):
             assert probs[node] <= probs[parent] + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chains_extended_together_are_each_chain_extended_alone(dtype):
+    """Width-1 steps of several chains at once (one argmax and read back for all) append the node, parent
+    and path log-probability `_select` appends for each alone, ties and a NaN row included; float64 takes
+    the torch path a GPU takes."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(-3, 1, (5, 11), generator=gen).to(dtype).float()
+    rows[2, 4] = float("nan")
+
+    def start(i: int) -> BeamTree:
+        return BeamTree([7, 1 + i], [-1, 0], [0.0, -0.25 * i], [1])
+
+    together = [start(i) for i in range(5)]
+    _extend_chains(together, rows.to(dtype))
+    for i, tree in enumerate(together):
+        alone = start(i)
+        _select(alone, torch.tensor([alone.logp[j] for j in alone.layer]), rows[i:i + 1].to(dtype), 1)
+        assert (tree.tokens, tree.parents, tree.layer) == (alone.tokens, alone.parents, alone.layer)
+        assert tree.logp[:2] == alone.logp[:2]
+        assert tree.logp[2] == alone.logp[2] or (tree.logp[2] != tree.logp[2] and alone.logp[2] != alone.logp[2])
 
 
 def test_bucket_is_the_next_power_of_two():
