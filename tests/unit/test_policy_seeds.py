@@ -411,6 +411,27 @@ def test_joint_does_not_lengthen_the_pass_that_prompts_wait_behind_unless_its_to
     assert max(depths(waiting=1)) > 0
 
 
+def test_joint_does_not_draft_a_prompt_past_its_ttft():
+    """Four slack requests that draft alone share the replica with a prompt of 1,000 tokens going in at
+    128 a pass (8 passes). With 900 ms left before its TTFT SLO the plain pass (about 10.5 ms) meets it
+    and the drafting passes too: they draft. With 8.5 plain passes of time left, the drafting ones would
+    bring its first token after the deadline: nobody drafts. With less time than 8 plain passes it is
+    late anyway, and the chains are priced as without it."""
+    lat = latency(curve=[(1, 10.0), (64, 29.0)])
+    fine = [req(f"f{i}", tpot=1000.0) for i in range(4)]
+    t0 = lat.target_ms(4 + 128)
+
+    def depths(left_ms: float) -> set[int]:
+        batch = BatchView(fine, prefill_tokens=128, prefilling=1, prompts=((1000, left_ms),))
+        return {s.depth for s in Joint(tree_width=1).shapes(batch, lat).values()}
+
+    alone = {s.depth for s in Joint(tree_width=1).shapes(BatchView(fine, prefill_tokens=128, prefilling=1), lat).values()}
+    assert max(alone) > 0
+    assert depths(900.0) == alone
+    assert depths(8.5 * t0) == {0}
+    assert depths(7.5 * t0) == alone
+
+
 def test_joint_off_switch_when_nothing_pays():
     p = Joint()
     big = BatchView([req(f"r{i}") for i in range(64)])

@@ -200,11 +200,11 @@ class SchedulerView:
                 if self.stepping(r.replica):
                     self._groups[r.replica].append(r)
         chunk = [prefill_tokens[i] if i < len(prefill_tokens) else 0 for i in range(len(self.replicas))]
-        prefilling = [0] * len(self.replicas)
+        prompts: list[list[tuple[int, float]]] = [[] for _ in self.replicas]
         for p in self.prefilling:
-            prefilling[p.replica] += 1
+            prompts[p.replica].append((p.prompt_tokens - p.prefilled, p.ttft_ms - p.waited_ms))
         return [BatchView(g, chunk[i], len(self.waiting), self.draft.usable, i,
-                          rep.held_blocks + rep.blocks_for(chunk[i]), prefilling[i])
+                          rep.held_blocks + rep.blocks_for(chunk[i]), len(prompts[i]), tuple(prompts[i]))
                 for i, (g, rep) in enumerate(zip(self._groups, self.replicas, strict=True))]
 
 
@@ -217,6 +217,9 @@ class BatchView:
     replica: int = 0
     kv_blocks: int = 0  # KV blocks the pass attends to: what the replica's requests hold, and its prompt chunks
     prefilling: int = 0  # this replica's admitted requests whose prompt is not all in its KV yet
+    # those requests in admission order: (prompt tokens still to compute, this pass's chunk included; ms left
+    # before their TTFT SLO ends)
+    prompts: tuple[tuple[int, float], ...] = ()
 
     def tree_budget(self, model: PassCost) -> int:
         """The budget left for trees, roots included: B minus the co-scheduled prefill tokens,

@@ -13,7 +13,8 @@ acceptance MLE and the three-service step-time model, refitted online):
    - *slack* otherwise.
 2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
    goodput-optimal length k in 0..K_max (tokens per ms of the whole pass, with its hysteresis; less
-   what the longer pass costs the requests whose first token waits on it: `wide`); the
+   what the longer pass costs the requests whose first token waits on it, and never a pass so long
+   that a prompt being prefilled misses the TTFT it would meet otherwise: `wide`); the
    narrow one, the at-risk requests alone drafting chains of the k of the best predicted *SLO
    goodput*: the expected tokens of the requests that keep their pace at the option's step time T
    (a chain of k yields l(a, k) tokens per T; a request that falls behind its pace counts nothing),
@@ -35,6 +36,7 @@ acceptance MLE and the three-service step-time model, refitted online):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from specserve.gateway.perf.cost import PassCost
@@ -46,6 +48,21 @@ from specserve.gateway.sched.policy.goodput import best_depth, expected_tokens
 from specserve.gateway.sched.policy.turbospec import TurboSpec
 
 LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
+
+
+def makes_late(batch: BatchView, t0: float, t: float) -> bool:
+    """Whether passes of t ms instead of t0, kept until the replica's prompts are in, make a prefilling
+    request miss its TTFT SLO that passes of t0 would meet: its prompt and those admitted before it go in
+    at this pass's prompt tokens a pass, its first token comes with its last chunk's pass."""
+    if batch.prefill_tokens <= 0 or t <= t0:
+        return False
+    ahead = 0
+    for tokens, left_ms in batch.prompts:
+        ahead += tokens
+        passes = math.ceil(ahead / batch.prefill_tokens)
+        if passes * t0 <= left_ms < passes * t:
+            return True
+    return False
 
 
 class Joint(TurboSpec):
@@ -86,7 +103,7 @@ class Joint(TurboSpec):
         chains, less what the longer pass costs the requests whose first token waits on it (waiting for
         admission, or prefilling on this replica): each starts that much later, and once decoding makes
         a token a pass, so a pass longer by dt than the one without drafts costs each of them dt / t0
-        tokens."""
+        tokens. A k whose pass would make a prefilling request miss its TTFT (`makes_late`) is not an option."""
         c = self.control
         behind = batch.waiting + batch.prefilling
         out: dict[int, float] = {}
@@ -94,7 +111,8 @@ class Joint(TurboSpec):
         for k in range(c.max_k + 1):
             tokens, t = c.tokens_ms(batch, model, may, k, rates)
             t0 = t if k == 0 else t0
-            out[k] = (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
+            late = k > 0 and makes_late(batch, t0, t)
+            out[k] = -math.inf if late else (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
         return out
 
     def choose(self, batch: BatchView, model: PassCost) -> tuple[int, list[RequestView]]:
