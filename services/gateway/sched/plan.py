@@ -217,8 +217,8 @@ class BatchView:
     replica: int = 0
     kv_blocks: int = 0  # KV blocks the pass attends to: what the replica's requests hold, and its prompt chunks
     prefilling: int = 0  # this replica's admitted requests whose prompt is not all in its KV yet
-    # those requests in admission order: (prompt tokens still to compute, this pass's chunk included; ms left
-    # before their TTFT SLO ends)
+    # those requests: (prompt tokens still to compute, this pass's chunk included; ms left before their TTFT
+    # SLO ends)
     prompts: tuple[tuple[int, float], ...] = ()
 
     def tree_budget(self, model: PassCost) -> int:
