@@ -425,7 +425,8 @@ def test_joint_does_not_draft_a_prompt_past_its_ttft():
         batch = BatchView(fine, prefill_tokens=128, prefilling=1, prompts=((1000, left_ms),))
         return {s.depth for s in Joint(tree_width=1).shapes(batch, lat).values()}
 
-    alone = {s.depth for s in Joint(tree_width=1).shapes(BatchView(fine, prefill_tokens=128, prefilling=1), lat).values()}
+    plain = BatchView(fine, prefill_tokens=128, prefilling=1)
+    alone = {s.depth for s in Joint(tree_width=1).shapes(plain, lat).values()}
     assert max(alone) > 0
     assert depths(900.0) == alone
     assert depths(8.5 * t0) == {0}
