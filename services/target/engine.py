@@ -333,15 +333,15 @@ class TargetEngine:
     def _greedy(self, entries: list[tuple[int, Chunk | Tree]], logits: list[torch.Tensor],
                 masks: dict[int, torch.Tensor]) -> dict[int, list[int]]:
         """By entry position, the argmax at every node of the trees whose acceptance reads their logits as
-        they are (a greedy request with no penalty, stop ids held back or token mask), taken for all of them
-        at once: on a GPU one read back a call instead of one a request."""
+        they are (a greedy request with no token history for penalties or held-back stop ids, and no token
+        mask), taken for all of them at once: on a GPU one read back a call instead of one a request."""
         if self.accept is not None:
             return {}
         plain = []
         for i, (index, entry) in enumerate(entries):
             req = self.requests.get(entry.request_id)
             if isinstance(entry, Tree) and index not in masks and req is not None and req.params.is_greedy \
-                    and not (req.params.penalized or req.params.holds_stops):
+                    and req.history is None:
                 plain.append(i)
         return dict(zip(plain, greedy_rows([logits[i] for i in plain]), strict=True))
 

@@ -46,11 +46,11 @@ def accept_tree(
     logits' argmax at every node where the caller took them already (`greedy_rows` over a whole call),
     used when no penalty changes the logits."""
     children = children_by_token(tokens, parents)
-    penalized = history is not None and (params.penalized or params.holds_stops)
-    if history is not None and penalized:
+    if history is not None and (params.penalized or params.holds_stops):
         logits = penalize(logits, tokens, parents, params, history)
+        greedy = None  # taken from the logits before the penalties
     if params.is_greedy:
-        choices: Sequence[int] = greedy if greedy is not None and not penalized else greedy_tokens(logits)
+        choices = greedy if greedy is not None else greedy_tokens(logits)
 
         def draw(node: int) -> int:
             return choices[node]
