@@ -204,7 +204,8 @@ class SchedulerView:
         for p in self.prefilling:
             prompts[p.replica].append((p.prompt_tokens - p.prefilled, p.ttft_ms - p.waited_ms))
         return [BatchView(g, chunk[i], len(self.waiting), self.draft.usable, i,
-                          rep.held_blocks + rep.blocks_for(chunk[i]), len(prompts[i]), tuple(prompts[i]))
+                          rep.held_blocks + rep.blocks_for(chunk[i]), len(prompts[i]),
+                          tuple(sorted(prompts[i], key=lambda p: p[1])))
                 for i, (g, rep) in enumerate(zip(self._groups, self.replicas, strict=True))]
 
 
@@ -217,8 +218,8 @@ class BatchView:
     replica: int = 0
     kv_blocks: int = 0  # KV blocks the pass attends to: what the replica's requests hold, and its prompt chunks
     prefilling: int = 0  # this replica's admitted requests whose prompt is not all in its KV yet
-    # those requests: (prompt tokens still to compute, this pass's chunk included; ms left before their TTFT
-    # SLO ends)
+    # those requests, earliest TTFT deadline first (the order SLO admission gives them chunks): (prompt tokens
+    # still to compute, this pass's chunk included; ms left before their TTFT SLO ends)
     prompts: tuple[tuple[int, float], ...] = ()
 
     def tree_budget(self, model: PassCost) -> int:

@@ -53,12 +53,12 @@ LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
 def makes_late(batch: BatchView, t0: float, t: float) -> bool:
     """Whether passes of t ms instead of t0, kept until the replica's prompts are in, make a prefilling
     request miss its TTFT SLO that passes of t0 would meet: its prompt and those whose deadline comes
-    first go in at this pass's prompt tokens a pass (SLO admission's chunks go by deadline), its first
-    token comes with its last chunk's pass."""
+    first (`BatchView.prompts`' order) go in at this pass's prompt tokens a pass, its first token comes
+    with its last chunk's pass."""
     if batch.prefill_tokens <= 0 or t <= t0:
         return False
     ahead = 0
-    for tokens, left_ms in sorted(batch.prompts, key=lambda p: p[1]):
+    for tokens, left_ms in batch.prompts:
         ahead += tokens
         passes = math.ceil(ahead / batch.prefill_tokens)
         if passes * t0 <= left_ms < passes * t:
