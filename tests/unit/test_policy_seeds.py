@@ -10,6 +10,7 @@ hand in comments, or by brute force written here.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -431,6 +432,22 @@ def test_joint_does_not_draft_a_prompt_past_its_ttft():
     assert depths(900.0) == alone
     assert depths(8.5 * t0) == {0}
     assert depths(7.5 * t0) == alone
+
+
+@pytest.mark.parametrize("held_off", ["prompt past its TTFT", "requests waiting"])
+def test_joint_held_off_by_its_prices_does_not_skip_the_next_requests_draft_prefill(held_off):
+    """Nobody drafts while a prompt would miss its TTFT behind drafting passes, or while 30 requests wait
+    behind them; neither is TurboSpec's verdict that drafting does not pay at this batch size, so the
+    draft-prefill skip threshold stays unset (requests that start decoding meanwhile keep their draft
+    prefill and may draft later). Drafting that does not pay sets it (test_joint_off_switch_when_nothing_pays)."""
+    lat = latency(curve=[(1, 10.0), (64, 29.0)])
+    fine = [req(f"f{i}", tpot=1000.0) for i in range(4)]
+    t0 = lat.target_ms(4 + 128)
+    p = Joint(tree_width=1)
+    batch = BatchView(fine, prefill_tokens=128, prefilling=1, prompts=((1000, 8.5 * t0),)) \
+        if held_off == "prompt past its TTFT" else BatchView(fine, waiting=30)
+    assert {s.depth for s in p.shapes(batch, lat).values()} == {0}
+    assert p.control.thr == math.inf
 
 
 def test_joint_off_switch_when_nothing_pays():

@@ -22,9 +22,10 @@ acceptance MLE and the three-service step-time model, refitted online):
    when drafting for everyone would make the pass too long for the requests at risk, the requests
    with slack keep their roots only and the tokens go to those at risk; when every request keeps
    its pace this is TurboSpec on the requests not lost.
-3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes; a
-   request that starts decoding at risk keeps its draft prefill whatever the load; every drafted
-   chain is verified whole.
+3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes (the
+   skip only where drafting does not pay at the batch size, not while the prices of step 2 hold it
+   off); a request that starts decoding at risk keeps its draft prefill whatever the load; every
+   drafted chain is verified whole.
 4. Trees where they pay (branching.py): when no request waits for admission, none of a batch of
    several is at risk and every request of the batch that is not lost keeps its pace with its chain,
    the drafting requests ask for trees instead of chains if the draft's extra time for the width is
@@ -99,22 +100,25 @@ class Joint(TurboSpec):
         return good / t
 
     def wide(self, batch: BatchView, model: PassCost, may: list[RequestView],
-             rates: dict[str, float]) -> dict[int, float]:
-        """Per k, the wide option's goodput: TurboSpec's tokens per ms of the pass when `may` draft k-token
-        chains, less what the longer pass costs the requests whose first token waits on it (waiting for
-        admission, or prefilling on this replica): each starts that much later, and once decoding makes
-        a token a pass, so a pass longer by dt than the one without drafts costs each of them dt / t0
-        tokens. A k whose pass would make a prefilling request miss its TTFT (`makes_late`) is not an option."""
+             rates: dict[str, float]) -> tuple[dict[int, float], dict[int, float]]:
+        """Per k, the wide option's goodput, priced and plain. Plain: TurboSpec's tokens per ms of the pass
+        when `may` draft k-token chains. Priced: less what the longer pass costs the requests whose first
+        token waits on it (waiting for admission, or prefilling on this replica): each starts that much
+        later, and once decoding makes a token a pass, so a pass longer by dt than the one without drafts
+        costs each of them dt / t0 tokens; and a k whose pass would make a prefilling request miss its
+        TTFT (`makes_late`) is not an option."""
         c = self.control
         behind = batch.waiting + batch.prefilling
-        out: dict[int, float] = {}
+        priced: dict[int, float] = {}
+        plain: dict[int, float] = {}
         t0 = 0.0
         for k in range(c.max_k + 1):
             tokens, t = c.tokens_ms(batch, model, may, k, rates)
             t0 = t if k == 0 else t0
+            plain[k] = tokens / t
             late = k > 0 and makes_late(batch, t0, t)
-            out[k] = -math.inf if late else (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
-        return out
+            priced[k] = -math.inf if late else (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
+        return priced, plain
 
     def choose(self, batch: BatchView, model: PassCost) -> tuple[int, list[RequestView]]:
         """(k, the requests that draft k-token chains): the wider option unless the narrow one's
@@ -128,7 +132,7 @@ class Joint(TurboSpec):
         may = [r for r in batch.requests if r.rid in allowed and r.remaining > 1 and states[r.rid] != LOST]
         current = c.current.get(batch.replica, 0)
         rates = c.acceptance.rates(batch.requests) if may else {}
-        wide = self.wide(batch, model, may, rates) if may else {0: 0.0}
+        wide, plain = self.wide(batch, model, may, rates) if may else ({0: 0.0}, {0: 0.0})
         k, spec = best_depth(wide, current, c.margin), may
         narrow = [r for r in may if states[r.rid] == AT_RISK]
         if narrow and len(narrow) < len(may):
@@ -137,7 +141,11 @@ class Joint(TurboSpec):
             if table[k_narrow] > self.value(batch, model, may, k, rates, paces) * (1.0 + c.margin):
                 k, spec = k_narrow, narrow
         drafting = {r.rid for r in spec}
-        c.settle(batch, k, [r for r in late if r.rid in drafting], may)
+        # TurboSpec's draft-prefill skip threshold follows TurboSpec's verdict (plain tokens per ms: drafting
+        # does not pay at this batch size), not the prices of requests waiting or prompts going in: those
+        # pass, and a request whose draft prefill was skipped meanwhile could never draft after them
+        held_off = k == 0 and best_depth(plain, 0, c.margin) > 0
+        c.settle(batch, k, [r for r in late if r.rid in drafting], [] if held_off else may)
         return k, spec if k > 0 else may  # at k = 0 nobody drafts; TurboSpec's probe picks among `may`
 
     def keeps_draft(self, view: SchedulerView) -> Callable[[RequestView], bool]:
