@@ -51,3 +51,31 @@ def test_a_finished_request_meets_its_slo_only_with_both_its_ttft_and_its_tpot_i
     assert finished(0.5, 9.0, tokens=1).slo_met()  # one token: no TPOT to miss
     assert finished(1.5, 0.04).ttft_s() == pytest.approx(1.5) and finished(0, 0, tokens=0).ttft_s() is None
     assert not finished(0, 0, tokens=0).slo_met()
+
+
+def test_the_arrival_check_counts_the_prompts_due_before_a_request_by_ttft_deadline():
+    """`Intake.tokens_due_before`: SLO-aware admission chunks prompts by TTFT deadline, so a new request waits
+    on the waiting and prefilling prompts due no later than it, not on a long prompt prefilling with a later
+    deadline (nor on one in the best-effort tier, nor on a request that decodes)."""
+    replicas = [TargetReplica(0, "unix:/a", PassCost(16, 10.0))]
+    policy = Steered()
+    engine = Engine(policy, Scheduler(policy, RoundRobin()), ServicePool(replicas, None), GatewayMetrics("t"),
+                    GatewayConfig())
+
+    def request(rid: str, prompt: int, ttft_ms: float, arrival: float = 100.0) -> GenRequest:
+        return GenRequest(rid, [1] * prompt, SamplingSpec(), 8, SloClass("x", 50.0, ttft_ms), frozenset(),
+                          arrival=arrival)
+
+    chat = request("chat", 1300, 5000.0)  # prefilling, due at 105 s, 300 tokens in
+    urgent = request("urgent", 200, 1500.0)  # prefilling, due at 101.5 s
+    spare = request("spare", 400, 1000.0)  # prefilling best effort
+    for r in (chat, urgent, spare):
+        engine.table.queue(r)
+        engine.table.bind(r, 0)
+    chat.prefilled, spare.served_best_effort = 300, True
+    engine.table.queue(request("queued", 50, 2000.0, arrival=100.5))  # waiting, due at 102.5 s
+    search = request("search", 80, 2000.0, arrival=101.0)  # due at 103 s
+    assert engine.intake.tokens_due_before(search) == 200 + 50
+    assert engine.intake.tokens_due_before(request("late", 80, 5000.0, arrival=101.0)) == 1000 + 200 + 50
+    urgent.output = [7]  # decoding: no prompt left to compute
+    assert engine.intake.tokens_due_before(search) == 50

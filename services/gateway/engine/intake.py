@@ -73,15 +73,25 @@ class Intake:
         slots = max(1, self.config.max_running * sum(t.up for t in self.pool.targets))
         return max(1.0, len(self.table.waiting) * self.table.mean_latency_s / slots)
 
+    def tokens_due_before(self, req: GenRequest) -> int:
+        """The prompt tokens SLO-aware admission gives chunks before `req`'s (they go in by TTFT deadline):
+        those still to compute of every request waiting or prefilling with a deadline no later than its
+        own, but those waiting that may run best effort and those prefilling in the best-effort tier (they
+        get what the SLO prompts leave)."""
+        deadline = req.arrival + req.slo.ttft_ms / 1e3
+
+        def due(r: GenRequest) -> bool:
+            return r.arrival + r.slo.ttft_ms / 1e3 <= deadline
+
+        waiting = sum(len(r.context) - r.prefilled for r in self.table.waiting if not r.best_effort_ok and due(r))
+        return waiting + sum(len(r.context) - max(r.prefilled, r.cached) for r in self.table.running.values()
+                             if not r.decoding and not r.served_best_effort and due(r))
+
     def _refuse_a_lost_first_token(self, req: GenRequest) -> None:
         """SLO-aware admission: 503 on arrival when no plan can meet the request's TTFT, counting the
-        prompt tokens due before it (those waiting with a TTFT deadline no later, those prefilling) and its
-        own less what a replica's prefix cache is expected to hold."""
-        deadline = req.arrival + req.slo.ttft_ms / 1e3
-        due_before = sum(len(r.context) - r.prefilled for r in self.table.waiting
-                         if not r.best_effort_ok and r.arrival + r.slo.ttft_ms / 1e3 <= deadline)
-        due_before += sum(len(r.context) - max(r.prefilled, r.cached) for r in self.table.running.values()
-                          if not r.decoding)
+        prompt tokens due before it (`tokens_due_before`) and its own less what a replica's prefix cache
+        is expected to hold."""
+        due_before = self.tokens_due_before(req)
         costs = [t.cost for t in self.pool.targets if t.up and not t.retired]
         cached = max(self.table.prefix.per_replica(req), default=0)  # its prompt in a replica's prefix cache
         bound = first_token_bound_ms(len(req.prompt) - cached, due_before, costs, self.config.max_prefill_tokens)
