@@ -19,7 +19,7 @@ from specserve.gateway.perf.cost import OnlineLinear, PassCost
 from specserve.gateway.perf.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
 from specserve.gateway.sched.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
 from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens
-from specserve.gateway.sched.policy.joint import AT_RISK, LOST, SLACK, Joint
+from specserve.gateway.sched.policy.joint import AT_RISK, LOST, SLACK, Joint, makes_late
 from specserve.gateway.sched.policy.slo_goodput import SloGoodput, hopeless
 from specserve.gateway.sched.policy.tetris import Tetris, tetris_select
 from specserve.gateway.sched.policy.turbospec import TurboSpec
@@ -432,6 +432,15 @@ def test_joint_does_not_draft_a_prompt_past_its_ttft():
     assert depths(900.0) == alone
     assert depths(8.5 * t0) == {0}
     assert depths(7.5 * t0) == alone
+
+
+def test_a_prompts_ttft_is_kept_with_the_planners_margin_on_the_drafting_passes():
+    """`makes_late`: 1,000 prompt tokens at 128 a pass take 8 passes; with 8.5 plain passes of time left,
+    passes 5 % longer keep the deadline at their expected time, not with the 10 % by which slow prompt
+    passes overran their price; a prompt that plain passes would bring late is late anyway."""
+    batch = BatchView([], prefill_tokens=128, prompts=((1000, 8.5 * 10.0),))
+    assert not makes_late(batch, 10.0, 10.5) and makes_late(batch, 10.0, 10.5, slow=0.1)
+    assert not makes_late(BatchView([], prefill_tokens=128, prompts=((1000, 7.5 * 10.0),)), 10.0, 10.5, slow=0.1)
 
 
 @pytest.mark.parametrize("held_off", ["prompt past its TTFT", "requests waiting"])

@@ -244,8 +244,12 @@ class PassCost:
         """What the planner adds to a pass of `tokens` priced at `priced_ms`: up to B tokens, the median
         recent residual of the passes without a prompt, ms; above, the p90 of the residuals of the passes
         with one as a share of their price, times this one's (>= 0)."""
-        low, high, _ = self._margin_stats()
-        return low if tokens <= self.budget_tokens else high * priced_ms
+        return self._margin_stats()[0] if tokens <= self.budget_tokens else self.slow_share() * priced_ms
+
+    def slow_share(self) -> float:
+        """How much slower than priced the slow prompt passes ran: the p90 of their residuals as a share of
+        their price (>= 0; the planner's margin for passes above B tokens)."""
+        return self._margin_stats()[1]
 
     def fast_share(self) -> float:
         """How much faster than priced the fast prompt passes ran: the p10 of their residuals as a share of

@@ -14,7 +14,8 @@ acceptance MLE and the three-service step-time model, refitted online):
 2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
    goodput-optimal length k in 0..K_max (tokens per ms of the whole pass, with its hysteresis; less
    what the longer pass costs the requests whose first token waits on it, and never a pass so long
-   that a prompt being prefilled misses the TTFT it would meet otherwise: `wide`); the
+   that a prompt being prefilled may miss (at the planner's margin) the TTFT it would meet
+   otherwise: `wide`); the
    narrow one, the at-risk requests alone drafting chains of the k of the best predicted *SLO
    goodput*: the expected tokens of the requests that keep their pace at the option's step time T
    (a chain of k yields l(a, k) tokens per T; a request that falls behind its pace counts nothing),
@@ -51,18 +52,19 @@ from specserve.gateway.sched.policy.turbospec import TurboSpec
 LOST, AT_RISK, SLACK = "lost", "at_risk", "slack"
 
 
-def makes_late(batch: BatchView, t0: float, t: float) -> bool:
-    """Whether passes of t ms instead of t0, kept until the replica's prompts are in, make a prefilling
+def makes_late(batch: BatchView, t0: float, t: float, slow: float = 0.0) -> bool:
+    """Whether passes of t ms instead of t0, kept until the replica's prompts are in, may make a prefilling
     request miss its TTFT SLO that passes of t0 would meet: its prompt and those whose deadline comes
     first (`BatchView.prompts`' order) go in at this pass's prompt tokens a pass, its first token comes
-    with its last chunk's pass."""
+    with its last chunk's pass; the longer passes are priced with the planner's margin (`slow`: the share
+    by which slow prompt passes overran their price, `PassCost.slow_share`)."""
     if batch.prefill_tokens <= 0 or t <= t0:
         return False
     ahead = 0
     for tokens, left_ms in batch.prompts:
         ahead += tokens
         passes = math.ceil(ahead / batch.prefill_tokens)
-        if passes * t0 <= left_ms < passes * t:
+        if passes * t0 <= left_ms < passes * t * (1.0 + slow):
             return True
     return False
 
@@ -116,7 +118,7 @@ class Joint(TurboSpec):
             tokens, t = c.tokens_ms(batch, model, may, k, rates)
             t0 = t if k == 0 else t0
             plain[k] = tokens / t
-            late = k > 0 and makes_late(batch, t0, t)
+            late = k > 0 and makes_late(batch, t0, t, model.slow_share())
             priced[k] = -math.inf if late else (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
         return priced, plain
 
@@ -203,4 +205,4 @@ class Joint(TurboSpec):
         return {**super().describe(), "tree_width": self.branches.width}
 
 
-__all__ = ["AT_RISK", "Joint", "LOST", "SLACK"]
+__all__ = ["AT_RISK", "Joint", "LOST", "SLACK", "makes_late"]
