@@ -14,9 +14,8 @@ acceptance MLE and the three-service step-time model, refitted online):
 2. Two options: the wide one, every request not lost drafting chains of TurboSpec's
    goodput-optimal length k in 0..K_max (tokens per ms of the whole pass, with its hysteresis; less
    what the longer pass costs the requests whose first token waits on it, and never a pass so long
-   that a prompt being prefilled may miss (at the planner's margin) the TTFT it would meet
-   otherwise: `wide`); the
-   narrow one, the at-risk requests alone drafting chains of the k of the best predicted *SLO
+   that a prompt being prefilled may miss (at the planner's margin) the TTFT it would meet otherwise:
+   `wide`); the narrow one, the at-risk requests alone drafting chains of the k of the best predicted *SLO
    goodput*: the expected tokens of the requests that keep their pace at the option's step time T
    (a chain of k yields l(a, k) tokens per T; a request that falls behind its pace counts nothing),
    over T. The narrow option wins only when its SLO goodput beats the wide one's. So under load,
@@ -113,12 +112,12 @@ class Joint(TurboSpec):
         behind = batch.waiting + batch.prefilling
         priced: dict[int, float] = {}
         plain: dict[int, float] = {}
-        t0 = 0.0
+        t0, slow = 0.0, model.slow_share()
         for k in range(c.max_k + 1):
             tokens, t = c.tokens_ms(batch, model, may, k, rates)
             t0 = t if k == 0 else t0
             plain[k] = tokens / t
-            late = k > 0 and makes_late(batch, t0, t, model.slow_share())
+            late = k > 0 and makes_late(batch, t0, t, slow)
             priced[k] = -math.inf if late else (tokens - behind * (t - t0) / max(t0, 1e-9)) / t
         return priced, plain
 
