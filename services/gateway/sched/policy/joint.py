@@ -106,8 +106,8 @@ class Joint(TurboSpec):
         when `may` draft k-token chains. Priced: less what the longer pass costs the requests whose first
         token waits on it (waiting for admission, or prefilling on this replica): each starts that much
         later, and once decoding makes a token a pass, so a pass longer by dt than the one without drafts
-        costs each of them dt / t0 tokens; and a k whose pass would make a prefilling request miss its
-        TTFT (`makes_late`) is not an option."""
+        costs each of them dt / t0 tokens; and a k whose pass may make a prefilling request miss its TTFT
+        at the planner's margin (`makes_late`) is not an option."""
         c = self.control
         behind = batch.waiting + batch.prefilling
         priced: dict[int, float] = {}
