@@ -556,7 +556,7 @@ def overhead(plan: Plan) -> dict[str, dict]:
     args = argparse.Namespace(rounds=1, seconds=plan.overhead_seconds)
     row = near_null(args, list(plan.overhead_inflight), ("--device", plan.device, "--dtype", plan.stack_dtype))[0]
     keep = ("inflight", "iterations", "iteration_ms", "target_ms", "stack_ms", "stack_us_per_request",
-            "tokens_per_s", "split_ms")
+            "target_service_ms", "tokens_per_s", "split_ms")
     return {mode: {k: v[k] for k in keep} for mode, v in row.items()}
 
 

@@ -8,9 +8,11 @@ target, so the pass is a fraction of a millisecond) under `none`, at each number
 (closed loop: every client sends its next request when one ends; greedy, `ignore_eos`, 64 new tokens,
 a 16-token prompt). Per level, from the gateway's iteration counters over a steady window
 (services/cli/loadgen/scrape.py): the iteration's wall time (the window's sum of draft, target,
-transport and scheduling seconds over its iterations), the target service's pass time, and the rest,
-the stack's own, in total and per request in flight. Then the default policy at the largest level
-below 100 (its pairing for that model, the demo draft) against `none`, as tokens/s.
+transport and scheduling seconds over its iterations), the target's model pass
+(`specserve:iteration_pass_seconds`), and the rest, the stack's own, in total and per request in flight; of
+the stack, the part inside the target service around its pass (checks, inputs, acceptance, the reply). Then
+the default policy at the largest level below 100 (its pairing for that model, the demo draft)
+against `none`, as tokens/s.
 
 Part 2, the replay draft (services/draft/replay.py) on SmolLM2-135M-Instruct at one request: the
 target's greedy outputs on the chat prompts of bench/smollm2_c1.py are recorded in this process
@@ -84,12 +86,14 @@ async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int]
 
 
 def iteration_split(it: dict) -> dict:
-    """server_delta's iteration part as ms per iteration: the whole, the target's pass, the rest (the stack's)."""
+    """server_delta's iteration part as ms per iteration: the whole, the target's model pass, the rest (the
+    stack's), and of the stack the target service's own work around its pass (checks, inputs, acceptance)."""
     n = max(it["iterations"], 1)
     iteration_ms = it["mean_ms"] or 0.0
-    target_ms = it["seconds"]["target"] / n * 1e3
-    return {"iterations": it["iterations"], "iteration_ms": iteration_ms, "target_ms": target_ms,
-            "stack_ms": iteration_ms - target_ms, "split_ms": {p: s / n * 1e3 for p, s in it["seconds"].items()}}
+    pass_ms = it["pass_seconds"] / n * 1e3
+    return {"iterations": it["iterations"], "iteration_ms": iteration_ms, "target_ms": pass_ms,
+            "stack_ms": iteration_ms - pass_ms, "target_service_ms": it["seconds"]["target"] / n * 1e3 - pass_ms,
+            "split_ms": {p: s / n * 1e3 for p, s in it["seconds"].items()}}
 
 
 def near_null(args: argparse.Namespace, levels: list[int], up_args: tuple[str, ...] = ()) -> list[dict]:
@@ -185,8 +189,9 @@ def _print(result: dict) -> None:
         return f"{x['median']:.{digits}f} ({x['min']:.{digits}f}-{x['max']:.{digits}f})"
 
     for mode, m in result.get("near_null", {}).get("median", {}).items():
-        print(f"{mode:>10}: iteration {fmt(m['iteration_ms'])} ms, target {fmt(m['target_ms'])} ms, stack "
-              f"{fmt(m['stack_ms'])} ms = {fmt(m['stack_us_per_request'], 0)} us a request, "
+        print(f"{mode:>10}: iteration {fmt(m['iteration_ms'])} ms, target pass {fmt(m['target_ms'])} ms, stack "
+              f"{fmt(m['stack_ms'])} ms = {fmt(m['stack_us_per_request'], 0)} us a request (the target service's "
+              f"own {fmt(m['target_service_ms'])} ms), "
               f"{fmt(m['tokens_per_s'], 0)} tok/s")
     if "replay" in result:
         r = result["replay"]
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = near_null(args, levels)
         result["near_null"] = {"rounds": rounds, "median": {
             k: {m: spread([r[k][m] for r in rounds]) for m in ("iteration_ms", "target_ms", "stack_ms",
-                                                                "stack_us_per_request", "tokens_per_s")}
+                                                                "target_service_ms", "stack_us_per_request",
+                                                                "tokens_per_s")}
             for k in rounds[0]}}
     if not args.skip_replay:
         rounds, prediction = replay(args)

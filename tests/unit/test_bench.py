@@ -369,9 +369,10 @@ def test_summarize_empty_duration_gives_none():
 
 
 # ================================================================================================ scrape
-def _metrics(draft, target, transport, schedule, iterations, drafts, draft_tokens, accepted) -> str:
+def _metrics(draft, target, transport, schedule, iterations, drafts, draft_tokens, accepted, pass_s=0.0) -> str:
     m = '{model_name="target"}'
-    return f"""# HELP specserve:iteration_draft_seconds_total Seconds.
+    return f"""specserve:iteration_pass_seconds_total{m} {pass_s}
+# HELP specserve:iteration_draft_seconds_total Seconds.
 # TYPE specserve:iteration_draft_seconds_total counter
 specserve:iteration_draft_seconds_total{m} {draft}
 specserve:iteration_target_seconds_total{m} {target}
@@ -430,6 +431,7 @@ def test_parse_counters_reads_the_gateways_own_exposition():
     assert d["iteration"]["iterations"] == 2
     assert d["iteration"]["seconds"] == pytest.approx(
         {"draft": 0.010, "target": 0.035, "transport": 0.004, "schedule": 0.003})
+    assert d["iteration"]["pass_seconds"] == pytest.approx(0.0295)
     assert d["acceptance_rate"] == 6 / 16 and d["mean_acceptance_length"] == 1 + 6 / 4
 
 
@@ -450,6 +452,18 @@ def test_server_delta():
     assert idle["iteration"]["iterations"] == 0 and idle["iteration"]["mean_ms"] is None
     assert idle["iteration"]["share"] == dict.fromkeys(("draft", "target", "transport", "schedule"))
     assert idle["acceptance_rate"] is None and idle["mean_acceptance_length"] is None
+
+
+def test_the_step_overhead_bench_counts_the_target_services_own_work_as_the_stacks():
+    from bench.step_overhead import iteration_split
+
+    before = parse_counters(_metrics(1.0, 4.0, 0.5, 0.5, 100, 50, 200, 80, pass_s=3.0))
+    after = parse_counters(_metrics(2.0, 7.0, 1.0, 1.0, 200, 90, 360, 140, pass_s=5.5))
+    split = iteration_split(server_delta(before, after)["iteration"])
+    assert split["iteration_ms"] == pytest.approx(50.0)
+    assert split["target_ms"] == pytest.approx(25.0)  # the model pass alone: 2.5 s over 100 iterations
+    assert split["target_service_ms"] == pytest.approx(5.0)  # the rest of the target's 30 ms an iteration
+    assert split["stack_ms"] == pytest.approx(25.0)  # wall less the pass: draft, transport, schedule, the service's own
 
 
 def test_format_summary_lists_categories_and_split():

@@ -66,6 +66,8 @@ EXPORTED = {
                                                          "calls."),
     "specserve:draft_sync_seconds_total": ("counter", M, "Seconds the draft spent in calls beside the target "
                                                          "pass (eager syncs, drafting ahead)."),
+    "specserve:iteration_pass_seconds_total": ("counter", M, "Seconds of the target's model pass alone (a part of "
+                                                             "the target service's seconds)."),
     "specserve:draft_ahead_total": ("counter", M, "Trees drafted ahead beside the target pass (--overlap)."),
     "specserve:draft_ahead_hits_total": ("counter", M, "Trees drafted ahead whose guess the target's answer "
                                                        "matched (used next step)."),
@@ -317,6 +319,7 @@ def test_values_after_a_known_sequence():
     assert value(s, "specserve:draft_catchup_seconds_total") == pytest.approx(0.003)
     assert value(s, "specserve:draft_beam_seconds_total") == pytest.approx(0.006)
     assert value(s, "specserve:draft_sync_seconds_total") == pytest.approx(0.0005)
+    assert value(s, "specserve:iteration_pass_seconds_total") == pytest.approx(0.0295)
     assert value(s, "vllm:spec_decode_num_drafts_total") == 4
     assert value(s, "vllm:spec_decode_num_draft_tokens_total") == 16
     assert value(s, "vllm:spec_decode_num_accepted_tokens_total") == 6

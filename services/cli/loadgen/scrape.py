@@ -58,6 +58,7 @@ def server_delta(before: dict[str, float], after: dict[str, float]) -> dict:
             "mean_ms": total / iterations * 1e3 if iterations else None,
             "seconds": seconds,
             "share": {p: (s / total if total else None) for p, s in seconds.items()},
+            "pass_seconds": d("specserve:iteration_pass_seconds_total"),  # the model pass, within "target"
         },
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,

@@ -119,6 +119,8 @@ class _IterationCounters:
         ("specserve:draft_beam_seconds", "Seconds the draft spent in beam steps, inside Speculate calls."),
         ("specserve:draft_sync_seconds", "Seconds the draft spent in calls beside the target pass (eager syncs, "
          "drafting ahead)."),
+        ("specserve:iteration_pass_seconds", "Seconds of the target's model pass alone (a part of the target "
+         "service's seconds)."),
     )
     COUNTS = (  # (name, help)
         ("specserve:iterations", "Engine iterations run."),
@@ -140,7 +142,7 @@ class _IterationCounters:
 
     def add(self, record: IterationRecord) -> None:
         parts = (record.draft_ms, record.target_ms, record.transport_ms, record.schedule_ms,
-                 record.draft.catchup_ms, record.draft.beam_ms, record.draft.sync_service_ms)
+                 record.draft.catchup_ms, record.draft.beam_ms, record.draft.sync_service_ms, record.pass_ms)
         for i, ms in enumerate(parts):
             self.seconds[i] += ms / 1e3
         counts = self.counts

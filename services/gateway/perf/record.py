@@ -100,6 +100,11 @@ class IterationRecord:
         return max((r.service_ms for r in self.replicas if r.failure is None), default=0.0)
 
     @property
+    def pass_ms(self) -> float:
+        """The target's model pass alone, the longest over replicas (within target_ms: not a fifth part)."""
+        return max((r.forward_ms for r in self.replicas if r.failure is None), default=0.0)
+
+    @property
     def target_call_ms(self) -> float:
         return max((r.call_ms for r in self.replicas), default=0.0)
 
