@@ -87,16 +87,17 @@ class TargetEngine:
         masks = self._masks(msg, tensors)
         entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors, cached if use_cache else None, undo)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
-        t0 = time.perf_counter()
         graphs = getattr(self.runner, "graphs", None)  # the simulated runner has none
         captures = graphs.captures if graphs is not None else 0
+        self.runner.model_ms, self.runner.last_logits = 0.0, None
         logits, features = self._pass(msg, [e for _, e in entries], undo)
-        forward_ms = ms_since(t0)
+        forward_ms = self.runner.model_ms  # the model call alone: building its inputs is the service's own work
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
         kept: dict[int, torch.Tensor] = {}  # by result index: the features returned
         scored = CallLogprobs()
         greedy = self._greedy(entries, logits, masks)
+        self.runner.last_logits = None  # (not kept past the call)
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
                 chosen = entry_logits if index not in masks else token_mask.apply_last(entry_logits, masks[index])
@@ -343,7 +344,7 @@ class TargetEngine:
             if isinstance(entry, Tree) and index not in masks and req is not None and req.params.is_greedy \
                     and req.history is None:
                 plain.append(i)
-        return dict(zip(plain, greedy_rows([logits[i] for i in plain]), strict=True))
+        return dict(zip(plain, greedy_rows([logits[i] for i in plain], self.runner.last_logits), strict=True))
 
     def _accept(self, message: PrefillEntry | VerifyEntry, entry: Chunk | Tree, logits: torch.Tensor,
                 greedy: list[int] | None = None) -> tuple[tuple[list[int], int], list[int] | None]:

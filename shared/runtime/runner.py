@@ -14,6 +14,7 @@ Pending trees and draft nodes are never cached: only committed slots have a toke
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,8 @@ class ModelRunner:
         self.history: dict[str, list[int]] = {}  # per request, the token of each committed slot
         self._pending_tokens: dict[str, list[int]] = {}  # per request, its pending tree's tokens
         self.graphs: GraphedPasses | None = None  # Triton passes at bucketed shapes (`use_graphs`)
+        self.model_ms = 0.0  # the last pass's model call alone (its inputs built, its logits not yet split)
+        self.last_logits: torch.Tensor | None = None  # that call's logits, before `forward` splits them by entry
 
     def use_graphs(self, capture: bool = True, max_tokens: int = MAX_TOKENS) -> None:
         """Run the torch pass with Triton attention at bucketed static shapes from now on, captured as CUDA
@@ -222,19 +225,33 @@ class ModelRunner:
             if run_model is not None:
                 raise ValueError("run_model replaces the torch pass; the compiled CPU pass has none")
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
-            return list(torch.split(self.model(lean, self.kv), lean.logits_splits))
+            t0 = time.perf_counter()
+            logits = self.last_logits = self.model(lean, self.kv)
+            self.model_ms = (time.perf_counter() - t0) * 1e3
+            return list(torch.split(logits, lean.logits_splits))
         assert isinstance(self.model, CausalLM)
         if self.inputs_for == "triton" and run_model is None:  # the static step's graphs take SDPA's inputs
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
+            t0 = time.perf_counter()
             if self.graphs is not None and self.graphs.fits(lean) and not self.model.keep_features:
                 logits = self.graphs.run(lean)
             else:
                 logits = self.model(lean.input_ids.to(self.device), lean.positions.to(self.device), self.kv,
                                     lean.keys.to(self.device), lean.logits_indices.to(self.device))
+            self.model_ms, self.last_logits = self._timed(t0), logits
             return list(torch.split(logits, lean.logits_splits))
         inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
+        t0 = time.perf_counter()
         logits = (run_model or _run_model)(self.model, self.kv, inputs)
+        self.model_ms, self.last_logits = self._timed(t0), logits
         return list(torch.split(logits, inputs.logits_splits))
+
+    def _timed(self, t0: float) -> float:
+        """Milliseconds since t0 once the device has run what was queued (on CUDA a synchronization, which the
+        caller's read of the logits would make anyway)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t0) * 1e3
 
     def commit_tree(self, request_id: str, path: Sequence[int]) -> None:
         """Keep the KV of the accepted path (node indices root first); drop the rest of the tree."""
@@ -248,15 +265,16 @@ class ModelRunner:
         for parent, child in zip(path, path[1:]):
             if not 0 < child < len(pending.parents) or pending.parents[child] != parent:
                 raise ValueError(f"path {list(path)} is not a root-to-node path of the tree")
-        start = pending.start
-        tree_slots = self.blocks.physical_slots(request_id, start, len(pending.parents))
-        src = [tree_slots[node] for node in path]
-        dst = tree_slots[: len(path)]
-        moves = [(s, d) for s, d in zip(src, dst) if s != d]
-        if moves:
-            s, d = zip(*moves)
-            self._move_kv(list(s), list(d))
-        self.blocks.truncate(request_id, start + len(path))
+        if len(path) < len(pending.parents):  # (a path through every node is a chain, its KV in place already)
+            start = pending.start
+            tree_slots = self.blocks.physical_slots(request_id, start, len(pending.parents))
+            src = [tree_slots[node] for node in path]
+            dst = tree_slots[: len(path)]
+            moves = [(s, d) for s, d in zip(src, dst) if s != d]
+            if moves:
+                s, d = zip(*moves)
+                self._move_kv(list(s), list(d))
+            self.blocks.truncate(request_id, start + len(path))
         del self._pending[request_id]
         tokens = self._pending_tokens.pop(request_id, [])
         self.history.setdefault(request_id, []).extend(tokens[n] for n in path)

@@ -34,6 +34,8 @@ class SimulatedRunner(ModelRunner):
         self.history: dict[str, list[int]] = {}  # the tokens whose (simulated) KV is committed
         self._pending_tokens: dict[str, list[int]] = {}
         self.modelled_ms = 0.0  # sum over passes, for stats and benches
+        self.model_ms = 0.0  # the last pass's modelled time
+        self.last_logits = None  # (its rows are not one tensor's)
 
     def _compute(self, entries: Sequence[Entry], starts: list[int], prior_parents: dict[int, list[int]],
                  run_model: RunModel | None) -> list[torch.Tensor]:
@@ -41,6 +43,7 @@ class SimulatedRunner(ModelRunner):
         outputs = [self._rows(entry, start) for entry, start in zip(entries, starts)]  # (`forward` keeps the tokens)
         ms = self.latency.pass_ms([(len(e.tokens), s) for e, s in zip(entries, starts)])
         self.modelled_ms += ms
+        self.model_ms = ms
         left = ms / 1e3 - (time.perf_counter() - t0)
         if left > 0:
             self.sleep(left)

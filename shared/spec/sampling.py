@@ -89,15 +89,24 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return on_device
 
 
-def greedy_rows(logits: Sequence[torch.Tensor]) -> list[list[int]]:
+def greedy_rows(logits: Sequence[torch.Tensor], whole: torch.Tensor | None = None) -> list[list[int]]:
     """`greedy_tokens` of each tensor, with one read back for all of them: on a GPU the argmaxes stay on the
     device until a single copy to the host (one synchronization a call, not one a tensor); float32 on the
-    CPU goes through NumPy as in `greedy_tokens`."""
+    CPU goes through NumPy as in `greedy_tokens`. whole: the 2-D tensor all of them are row blocks of (a
+    pass's logits before they were split by entry); where they hold at least half its rows, its argmax is
+    taken in one call and each tensor's rows read from it."""
     if not logits:
         return []
+    if whole is not None and whole.is_contiguous() and 2 * sum(t.shape[0] for t in logits) >= whole.shape[0]:
+        flat, base, width = greedy_tokens(whole), whole.storage_offset(), whole.shape[1]
+        out = []
+        for t in logits:
+            at = (t.storage_offset() - base) // width
+            out.append(flat[at:at + t.shape[0]])
+        return out
     if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in logits):
         return [greedy_tokens(t) for t in logits]
-    flat: list[int] = torch.cat([t.argmax(-1).reshape(-1) for t in logits]).tolist()
+    flat = torch.cat([t.argmax(-1).reshape(-1) for t in logits]).tolist()
     out, at = [], 0
     for t in logits:
         n = t.shape[0]

@@ -45,12 +45,13 @@ def accept_tree(
     request's tokens so far, which the penalties read (required when `params` asks for any); greedy: the
     logits' argmax at every node where the caller took them already (`greedy_rows` over a whole call),
     used when no penalty changes the logits."""
-    children = children_by_token(tokens, parents)
     if history is not None and (params.penalized or params.holds_stops):
         logits = penalize(logits, tokens, parents, params, history)
         greedy = None  # taken from the logits before the penalties
     if params.is_greedy:
         choices = greedy if greedy is not None else greedy_tokens(logits)
+        if len(tokens) == 1:  # a plain decode: the target's own token
+            return Acceptance([0], [choices[0]])
 
         def draw(node: int) -> int:
             return choices[node]
@@ -60,7 +61,7 @@ def accept_tree(
         def draw(node: int) -> int:
             return sample(probs[node], generator)
 
-    return walk(children, draw)
+    return walk(children_by_token(tokens, parents), draw)
 
 
 def walk(children: Sequence[dict[int, int]], draw: Callable[[int], int]) -> Acceptance:

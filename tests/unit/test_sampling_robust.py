@@ -19,7 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.shared.spec.penalties import TokenHistory, penalize
-from specserve.shared.spec.sampling import SamplingParams, greedy_rows, greedy_tokens, probabilities, sample
+from specserve.shared.spec.sampling import (
+    SamplingParams,
+    greedy_rows,
+    greedy_tokens,
+    probabilities,
+    sample,
+)
 
 INF = float("inf")
 # Values that used to break the sampler or sit at the edges of float32 / float64.
@@ -216,3 +222,20 @@ def test_greedy_rows_are_each_tensors_greedy_tokens(counts, dtype, seed):
         t[0, 3] = math.nan
     assert greedy_rows(tensors) == [greedy_tokens(t) for t in tensors]
     assert greedy_rows(tensors) == [t.argmax(-1).tolist() for t in tensors]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=8), st.data())
+def test_greedy_rows_read_from_the_whole_pass_are_each_tensors_own(counts, data):
+    """A pass's logits split by entry, some entries left out: read from the unsplit tensor's argmax (one call)
+    where they hold at least half its rows, each tensor gets its own rows' argmax, ties included; the whole's
+    argmax is what they are read from (a whole with other values gives other tokens)."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    logits = torch.randint(-2, 3, (sum(counts) + 2, 7), generator=gen).float()[1:-1]  # a view, offset 7
+    split = list(torch.split(logits, counts))
+    kept = [t for t in split if data.draw(st.booleans())]
+    assert greedy_rows(kept, logits) == [t.argmax(-1).tolist() for t in kept]
+    if 2 * sum(len(t) for t in kept) >= len(logits):
+        other = torch.zeros(len(logits) + 2, 7)[1:-1]  # laid out as `logits`
+        other[:, 6] = 1  # argmax 6 everywhere
+        assert greedy_rows(kept, other) == [[6] * len(t) for t in kept]  # read from `whole`
