@@ -226,8 +226,8 @@ class ModelRunner:
                 raise ValueError("run_model replaces the torch pass; the compiled CPU pass has none")
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
             t0 = time.perf_counter()
-            logits = self.last_logits = self.model(lean, self.kv)
-            self.model_ms = (time.perf_counter() - t0) * 1e3
+            logits = self.model(lean, self.kv)
+            self.model_ms, self.last_logits = self._timed(t0), logits
             return list(torch.split(logits, lean.logits_splits))
         assert isinstance(self.model, CausalLM)
         if self.inputs_for == "triton" and run_model is None:  # the static step's graphs take SDPA's inputs
