@@ -534,6 +534,23 @@ def test_the_cost_prices_the_context_held_a_lone_short_request_fits_beside_a_lon
     assert adm.last.declined == {"critical": 1} and adm.last.best_effort == {"critical": 1}
 
 
+def test_the_context_term_is_fitted_on_decode_passes_not_on_prompt_chunks():
+    """A 256-token chunk late in a long prompt takes 30 ms more than the first (its attention grows with
+    its tokens times its context); a 1-token decode pass beside the same context does not: the slope per
+    block comes from the decode passes, so a lone decode beside 80 blocks stays near its 6 ms."""
+    rng = random.Random(5)
+    cost = PassCost(16, 13.0, [(8, 10.6), (256, 157.0)])
+    for i in range(200):
+        if i % 5 == 0:
+            kv = rng.choice([20, 80])
+            cost.observe(sample(256, 90.0 + 0.5 * kv, kv, prompt=256))
+        else:
+            n, kv = rng.choice([(1, 10), (1, 80), (2, 20), (2, 90)])
+            cost.observe(sample(n, 5.0 + 1.2 * n + 0.01 * kv + rng.uniform(-0.2, 0.2), kv))
+    assert cost.kv_ms_per_block == pytest.approx(0.01, abs=0.01)
+    assert cost.planned_ms(1, 0, 80) < 10.0
+
+
 def test_the_plan_prices_the_kv_held_not_the_kv_reserved():
     """A search request decodes beside its 1,024 output tokens' reservation (94 blocks reserved, 30 held):
     its passes attend to the 30. A critical arrival fits beside it at the KV held (17.4 ms against
