@@ -5,10 +5,11 @@ digest's terms every decoder is due in every batch, whatever its TPOT: a looser 
 budget by skipping batches, it only lengthens the batch it may ride. Plain decoding (every tier
 costs and yields one token per pass) is therefore the closed form of Algorithm 2 with every TPOT_r
 = t0, i.e. B·(time2bs(t0) − n); with speculation it is the §7 form with the measured per-tier cost
-and gain (budget.py). The batch length with nothing decoding is `idle_ms`, and no batch is longer than
-`longest_ms`, the planned time of the largest pass the engine runs (its prefill cap beside its
-decoders): a loose TPOT (say 100 s) does not make one pass of 100 s, the engine runs many short ones,
-so a prompt's TTFT is met within a fraction of that TPOT.
+and gain; both are `BatchShape`s (budget.py), which also plan cycles of passes of the decoders alone
+that bank time for one long prompt pass where those feed prompts faster. The batch length with
+nothing decoding is `idle_ms`, and no batch is longer than `longest_ms`, the planned time of the largest
+pass the engine runs (its prefill cap beside its decoders): a loose TPOT (say 100 s) does not make one
+pass of 100 s, the engine runs many short ones, so a prompt's TTFT is met within a fraction of that TPOT.
 
 `best_plan` runs the DP at each operating point; `prefill_chunks` hands each replica's prefill room to
 its prompts in deadline order.
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from specserve.gateway.perf.cost import PassCost
-from specserve.gateway.sched.admission.budget import BatchShape, TierLoad, batch_shape, pb_closed_form
+from specserve.gateway.sched.admission.budget import BatchShape, TierLoad, batch_shape
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
 from specserve.gateway.sched.plan import SchedulerView
 
@@ -38,7 +39,6 @@ class ReplicaBudget:
         self.tiers = list(tiers)
         self.idle_ms = idle_ms  # batch length when nothing decodes
         self.spec_steps = spec_steps
-        self.plain = all(t.cost == 1.0 and t.gain == 1.0 for t in self.tiers)
         self._shapes: dict[tuple[int, ...], BatchShape] = {}
         self._caps: dict[tuple[float, int], int] = {}
         self._windows: dict[tuple[float, tuple[int, ...]], int | None] = {}  # the DP asks the same ones often
@@ -65,8 +65,9 @@ class ReplicaBudget:
         s = self._shapes.get(decoders)
         if s is None:
             steps = self._steps(decoders)
-            s = self._shapes[decoders] = batch_shape(decoders, self.tiers, lambda ms: self.cap(ms, steps),
-                                                     self.idle_ms, self.longest_ms)
+            s = self._shapes[decoders] = batch_shape(
+                decoders, self.tiers, lambda ms: self.cap(ms, steps), self.idle_ms, self.longest_ms,
+                lambda n: self.cost.planned_ms(n, steps, self.kv_blocks, self.margin))
         return s
 
     def window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
@@ -78,12 +79,8 @@ class ReplicaBudget:
     def _window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
         if ms <= 0:
             return 0
-        if not self.plain:
-            s = self.shape(decoders)
-            return s.budget(ms) if s.feasible else None
-        t0 = min(min((t.tpot_ms for n, t in zip(decoders, self.tiers, strict=True) if n > 0 and t.paced),
-                     default=self.idle_ms), self.longest_ms)
-        return pb_closed_form(ms, [(t0, sum(decoders))], self.cap(t0, self._steps(decoders)), t0)
+        s = self.shape(decoders)
+        return s.budget(ms) if s.feasible else None
 
     def sustainable(self, decoders: tuple[int, ...]) -> bool:
         return self.shape(decoders).feasible
@@ -105,22 +102,34 @@ def best_plan(nodes: list[Node], base: list[int], blocks: int, points: list[Repl
 
 
 def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]], base: dict[int, list[int]],
-                   held: dict[int, list[Node]], offered: AbstractSet[str],
+                   held: dict[int, list[Node]], offered: AbstractSet[str], due_ms: dict[int, float],
                    best_effort_tier: int | None = None) -> tuple[dict[str, int], list[int]]:
-    """Each replica's prefill room this iteration (time2bs(T) minus its decoders' tokens, at the operating
-    point whose batches hold its decoders with the most room), raised to what keeps every SLO prompt not
-    yet late within its deadline and capped at the engine's chunk, handed to the SLO prompts in
-    prefill-deadline order, then to the best-effort ones (which never lengthen the decoders' batches:
-    nothing was promised them)."""
+    """Each replica's prefill room this iteration, handed to its SLO prompts in prefill-deadline order,
+    then to the best-effort ones. The room comes from the operating point whose batches feed its prompts
+    fastest: in batches of T, time2bs(T) minus its decoders' tokens (at least `MIN_CHUNK_TOKENS`); in
+    cycles, none in a pass of the decoders alone and the long pass's once its decoders have banked it;
+    and for SLO prompts whatever the decoders have banked beyond that (`due_ms`: until the first SLO
+    decoder's next token is due). It is raised to what keeps every SLO prompt not yet late within its
+    deadline (per batch, or per long pass of a cycle) and capped at the engine's chunk. Best-effort prompts never get
+    more than the plan's room: nothing was promised them."""
     chunks: dict[str, int] = {}
     per_replica = [0] * len(view.replicas)
     left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
     # an offered request admitted in this plan is a held node of its replica, priced at what it computes there
     left.update({n.rid: n.prompt for nodes in held.values() for n in nodes if n.rid in offered})
     for replica, points in budgets.items():
-        shapes = [b.shape(tuple(base[replica])) for b in points]
-        shape = max((s for s in shapes if s.feasible), key=lambda s: s.prefill_per_batch, default=shapes[0])
-        room = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS)
+        decoders = tuple(base[replica])
+        point = max((b for b in points if b.shape(decoders).feasible), key=lambda b: b.shape(decoders).rate,
+                    default=points[0])
+        shape = point.shape(decoders)
+        banked = point.cap(min(due_ms.get(replica, math.inf), point.longest_ms)) - shape.decode
+        if shape.cycle:
+            long_pass = banked >= shape.long_prefill
+            planned, period = (shape.long_prefill if long_pass else 0), (shape.cycle + 1) * shape.length_ms
+        else:
+            long_pass = True
+            planned, period = max(shape.prefill_per_batch, MIN_CHUNK_TOKENS), shape.length_ms
+        room = max(planned, banked) if long_pass else 0  # a pass of the decoders alone banks for the long one
         by_deadline = sorted(held[replica], key=lambda x: (x.tier == best_effort_tier, x.deadline_ms))
         due = 0
         for n in by_deadline:
@@ -128,10 +137,13 @@ def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]],
                 break
             # every SLO prompt not yet late, with those due before it, is in by its deadline at this room
             due += left.get(n.rid, 0)
-            if n.deadline_ms > 0:
-                room = max(room, math.ceil(due / max(1, math.floor(n.deadline_ms / shape.length_ms))))
+            periods = math.floor(n.deadline_ms / period)
+            if n.deadline_ms > 0 and (long_pass or periods == 0):
+                room = max(room, math.ceil(due / max(1, periods)))
         room = min(room, view.limits.max_prefill_tokens)
         for n in by_deadline:
+            if n.tier == best_effort_tier:  # the plan's room, not the decoders' bank: future SLO prompts' share
+                room = min(room, max(0, planned - per_replica[replica]))
             take = min(left.get(n.rid, 0), room)
             if take > 0:
                 chunks[n.rid] = take

@@ -303,10 +303,20 @@ class SloRound:
                 self.take(replica, w, False)
                 self.ahead.append(w)
 
+    def next_due(self) -> dict[int, float]:
+        """Per replica, ms until the first of its SLO decoders' next tokens is due (a TPOT is a mean: a
+        decoder with o tokens after its first, l ms since it, owes its next by (o + 1)·TPOT − l)."""
+        due: dict[int, float] = {}
+        for r in self.view.decoding:
+            tpot = self.tpot_of[r.rid]
+            if tpot < BEST_EFFORT_TPOT_MS and r.rid not in self.adm.best_effort:
+                due[r.replica] = min(due.get(r.replica, math.inf), (r.decoded + 1) * tpot - r.decode_elapsed_ms)
+        return due
+
     def proposal(self) -> Proposal:
         """What the plan decided, with each replica's prompt chunks; the preempted leave the best-effort tier."""
         chunks, per_replica = prefill_chunks(self.view, self.budgets, self.base, self.held,
-                                             {w.rid for w in self.offered + self.ahead},
+                                             {w.rid for w in self.offered + self.ahead}, self.next_due(),
                                              self.at_slo(BEST_EFFORT_TPOT_MS))
         for rid in self.preempt:
             self.adm.best_effort.discard(rid)
