@@ -110,8 +110,8 @@ def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]],
     cycles, none in a pass of the decoders alone and the long pass's once its decoders have banked it;
     and for SLO prompts whatever the decoders have banked beyond that (`due_ms`: until the first SLO
     decoder's next token is due). It is raised to what keeps every SLO prompt not yet late within its
-    deadline (per batch, or per long pass of a cycle) and capped at the engine's chunk. Best-effort prompts never get
-    more than the plan's room: nothing was promised them."""
+    deadline (per batch, or per long pass of a cycle) and capped at the engine's chunk. Best-effort
+    prompts never get more than the plan's room: nothing was promised them."""
     chunks: dict[str, int] = {}
     per_replica = [0] * len(view.replicas)
     left = {p.rid: p.prompt_tokens - p.prefilled for p in view.prefilling}
