@@ -309,7 +309,7 @@ class SloRound:
         due: dict[int, float] = {}
         for r in self.view.decoding:
             tpot = self.tpot_of[r.rid]
-            if tpot < BEST_EFFORT_TPOT_MS and r.rid not in self.adm.best_effort:
+            if tpot < BEST_EFFORT_TPOT_MS:  # the best-effort tier's TPOT: none is due
                 due[r.replica] = min(due.get(r.replica, math.inf), (r.decoded + 1) * tpot - r.decode_elapsed_ms)
         return due
 
