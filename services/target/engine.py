@@ -5,7 +5,8 @@ prefilled, the committed token count and the newest committed token; with penalt
 also its `TokenHistory` (token counts, updated as chunks and accepted tokens are committed). The KV cache holds every
 committed token but the newest, which is the root of the request's next tree.
 
-Entries are checked one by one before the pass; a refused entry gets an error in its result and
+A call first releases the requests it names (`Forward.release`), then checks its entries one by one
+before the pass; a refused entry gets an error in its result and
 changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
 KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
 
@@ -80,6 +81,8 @@ class TargetEngine:
     def forward(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[ForwardReply, dict]:
         start = time.perf_counter()
         self.calls += 1
+        for rid in msg.release:  # before the entries: a preempted request may start again in this call
+            self.release(rid)
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)

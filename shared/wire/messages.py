@@ -211,6 +211,9 @@ class Forward(Struct, tag=True):
     # Return the target's features: the final norm's output at every prefill chunk token and at each
     # verified tree's accepted path (its root first), for a draft that reads them.
     features: bool = False
+    # Requests released before the pass, as a Release call would (ids it holds nothing for are ignored): the
+    # gateway sends what it owes a target with its next pass instead of a call of their own.
+    release: list[str] = msgspec.field(default_factory=list)
 
 
 class StepResult(Struct):

@@ -163,13 +163,14 @@ class DraftClient(_ServiceClient):
 
 class TargetClient(_ServiceClient):
     async def forward(self, prefill: Sequence[PrefillItem] = (), verify: Sequence[VerifyItem] = (),
-                      features: bool = False) -> tuple[list[StepOutput], ForwardReply]:
-        """features: also return the target's features (StepResult.num_features) in StepOutput.features."""
+                      features: bool = False, release: Sequence[str] = ()) -> tuple[list[StepOutput], ForwardReply]:
+        """features: also return the target's features (StepResult.num_features) in StepOutput.features;
+        release: requests the target frees before the pass (Forward.release)."""
         msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling, p.resume_token,
                                     p.mask is not None)
                        for p in prefill],
                       [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens), v.masks is not None)
-                       for v in verify], features)
+                       for v in verify], features, list(release))
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),
                    "tree_parents": _flat([v.parents for v in verify])}

@@ -245,6 +245,35 @@ def test_32_concurrent_streams(up):
     wait_all_free(up)
 
 
+def _release_calls(up: Up) -> float:
+    """Release calls the target has served since it started (its call histogram's count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(up.metrics["target"], timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "specserve:service_call_seconds_count" and s.labels.get("call") == "Release")
+
+
+def test_releases_go_with_the_next_target_pass(up):
+    """Requests that end one by one while others run are released by the replica's next Forward
+    (`Forward.release`): the target serves at most one Release call for the burst (the last request's,
+    when no pass runs) and holds nothing after it."""
+    lengths = [3, 6, 9, 12, 15, 18]  # each ends at its own iteration
+
+    async def run():
+        c = aclient(up.url)
+        out = await asyncio.gather(*[c.completions.create(model="target", prompt=PROMPTS[i], max_tokens=n,
+                                                          temperature=0, extra_body={"ignore_eos": True})
+                                     for i, n in enumerate(lengths)])
+        await c.close()
+        return out
+
+    before = _release_calls(up)
+    assert [r.usage.completion_tokens for r in asyncio.run(run())] == lengths
+    wait_all_free(up)
+    assert _release_calls(up) - before <= 1
+
+
 def test_tight_slo_gets_larger_trees(up):
     """Same prompt, same batch: the request with the tight TPOT SLO is given more tree nodes. (No replica
     can promise 1 ms, so it allows best effort: SLO admission, the default, would refuse it otherwise.)"""

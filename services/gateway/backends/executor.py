@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from specserve.gateway.backends.pool import DraftService, ServicePool, TargetReplica
@@ -63,6 +63,7 @@ class TargetPass:
     prefill: list[PrefillItem]
     verify: list[VerifyItem]
     features: bool = False  # return the target's features (the draft reads them)
+    release: list[str] = field(default_factory=list)  # the releases it owes, freed before the pass (Forward.release)
 
 
 class Executor:
@@ -111,10 +112,10 @@ class Executor:
         return CallResult(None, failure, (time.perf_counter() - t0) * 1e3)
 
     # ---- releases --------------------------------------------------------------------------------
-    async def release_owed(self, replica: TargetReplica | None = None) -> None:
+    async def release_owed(self, replica: TargetReplica | None = None, target: bool = True) -> None:
         """Send the releases owed to one replica and to the draft (None: to every up service); what
-        fails stays owed."""
-        targets = self.pool.targets if replica is None else [replica]
+        fails stays owed. target=False: the draft's alone (the replica's go with its next pass)."""
+        targets = [] if not target else self.pool.targets if replica is None else [replica]
         services: list[TargetReplica | DraftService] = [t for t in targets if t.up and t.owed_releases]
         draft = self.pool.draft
         if draft is not None and draft.up and draft.owed_releases:
@@ -217,7 +218,7 @@ class Executor:
         def forward(p: TargetPass) -> Callable[[], Awaitable[tuple[list[StepOutput], ForwardReply]]]:
             client = p.replica.client
             assert client is not None
-            return lambda: client.forward(p.prefill, p.verify, p.features)
+            return lambda: client.forward(p.prefill, p.verify, p.features, p.release)
 
         # The first replica's call is awaited directly, so its frame is written now; the others (and the
         # eager sync) are tasks, which start at the next turn of the event loop. Wrapping the first in a

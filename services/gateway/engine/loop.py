@@ -11,8 +11,9 @@ work; a replica never waits for another replica's pass. One step of replica k re
     passes.run(pass)                           # target pass (+ a draft call beside it), commit
     consume(record)                            # metrics, cost model, policy, admission learn
 
-before it the replica is sent the releases it is owed. A supervisor task reconnects services that
-are down, pings them while nothing runs, and starts a loop for every replica that discovery adds.
+before it the draft is sent the releases it is owed; the replica's go with its pass (in a call of their
+own when no pass runs). A supervisor task reconnects services that are down, pings them while nothing
+runs, and starts a loop for every replica that discovery adds.
 
 Failures stay where they belong: an error on one entry ends that request; a service that answers a
 whole call with an error stays up and only that call's requests are ended (target) or fall back to
@@ -170,8 +171,8 @@ class Engine:
         refused)."""
         t0 = time.perf_counter()
         if self.grow_kv:
-            self.admitter.grow_reservations(replica.index)  # before the releases, so a preempted request's go out now
-        await self.executor.release_owed(replica)
+            self.admitter.grow_reservations(replica.index)  # a preempted request's releases go out this iteration
+        await self.executor.release_owed(replica, target=False)  # the draft's; the replica's go with its pass
         if replica.up and not replica.ready:  # its connection closed (killed): down now, not at a failed call
             await replica.mark_down()
         if not replica.up:
@@ -179,6 +180,7 @@ class Engine:
                 self.admitter.replica_lost(replica, "the connection was lost")
             return False
         if not replica.requests and not self.table.waiting:
+            await self.executor.release_owed(replica)
             return True  # only releases were owed
         self.step += 1
         if tracing.ENABLED:
@@ -202,6 +204,8 @@ class Engine:
         if target_pass is not None:
             ahead = guesses(plan, decoding, trees, selected, self.drafts.max_depth) if self.overlap else {}
             await self.passes.run(plan, [target_pass], record, ahead)
+        elif replica.owed_releases:  # no pass to carry them
+            await self.executor.release_owed(replica)
         self._consume(record, replica, t0)
         return record
 

@@ -2,11 +2,12 @@
 
 `constrain` shapes the trees of requests with a grammar (engine/constrain.py). `build` asks the policy
 which nodes of each batch's trees to verify and puts the replica's prompt chunks and selected subtrees
-(with their grammar's masks, and its forced tokens whatever the policy chose) into one `TargetPass`.
-`run` sends it, and beside it one draft call (the eager sync's d = 0 entries and, with --overlap, the
-entries drafting ahead); then it commits each replica's outputs and keeps the trees whose guess was
-right. A replica that refuses a call ends the requests in its pass; one that cannot be reached is
-handed to `Admitter.replica_lost` (its requests move to another replica, or end).
+(with their grammar's masks, and its forced tokens whatever the policy chose) into one `TargetPass`,
+with the releases the replica is owed (`Forward.release`: freed before the pass, owed again if the call
+fails). `run` sends it, and beside it one draft call (the eager sync's d = 0 entries and, with
+--overlap, the entries drafting ahead); then it commits each replica's outputs and keeps the trees
+whose guess was right. A replica that refuses a call ends the requests in its pass; one that cannot be
+reached is handed to `Admitter.replica_lost` (its requests move to another replica, or end).
 """
 
 from __future__ import annotations
@@ -97,7 +98,12 @@ class Passes:
             record.requests.append(RequestStep(r.rid, replica, depth=shape.depth, width=shape.width,
                                                verified=len(toks), filler=filler))
         # (a replica that went down was handled after the releases; only draft calls ran since)
-        return (p if (p.prefill or p.verify) and target.up else None), selected
+        if not (p.prefill or p.verify) or not target.up:
+            return None, selected
+        # what it is owed goes with the pass (freed before it); owed again if the call fails
+        p.release = sorted(target.owed_releases)
+        target.owed_releases.clear()
+        return p, selected
 
     def _select(self, plan: IterationPlan, replica: int, decoding: list[GenRequest],
                 trees: dict[str, CandidateTree]) -> dict[str, list[int]]:
@@ -141,6 +147,7 @@ class Passes:
             record.replicas.append(step)
             if result.value is None:
                 step.failure = str(result.failure)
+                p.replica.owed_releases.update(p.release)
                 self._failed(p, result.failure)
                 continue
             outputs, reply = result.value
