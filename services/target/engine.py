@@ -5,7 +5,8 @@ prefilled, the committed token count and the newest committed token; with penalt
 also its `TokenHistory` (token counts, updated as chunks and accepted tokens are committed). The KV cache holds every
 committed token but the newest, which is the root of the request's next tree.
 
-A call first releases the requests it names (`Forward.release`), then checks its entries one by one
+An entry sent a step ahead (`VerifyEntry.root_pending`) takes the request's newest committed token as its
+root. A call first releases the requests it names (`Forward.release`), then checks its entries one by one
 before the pass; a refused entry gets an error in its result and
 changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
 KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
@@ -153,6 +154,8 @@ class TargetEngine:
             entries.append((i, Chunk(prefill.rid, toks, logits_at=at)))
         base = len(msg.prefill)
         for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
+            if verify.root_pending and toks and (req := self.requests.get(verify.rid)) is not None and req.decoding:
+                toks[0] = req.last_token  # sent a step ahead: the root is what its last step emitted
             error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
             if error:
                 errors[base + j] = error

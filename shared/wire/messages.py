@@ -199,6 +199,10 @@ class VerifyEntry(Struct):
     num_committed: int  # committed tokens (prompt + output) before this step; the root is the newest
     num_nodes: int  # tree nodes, root first (its slice of "tree_tokens" and "tree_parents")
     masked: bool = False  # structured output: num_nodes rows of "token_masks", each node's allowed next tokens
+    # sent one step ahead (the gateway's --async-scheduling): its root is the token the request's previous step
+    # emits, which the gateway does not know yet; the target takes its own newest committed token as the root
+    # (its slot in "tree_tokens" is ignored) and checks num_committed as for any entry
+    root_pending: bool = False
 
 
 class Forward(Struct, tag=True):

@@ -98,6 +98,7 @@ class VerifyItem:
     tokens: list[int]  # root first
     parents: list[int]
     masks: torch.Tensor | None = None  # structured output: int32 [len(tokens), ceil(V / 32)], per node
+    root_pending: bool = False  # VerifyEntry.root_pending: the target fills in the root (tokens[0] is ignored)
 
 
 @dataclass(slots=True)
@@ -169,7 +170,7 @@ class TargetClient(_ServiceClient):
         msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling, p.resume_token,
                                     p.mask is not None)
                        for p in prefill],
-                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens), v.masks is not None)
+                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens), v.masks is not None, v.root_pending)
                        for v in verify], features, list(release))
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),

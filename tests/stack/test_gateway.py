@@ -208,6 +208,43 @@ def test_greedy_identical_across_policies_with_overlap(real_up, real_reference):
     wait_all_free(real_up)
 
 
+def test_greedy_identical_with_async_scheduling(up, reference):
+    """One step ahead (--async-scheduling): `none` (every pass sent ahead) and the default `joint` (ahead where
+    it plans no tree) equal the target alone, the prompts batched, one of them ending at once (EOS first);
+    then requests that end one by one at max_tokens, with a stop string, and streamed, beside each other."""
+    for policy in ["none", "joint"]:
+        g = gateway(up, policy, "--budget", "24", "--async-scheduling")
+        try:
+            assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
+
+            async def mixed(url=g.address):
+                c = aclient(url)
+                short = [c.completions.create(model="target", prompt=PROMPTS[i], max_tokens=n, temperature=0)
+                         for i, n in enumerate([1, 2, 5, 9])]
+                stop = c.completions.create(model="target", prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0,
+                                            stop=[reference[4][8:14]])
+                stream = await c.completions.create(model="target", prompt=PROMPTS[5], max_tokens=MAX_TOKENS,
+                                                    temperature=0, stream=True)
+
+                async def read():
+                    return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+                out = await asyncio.gather(*short, stop, read())
+                await c.close()
+                return out
+
+            *short, stop, streamed = asyncio.run(mixed())
+            for r, i in zip(short, range(4)):
+                assert reference[i].startswith(r.choices[0].text) and r.usage.completion_tokens == [1, 2, 5, 9][i]
+            assert stop.choices[0].text == reference[4][:8] and stop.choices[0].finish_reason == "stop"
+            assert streamed == reference[5], policy
+            if policy == "none":  # it plans no tree: its passes went ahead
+                assert _counter(g.address, "specserve:passes_sent_ahead_total") > 10
+        finally:
+            g.stop()
+    wait_all_free(up)
+
+
 # ---- load and isolation --------------------------------------------------------------------------
 def test_32_concurrent_streams(up):
     async def one(c, i):
@@ -245,13 +282,19 @@ def test_32_concurrent_streams(up):
     wait_all_free(up)
 
 
-def _release_calls(up: Up) -> float:
-    """Release calls the target has served since it started (its call histogram's count)."""
+def _counter(url: str, name: str, **labels: str) -> float:
+    """A metric's value at a /metrics URL (`url` without the path: a gateway's), summed over the samples
+    with these labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(up.metrics["target"], timeout=10).text
+    text = httpx.get(url if url.endswith("/metrics") else f"{url}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "specserve:service_call_seconds_count" and s.labels.get("call") == "Release")
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _release_calls(up: Up) -> float:
+    """Release calls the target has served since it started (its call histogram's count)."""
+    return _counter(up.metrics["target"], "specserve:service_call_seconds_count", call="Release")
 
 
 def test_releases_go_with_the_next_target_pass(up):

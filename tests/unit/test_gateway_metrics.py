@@ -71,6 +71,8 @@ EXPORTED = {
     "specserve:draft_ahead_total": ("counter", M, "Trees drafted ahead beside the target pass (--overlap)."),
     "specserve:draft_ahead_hits_total": ("counter", M, "Trees drafted ahead whose guess the target's answer "
                                                        "matched (used next step)."),
+    "specserve:passes_sent_ahead_total": ("counter", M, "Target passes sent before the replica's previous pass "
+                                                        "was committed (--async-scheduling)."),
     "specserve:requests_received_total": ("counter", M, "Requests received (queued)."),
     "specserve:requests_moved_total": ("counter", M, "Requests moved off a target replica that was lost, to resume "
                                                      "on another by recompute."),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from specserve.gateway.engine import ahead
 from specserve.gateway.engine.request import GenRequest, Tokens
 from specserve.gateway.engine.table import RequestTable
 from specserve.gateway.obs.metrics import GatewayMetrics
@@ -39,6 +40,8 @@ class Commit:
             entry = steps.get(out.rid)
             if r is None or r.finish_reason is not None or entry is None:
                 continue  # aborted while the call ran; released next iteration
+            if not ahead.settle(r, out.step, out.error is None):
+                continue  # sent a step ahead on a state that did not come true (engine/ahead.py)
             if out.error is not None:
                 entry.error = out.error.code
                 if out.error.code == "out_of_blocks":

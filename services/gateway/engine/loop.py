@@ -11,7 +11,9 @@ work; a replica never waits for another replica's pass. One step of replica k re
     passes.run(pass)                           # target pass (+ a draft call beside it), commit
     consume(record)                            # metrics, cost model, policy, admission learn
 
-before it the draft is sent the releases it is owed; the replica's go with its pass (in a call of their
+With --async-scheduling a pass that depends on nothing the pass in flight returns is sent before that
+one is committed, and committed in the next iteration (engine/ahead.py). Before each step the draft
+is sent the releases it is owed; the replica's go with its pass (in a call of their
 own when no pass runs). A supervisor task reconnects services that are down, pings them while nothing
 runs, and starts a loop for every replica that discovery adds.
 
@@ -33,6 +35,7 @@ from specserve.gateway.backends.executor import Executor
 from specserve.gateway.backends.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.admit import Admitter
+from specserve.gateway.engine.ahead import InFlight, runs_ahead
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.intake import Intake
 from specserve.gateway.engine.overlap import guesses, held_trees
@@ -68,6 +71,11 @@ class Engine:
                              self.admitter.replica_lost, config.forced_tokens)
         self.snapshots = Snapshots(self.table, pool, config)
         self.grow_kv = config.kv_lookahead_tokens > 0  # reservations grow on the way (--kv-lookahead-tokens)
+        # --async-scheduling: where it applies, each replica's pass sent before the last one is committed
+        self.async_scheduling = (config.async_scheduling and not config.overlap and config.draft_sync == "lazy"
+                                 and not self.grow_kv)
+        self._ahead: dict[int, InFlight] = {}  # per replica: its pass in flight, not committed yet
+        self._settled = 0  # passes sent ahead and committed since start
         self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
         self._loops: dict[int, asyncio.Task[None]] = {}  # per replica: its step loop
         self._supervisor: asyncio.Task[None] | None = None
@@ -81,7 +89,8 @@ class Engine:
         self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
 
     async def close(self) -> None:
-        tasks = [t for t in (*self._loops.values(), self._supervisor) if t is not None]
+        tasks = [t for t in (*self._loops.values(), self._supervisor, *(f.task for f in self._ahead.values()))
+                 if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -162,19 +171,22 @@ class Engine:
         return sum(1 for t in self.pool.targets if t.up and t.requests)
 
     def _has_work(self, replica: TargetReplica) -> bool:
-        if replica.requests or (replica.up and replica.owed_releases):
+        if replica.requests or (replica.up and replica.owed_releases) or replica.index in self._ahead:
             return True
         return bool(self.table.waiting) and replica.up and not replica.retired
 
     async def _iteration(self, replica: TargetReplica) -> bool:
-        """One iteration of a replica; False when it changed nothing (no pass ran, nobody was admitted or
-        refused)."""
+        """One iteration of a replica; False when it changed nothing (no pass ran or was committed, nobody was
+        admitted or refused)."""
         t0 = time.perf_counter()
+        settled = self._settled
         if self.grow_kv:
             self.admitter.grow_reservations(replica.index)  # a preempted request's releases go out this iteration
         await self.executor.release_owed(replica, target=False)  # the draft's; the replica's go with its pass
         if replica.up and not replica.ready:  # its connection closed (killed): down now, not at a failed call
             await replica.mark_down()
+        if replica.index in self._ahead and (not replica.up or not (replica.requests or self.table.waiting)):
+            await self._settle(self._ahead.pop(replica.index), replica, t0)  # nothing to send ahead of it
         if not replica.up:
             if replica.requests:
                 self.admitter.replica_lost(replica, "the connection was lost")
@@ -191,16 +203,34 @@ class Engine:
                 spans.record_iteration(span, record, traces)
         else:
             record = await self._step(replica, self.step, t0)
-        return bool(record.replicas or record.admitted or record.rejected)
+        return (bool(record.replicas or record.admitted or record.rejected) or replica.index in self._ahead
+                or self._settled != settled)
 
     async def _step(self, replica: TargetReplica, step: int, t0: float) -> IterationRecord:
+        prev = self._ahead.pop(replica.index, None)  # its pass in flight (--async-scheduling)
         plan = self.scheduler.plan(self.snapshots.take(replica.index, t0), step)
+        sent_ahead = self._runs_ahead(plan, replica)
+        if prev is not None and not sent_ahead:  # this pass depends on that one's answer: commit it, plan again
+            await self._settle(prev, replica, t0)
+            prev = None
+            plan = self.scheduler.plan(self.snapshots.take(replica.index, t0), step)
+            sent_ahead = self._runs_ahead(plan, replica)
         record = self.admitter.apply(plan)
         mine = self.table.bound(replica.index)
         decoding = [r for r in mine if r.decoding and r.rid in plan.shapes]
         trees = self.passes.constrain(replica.index, decoding, await self._trees(plan, decoding, record))
         with tracing.span("policy.select"):
-            target_pass, selected = self.passes.build(plan, replica.index, mine, decoding, trees, record)
+            target_pass, selected = self.passes.build(plan, replica.index, mine, decoding, trees, record, sent_ahead)
+        if target_pass is not None and sent_ahead:
+            record.sent_ahead = True
+            task = asyncio.ensure_future(self.passes.run(plan, [target_pass], record, {}))
+            self._ahead[replica.index] = InFlight(task, record, t0)
+            await asyncio.sleep(0)  # its frame goes out now, before the pass in flight is committed
+            if prev is not None:
+                await self._settle(prev, replica, t0)
+            return record
+        if prev is not None:
+            await self._settle(prev, replica, t0)
         if target_pass is not None:
             ahead = guesses(plan, decoding, trees, selected, self.drafts.max_depth) if self.overlap else {}
             await self.passes.run(plan, [target_pass], record, ahead)
@@ -208,6 +238,18 @@ class Engine:
             await self.executor.release_owed(replica)
         self._consume(record, replica, t0)
         return record
+
+    def _runs_ahead(self, plan: IterationPlan, replica: TargetReplica) -> bool:
+        """This plan's pass may go before the replica's pass in flight is committed (engine/ahead.py)."""
+        return self.async_scheduling and not tracing.ENABLED and runs_ahead(plan, self.table.bound(replica.index))
+
+    async def _settle(self, prev: InFlight, replica: TargetReplica, end: float) -> None:
+        """A pass sent ahead: its reply committed (its call's task does that), then its record consumed, its
+        iteration's time ending at `end` (when the iteration that settles it began: the iterations' times add
+        up to the wall time, not counting the overlap twice)."""
+        await prev.task
+        self._settled += 1
+        self._consume(prev.record, replica, prev.t0, end)
 
     async def _trees(self, plan: IterationPlan, decoding: list[GenRequest],
                      record: IterationRecord) -> dict[str, CandidateTree]:
@@ -223,8 +265,8 @@ class Engine:
         return trees
 
     # ---- the record's consumers ---------------------------------------------------------------
-    def _consume(self, record: IterationRecord, replica: TargetReplica, t0: float) -> None:
-        record.total_ms = (time.perf_counter() - t0) * 1e3
+    def _consume(self, record: IterationRecord, replica: TargetReplica, t0: float, end: float | None = None) -> None:
+        record.total_ms = ((time.perf_counter() if end is None else end) - t0) * 1e3
         record.waiting, record.running = len(self.table.waiting), len(self.table.running)
         if not record.replicas:
             self._set_load()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from specserve.gateway.backends.executor import Executor, Failure, TargetPass
 from specserve.gateway.backends.pool import ServicePool, TargetReplica
+from specserve.gateway.engine import ahead
 from specserve.gateway.engine.commit import Commit
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.overlap import Guess, keep_hits
@@ -61,18 +62,21 @@ class Passes:
         return out
 
     def build(self, plan: IterationPlan, replica: int, mine: list[GenRequest], decoding: list[GenRequest],
-              trees: dict[str, CandidateTree], record: IterationRecord) -> tuple[TargetPass | None,
-                                                                                 dict[str, list[int]]]:
+              trees: dict[str, CandidateTree], record: IterationRecord,
+              sent_ahead: bool = False) -> tuple[TargetPass | None, dict[str, list[int]]]:
         """The replica's pass (None when it has nothing to do, or is down), and the tree nodes selected
         per request (root included). `mine`: the requests bound to it (the plan's chunks for other
-        replicas' requests are theirs to run)."""
+        replicas' requests are theirs to run). `sent_ahead`: the pass goes before the one in flight is
+        committed (engine/ahead.py: root-only decode entries, no chunk for a request with one in flight)."""
         selected = self._select(plan, replica, decoding, trees)
         target = self.pool.targets[replica]
         p = TargetPass(target, [], [], features=self.drafts.reads_features)
         for r in mine:
             n = plan.chunks.get(r.rid, 0)
-            if n <= 0 or r.finish_reason is not None:
+            if n <= 0 or r.finish_reason is not None or (sent_ahead and r.chunk_step):
                 continue
+            if sent_ahead:
+                r.chunk_step = plan.step
             context = r.context
             # a first chunk covers what its replica's prefix cache is expected to hold (r.cached), then n more
             end = min(max(r.prefilled, r.cached) + n, len(context))
@@ -83,6 +87,12 @@ class Passes:
                                          r.output[-1] if last and r.resuming else None, mask))
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
         for r in decoding:
+            if sent_ahead:  # root-only (ahead.runs_ahead)
+                entry = ahead.decode_entry(r, plan.step)
+                if entry is not None:
+                    p.verify.append(VerifyItem(r.rid, plan.step, entry[0], [r.output[-1]], [-1], None, entry[1]))
+                    record.requests.append(RequestStep(r.rid, replica, verified=1))
+                continue
             tree = trees.get(r.rid)
             drafted, nodes, masks = tree is not None, selected.get(r.rid, [0]), None
             if r.grammar is not None:

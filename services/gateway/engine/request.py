@@ -113,6 +113,11 @@ class GenRequest:
     grammar: Constraint | None = None  # structured output: its matcher, and its trees shaped by it (constrain.py)
     final_only: bool = False  # Submission.final_only: its tokens are handed over at its end, not as they come
     held: list[int] = field(default_factory=list)  # final_only: output tokens not handed over yet
+    # --async-scheduling (engine/ahead.py): its entries in a pass whose outputs are not committed yet
+    ahead_step: int = 0  # the step of its newest root-only decode entry in flight (0: none)
+    ahead_committed: int = 0  # its committed tokens once that entry's token is in
+    chunk_step: int = 0  # the step of its prompt chunk in flight (0: none)
+    void_step: int = 0  # outputs of steps up to this one are dropped (sent on a state that did not come true)
 
     @classmethod
     def of(cls, sub: Submission, events: asyncio.Queue | None = None) -> GenRequest:

@@ -15,6 +15,7 @@ import time
 
 from specserve.gateway.backends.pool import ServicePool
 from specserve.gateway.config import GatewayConfig
+from specserve.gateway.engine import ahead
 from specserve.gateway.engine.prefix import PrefixCaches
 from specserve.gateway.engine.request import Finished, GenRequest, Tokens
 from specserve.gateway.obs.metrics import GatewayMetrics
@@ -77,6 +78,7 @@ class RequestTable:
             target.reserved_blocks -= r.kv_blocks
             target.owed_releases.add(r.rid)
             self.prefix.released(r, target)  # its blocks stay in the replica's prefix cache
+            ahead.unbound(r)  # what it has in flight there no longer applies
 
     def finish(self, r: GenRequest, reason: str, error: str | None = None,
                retry_after_s: float | None = None) -> None:

@@ -130,6 +130,8 @@ class _IterationCounters:
         ("specserve:draft_ahead", "Trees drafted ahead beside the target pass (--overlap)."),
         ("specserve:draft_ahead_hits", "Trees drafted ahead whose guess the target's answer matched (used next "
          "step)."),
+        ("specserve:passes_sent_ahead", "Target passes sent before the replica's previous pass was committed "
+         "(--async-scheduling)."),
     )
     PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos",
                     "Accepted tokens per draft position (0 = first draft token).")
@@ -137,7 +139,7 @@ class _IterationCounters:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.seconds = [0.0] * len(self.SECONDS)
-        self.counts = [0] * len(self.COUNTS)  # iterations, drafts, draft tokens, accepted, ahead, hits
+        self.counts = [0] * len(self.COUNTS)  # iterations, drafts, draft tokens, accepted, ahead, hits, sent ahead
         self.per_position: list[int] = []  # accepted draft tokens per position, summed over iterations
 
     def add(self, record: IterationRecord) -> None:
@@ -149,6 +151,7 @@ class _IterationCounters:
         counts[0] += 1
         counts[4] += record.draft.ahead
         counts[5] += record.draft.ahead_hits
+        counts[6] += record.sent_ahead
         per_position = self.per_position
         for step in record.requests:
             if step.verified > 1 and step.error is None:
@@ -180,7 +183,7 @@ class _IterationCounters:
         yield family(*self.COUNTS[0], self.counts[0])
         for (name, doc), value in zip(self.SECONDS[4:], self.seconds[4:]):
             yield family(name, doc, value)
-        for (name, doc), count in zip(self.COUNTS[4:], self.counts[4:]):  # drafting ahead
+        for (name, doc), count in zip(self.COUNTS[4:], self.counts[4:]):  # drafting ahead, passes sent ahead
             yield family(name, doc, count)
 
 

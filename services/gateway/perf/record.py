@@ -80,6 +80,7 @@ class IterationRecord:
     rejected: int = 0
     waiting: int = 0  # requests still waiting after admission
     running: int = 0  # requests admitted after the iteration
+    sent_ahead: bool = False  # its pass went before the replica's previous one was committed (--async-scheduling)
 
     # ---- composition ---------------------------------------------------------------------------
     @property

@@ -1,0 +1,86 @@
+"""One step ahead (`--async-scheduling`): a replica's next pass planned and sent while its pass runs.
+
+As vLLM's async scheduling and SGLang's overlap scheduler do, the step loop plans pass N+1, builds it
+and sends it before pass N's reply is in; it commits N's outputs while the target computes N+1, whose
+call waits in order behind N's on the replica's connection. A decoding request whose entry in N is in
+flight sends a root-only entry whose root the target fills in (`VerifyEntry.root_pending`: its newest
+committed token, the one N emits), at N's committed count plus one. What the gateway cannot know yet
+is left out of N+1: a request whose token in flight is its last by max_tokens sends nothing, and one
+whose prompt chunk is in flight sends no chunk (the next plan gives it the next one, once N's reply
+says where it stands). A request that ends at N's token (a stop id, a stop string) computed one more
+token in N+1, which is dropped.
+
+A pass runs ahead only when it holds nothing that depends on N's answer: every decoding request is
+planned root-only (no draft tree), none has a grammar, the plan preempts nobody and keeps the draft
+where it is (`runs_ahead`); otherwise the loop commits N first and plans again. Where N's entry for a
+request did not come true (an error that does not end it, such as `out_of_blocks`, retried), its
+entry in N+1 was sent on a state the target does not have; the target refuses it (out of sync) and
+its output is dropped (`settle`). A request taken off its replica (a replica lost) drops what it had
+in flight (`unbound`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.perf.record import IterationRecord
+from specserve.gateway.sched.plan import IterationPlan, Residency
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A replica's pass sent ahead: its call (which commits its outputs when the reply is in), its record."""
+
+    task: asyncio.Task[None]
+    record: IterationRecord
+    t0: float  # perf_counter when its iteration began
+
+
+def runs_ahead(plan: IterationPlan, bound: list[GenRequest]) -> bool:
+    """The plan's pass may be sent before the pass in flight is committed (see the module's docstring)."""
+    if plan.preempt or plan.residency is not Residency.KEEP or plan.draft_sync:
+        return False
+    for r in bound:
+        shape = plan.shapes.get(r.rid)
+        if r.grammar is not None or (shape is not None and shape.depth > 0):
+            return False
+    return True
+
+
+def decode_entry(r: GenRequest, step: int) -> tuple[int, bool] | None:
+    """A decoding request's root-only entry at `step` in a pass sent ahead: its committed count and whether
+    the target fills in its root (an entry in flight); None where its token in flight is its last."""
+    if r.ahead_step:
+        if len(r.output) + 1 >= r.max_tokens:
+            return None
+        committed, pending = r.ahead_committed, True
+    else:
+        committed, pending = r.committed, False
+    r.ahead_step, r.ahead_committed = step, committed + 1
+    return committed, pending
+
+
+def settle(r: GenRequest, step: int, ok: bool) -> bool:
+    """The request's output of `step` arrived (`ok`: without an error): False where it is to be dropped (sent
+    on a state that did not come true). An entry of a later step still in flight is dropped in turn when
+    this one failed."""
+    if step <= r.void_step:
+        return False
+    if r.chunk_step == step:
+        r.chunk_step = 0
+    if r.ahead_step == step:
+        r.ahead_step = 0
+    elif r.ahead_step > step and not ok:
+        r.void_step, r.ahead_step = r.ahead_step, 0
+    return True
+
+
+def unbound(r: GenRequest) -> None:
+    """The request left its replica: whatever it has in flight there is dropped when it arrives."""
+    r.void_step = max(r.void_step, r.ahead_step, r.chunk_step)
+    r.ahead_step = r.chunk_step = 0
+
+
+__all__ = ["InFlight", "decode_entry", "runs_ahead", "settle", "unbound"]

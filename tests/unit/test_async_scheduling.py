@@ -1,0 +1,88 @@
+"""One step ahead (--async-scheduling): the target fills in a root sent before it was known, and the
+gateway's bookkeeping of entries in flight (engine/ahead.py). End to end: tests/stack/test_gateway.py."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.gateway.engine import ahead
+from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.sched.plan import NO_DRAFT, IterationPlan, Residency, Shape
+from specserve.gateway.sched.slo_classes import SloClass
+from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
+from specserve.target.config import TargetConfig
+from specserve.target.engine import TargetEngine
+
+PROMPT = [72, 400, 1201, 33, 9, 870, 41, 5]
+
+
+def _verify(step: int, committed: int, root: int, pending: bool) -> tuple[Forward, dict[str, torch.Tensor]]:
+    return (Forward(verify=[VerifyEntry("a", step, committed, 1, root_pending=pending)]),
+            {"tree_tokens": torch.tensor([root], dtype=torch.int32),
+             "tree_parents": torch.tensor([-1], dtype=torch.int32)})
+
+
+def test_the_target_takes_its_newest_token_as_a_pending_root_and_still_checks_the_count() -> None:
+    engine = TargetEngine(TargetConfig(kv_blocks=32, threads=1))
+    _, first = engine.forward(Forward(prefill=[PrefillEntry("a", 1, 0, len(PROMPT), True, SamplingSpec())]),
+                              {"prefill_tokens": torch.tensor(PROMPT, dtype=torch.int32)})
+    t1 = int(first["tokens"][0])
+    # the reference: steps sent with the root known
+    reference = TargetEngine(TargetConfig(kv_blocks=32, threads=1))
+    reference.forward(Forward(prefill=[PrefillEntry("a", 1, 0, len(PROMPT), True, SamplingSpec())]),
+                      {"prefill_tokens": torch.tensor(PROMPT, dtype=torch.int32)})
+    _, known = reference.forward(*_verify(2, len(PROMPT) + 1, t1, False))
+
+    # a root sent as a placeholder (0, not the token) is the target's own newest token
+    reply, out = engine.forward(*_verify(2, len(PROMPT) + 1, 0, True))
+    assert reply.results[0].error is None and out["tokens"].tolist() == known["tokens"].tolist()
+    # a wrong placeholder without the flag is refused; so is a pending root at a count the target does not have
+    assert engine.forward(*_verify(3, len(PROMPT) + 2, 0, False))[0].results[0].error.code == "out_of_sync"
+    assert engine.forward(*_verify(4, len(PROMPT) + 5, 0, True))[0].results[0].error.code == "out_of_sync"
+
+
+def _request(max_tokens: int = 8) -> GenRequest:
+    r = GenRequest("a", [1, 2, 3], SamplingSpec(), max_tokens, SloClass("chat", 50.0, 1000.0), frozenset())
+    r.output = [7]
+    return r
+
+
+def test_an_entry_sent_ahead_counts_the_token_in_flight_and_stops_before_max_tokens() -> None:
+    r = _request(max_tokens=3)
+    assert ahead.decode_entry(r, 10) == (4, False)  # nothing in flight: its own root and count
+    assert ahead.decode_entry(r, 11) == (5, True)  # step 10 in flight: the target fills in the root
+    r.output.append(8)  # step 10's token is committed; 11's is in flight and is the 3rd, its last
+    assert ahead.settle(r, 10, ok=True) and r.ahead_step == 11
+    assert ahead.decode_entry(r, 12) is None
+    assert ahead.settle(r, 11, ok=True) and r.ahead_step == 0
+
+
+def test_a_failed_entry_drops_the_one_sent_ahead_on_it() -> None:
+    r = _request()
+    ahead.decode_entry(r, 10)
+    ahead.decode_entry(r, 11)
+    assert ahead.settle(r, 10, ok=False)  # e.g. out_of_blocks, retried: step 11 was sent on a state not reached
+    assert not ahead.settle(r, 11, ok=False)  # its refusal (out of sync) is dropped, not the request's end
+    assert ahead.decode_entry(r, 12) == (4, False)  # and the next entry starts again from what is committed
+
+
+def test_a_request_off_its_replica_drops_what_it_had_in_flight() -> None:
+    r = _request()
+    ahead.decode_entry(r, 10)
+    r.chunk_step = 0
+    ahead.unbound(r)
+    assert r.ahead_step == 0 and not ahead.settle(r, 10, ok=True)
+    assert ahead.settle(r, 12, ok=True)  # a later step, after it is bound again, counts
+
+
+def _plan(shapes: dict[str, Shape], **kw) -> IterationPlan:
+    return IterationPlan(1, [], {}, {}, {}, shapes, [], kw.pop("residency", Residency.KEEP), **kw)
+
+
+def test_only_a_pass_that_needs_no_answer_of_the_one_in_flight_runs_ahead() -> None:
+    r = _request()
+    assert ahead.runs_ahead(_plan({"a": NO_DRAFT}), [r])
+    assert not ahead.runs_ahead(_plan({"a": Shape(3, 1)}), [r])  # a draft tree grows from the unknown root
+    assert not ahead.runs_ahead(_plan({"a": NO_DRAFT}, preempt=["a"]), [r])
+    assert not ahead.runs_ahead(_plan({"a": NO_DRAFT}, residency=Residency.OFFLOAD), [r])
+    assert not ahead.runs_ahead(_plan({"a": NO_DRAFT}, draft_sync=["a"]), [r])
