@@ -26,8 +26,9 @@ Sections, in this order (each is timed; one that fails is reported with its erro
    every policy's greedy texts against `none`'s; the profile, the SLO classes and the cost model's error;
    and transformers `generate` on the GPU at the same batch sizes on the same prompts.
 6. **overhead**: bench/step_overhead.py's part 1 on the device: the near-null target (the demo draft served as
-   the target) under `none` at 1, 16, 64 and 256 in flight, and the default at 64; per mode the iteration, the
-   target's pass and the rest (the stack's own time), ms per iteration, and tokens/s.
+   the target) under `none` at 1, 16, 64 and 256 in flight, without and with `--async-scheduling`, and the
+   default at 64 both ways; per mode the iteration, the target's pass and the rest (the stack's own time), ms
+   per iteration, and tokens/s.
 7. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
    bench/sim_fit_latency.py, acceptance of the cpu-demo preset: the same pair), and the simulated stack
    (`up --simulate`) against the real one of section 5 at 16 in flight: the error of tokens/s and TPOT p50.
@@ -135,7 +136,7 @@ class Plan:
     lossless_prompts: int = 8
     sim_concurrency: int = 16
     overhead_inflight: tuple[int, ...] = (1, 16, 64, 256)  # the near-null target's requests in flight
-    overhead_seconds: float = 10.0
+    overhead_seconds: float = 6.0  # per closed loop: 2 gateways at each level, and the default twice
     extra_shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def requests(self, concurrency: int) -> int:
@@ -549,8 +550,9 @@ def stack(plan: Plan, work: Path) -> dict:
 
 def overhead(plan: Plan) -> dict[str, dict]:
     """bench/step_overhead.py's part 1 on the device: the near-null target (the demo draft served as the
-    target) under `none` at each number in flight, and the default at the largest below 100; per mode the
-    iteration, the target's pass and the rest (the stack's own), ms per iteration, and tokens/s."""
+    target) under `none` at each number in flight, and the default at the largest below 100, each without and
+    with `--async-scheduling`; per mode the iteration, the target's pass and the rest (the stack's own), ms per
+    iteration, and tokens/s."""
     from bench.step_overhead import near_null
 
     args = argparse.Namespace(rounds=1, seconds=plan.overhead_seconds)

@@ -6,12 +6,14 @@
 Part 1, the stack's own time: a near-null target (the bundled demo draft, 2 layers of 160, served as the
 target, so the pass is a fraction of a millisecond) under `none`, at each number of requests in flight
 (closed loop: every client sends its next request when one ends; greedy, `ignore_eos`, 64 new tokens,
-a 16-token prompt). Per level, from the gateway's iteration counters over a steady window
-(services/cli/loadgen/scrape.py): the iteration's wall time (the window's sum of draft, target,
-transport and scheduling seconds over its iterations), the target's model pass
-(`specserve:iteration_pass_seconds`), and the rest, the stack's own, in total and per request in flight; of
-the stack, the part inside the target service around its pass (checks, inputs, acceptance, the reply). Then
-the default policy at the largest level below 100 (its pairing for that model, the demo draft)
+a 16-token prompt), served by the stack's own gateway and by a second one with `--async-scheduling`
+(`none+ahead`: each pass planned and sent while the one before runs). Per level, over a steady window:
+the iteration's wall time (the window's wall time over the gateway's iterations; `counted_ms` is the
+sum of its counters' draft, target, transport and scheduling seconds over them, which leaves out the
+loop's turns between iterations), the target's model pass (`specserve:iteration_pass_seconds`), and
+the rest, the stack's own, in total and per request in flight; of the stack, the part inside the target
+service around its pass (checks, inputs, acceptance, the reply). Then the default policy at the largest
+level below 100 (its pairing for that model, the demo draft), without and with `--async-scheduling`,
 against `none`, as tokens/s.
 
 Part 2, the replay draft (services/draft/replay.py) on SmolLM2-135M-Instruct at one request: the
@@ -80,19 +82,25 @@ async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int]
         wall = time.monotonic() - start
         after = await scrape(session, url)
     delta = server_delta(before, after)
-    split = iteration_split(delta["iteration"])
+    split = iteration_split(delta["iteration"], wall)
     return {"inflight": inflight, **split, "stack_us_per_request": split["stack_ms"] * 1e3 / inflight,
             "tokens_per_s": tokens / wall, "tokens_per_pass": delta["mean_acceptance_length"]}
 
 
-def iteration_split(it: dict) -> dict:
+def iteration_split(it: dict, wall_s: float | None = None) -> dict:
     """server_delta's iteration part as ms per iteration: the whole, the target's model pass, the rest (the
-    stack's), and of the stack the target service's own work around its pass (checks, inputs, acceptance)."""
+    stack's), and of the stack the target service's own work around its pass (checks, inputs, acceptance).
+    With `wall_s` (the window's wall time) the whole is the wall time over the iterations: what the
+    counters' parts leave out (the loop's turns between iterations) counts, and a pass sent ahead
+    (--async-scheduling), whose call overlaps the next iteration, does not count twice; `counted_ms` keeps
+    the sum of the counters' parts."""
     n = max(it["iterations"], 1)
-    iteration_ms = it["mean_ms"] or 0.0
+    counted_ms = it["mean_ms"] or 0.0
+    iteration_ms = wall_s * 1e3 / n if wall_s is not None and it["iterations"] else counted_ms
     pass_ms = it["pass_seconds"] / n * 1e3
-    return {"iterations": it["iterations"], "iteration_ms": iteration_ms, "target_ms": pass_ms,
-            "stack_ms": iteration_ms - pass_ms, "target_service_ms": it["seconds"]["target"] / n * 1e3 - pass_ms,
+    return {"iterations": it["iterations"], "iteration_ms": iteration_ms, "counted_ms": counted_ms,
+            "target_ms": pass_ms, "stack_ms": iteration_ms - pass_ms,
+            "target_service_ms": it["seconds"]["target"] / n * 1e3 - pass_ms,
             "split_ms": {p: s / n * 1e3 for p, s in it["seconds"].items()}}
 
 
@@ -106,18 +114,27 @@ def near_null(args: argparse.Namespace, levels: list[int], up_args: tuple[str, .
     profile = Path(tempfile.mkdtemp()) / "profile.json"
     up = Up("--model", model, "--draft-model", model, "--policy", "none", "--threads", "1",
             "--profile", str(profile), *up_args, timeout_s=600)
-    default = gateway(up, "joint", "--model", model, "--profile", str(profile))
+    gateways = {"none+ahead": gateway(up, "none", "--model", model, "--profile", str(profile), "--async-scheduling"),
+                "joint": gateway(up, "joint", "--model", model, "--profile", str(profile)),
+                "joint+ahead": gateway(up, "joint", "--model", model, "--profile", str(profile), "--async-scheduling")}
     duel = max([n for n in levels if n < 100] or [levels[0]])
     rounds = []
     try:
         for r in range(args.rounds):
-            row = {f"none@{n}": asyncio.run(closed_loop(up.url, n, args.seconds, PROMPT, NEW_TOKENS)) for n in levels}
-            row[f"joint@{duel}"] = asyncio.run(closed_loop(default.address, duel, args.seconds, PROMPT, NEW_TOKENS))
+            row = {}
+            for n in levels:
+                row[f"none@{n}"] = asyncio.run(closed_loop(up.url, n, args.seconds, PROMPT, NEW_TOKENS))
+                row[f"none+ahead@{n}"] = asyncio.run(closed_loop(gateways["none+ahead"].address, n, args.seconds,
+                                                                 PROMPT, NEW_TOKENS))
+            for name in ("joint", "joint+ahead"):
+                row[f"{name}@{duel}"] = asyncio.run(closed_loop(gateways[name].address, duel, args.seconds, PROMPT,
+                                                                NEW_TOKENS))
             rounds.append(row)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v['stack_ms']:.2f} ms stack, {v['tokens_per_s']:.0f} tok/s"
                                                  for k, v in row.items()), flush=True)
     finally:
-        default.stop()
+        for g in gateways.values():
+            g.stop()
         up.interrupt()
     return rounds
 
@@ -189,7 +206,7 @@ def _print(result: dict) -> None:
         return f"{x['median']:.{digits}f} ({x['min']:.{digits}f}-{x['max']:.{digits}f})"
 
     for mode, m in result.get("near_null", {}).get("median", {}).items():
-        print(f"{mode:>10}: iteration {fmt(m['iteration_ms'])} ms, target pass {fmt(m['target_ms'])} ms, stack "
+        print(f"{mode:>16}: iteration {fmt(m['iteration_ms'])} ms, target pass {fmt(m['target_ms'])} ms, stack "
               f"{fmt(m['stack_ms'])} ms = {fmt(m['stack_us_per_request'], 0)} us a request (the target service's "
               f"own {fmt(m['target_service_ms'])} ms), "
               f"{fmt(m['tokens_per_s'], 0)} tok/s")
@@ -216,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_near_null:
         rounds = near_null(args, levels)
         result["near_null"] = {"rounds": rounds, "median": {
-            k: {m: spread([r[k][m] for r in rounds]) for m in ("iteration_ms", "target_ms", "stack_ms",
+            k: {m: spread([r[k][m] for r in rounds]) for m in ("iteration_ms", "counted_ms", "target_ms", "stack_ms",
                                                                 "target_service_ms", "stack_us_per_request",
                                                                 "tokens_per_s")}
             for k in rounds[0]}}

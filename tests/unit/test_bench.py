@@ -464,6 +464,9 @@ def test_the_step_overhead_bench_counts_the_target_services_own_work_as_the_stac
     assert split["target_ms"] == pytest.approx(25.0)  # the model pass alone: 2.5 s over 100 iterations
     assert split["target_service_ms"] == pytest.approx(5.0)  # the rest of the target's 30 ms an iteration
     assert split["stack_ms"] == pytest.approx(25.0)  # wall less the pass: draft, transport, schedule, the service's own
+    walled = iteration_split(server_delta(before, after)["iteration"], wall_s=6.0)  # the window's wall time
+    assert walled["iteration_ms"] == pytest.approx(60.0) and walled["counted_ms"] == pytest.approx(50.0)
+    assert walled["stack_ms"] == pytest.approx(35.0)  # what the counters leave out (the loop's turns) counts
 
 
 def test_format_summary_lists_categories_and_split():
