@@ -3,6 +3,7 @@ gateway's bookkeeping of entries in flight (engine/ahead.py). End to end: tests/
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.gateway.engine import ahead
@@ -86,3 +87,10 @@ def test_only_a_pass_that_needs_no_answer_of_the_one_in_flight_runs_ahead() -> N
     assert not ahead.runs_ahead(_plan({"a": NO_DRAFT}, preempt=["a"]), [r])
     assert not ahead.runs_ahead(_plan({"a": NO_DRAFT}, residency=Residency.OFFLOAD), [r])
     assert not ahead.runs_ahead(_plan({"a": NO_DRAFT}, draft_sync=["a"]), [r])
+
+
+def test_a_pass_sent_ahead_is_timed_from_when_the_one_before_was_answered() -> None:
+    # sent at 10.000 s, answered at 10.010 s (a 10 ms call); the pass before it was answered at 10.006 s
+    assert ahead.queued_ms(10.006, 10.010, 10.0) == pytest.approx(6.0)
+    assert ahead.queued_ms(9.990, 10.010, 10.0) == 0.0  # sent after the one before was answered: no wait
+    assert ahead.queued_ms(10.020, 10.010, 10.0) == 10.0  # never more than the call

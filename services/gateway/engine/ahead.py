@@ -16,7 +16,8 @@ where it is (`runs_ahead`); otherwise the loop commits N first and plans again. 
 request did not come true (an error that does not end it, such as `out_of_blocks`, retried), its
 entry in N+1 was sent on a state the target does not have; the target refuses it (out of sync) and
 its output is dropped (`settle`). A request taken off its replica (a replica lost) drops what it had
-in flight (`unbound`).
+in flight (`unbound`). A pass sent ahead is timed from when the one before it was answered
+(`queued_ms`), so that the cost model does not count its wait in line as a round trip.
 """
 
 from __future__ import annotations
@@ -77,10 +78,17 @@ def settle(r: GenRequest, step: int, ok: bool) -> bool:
     return True
 
 
+def queued_ms(previous_reply: float, reply: float, call_ms: float) -> float:
+    """The part of a call, ms, that it waited behind the replica's pass before it (its reply came at
+    `previous_reply`, perf_counter seconds): a pass sent ahead waits in order on the connection, and that
+    wait is neither transport nor the target's work. 0 for a pass sent after the one before was answered."""
+    return min(call_ms, max(0.0, (previous_reply - (reply - call_ms / 1e3)) * 1e3))
+
+
 def unbound(r: GenRequest) -> None:
     """The request left its replica: whatever it has in flight there is dropped when it arrives."""
     r.void_step = max(r.void_step, r.ahead_step, r.chunk_step)
     r.ahead_step = r.chunk_step = 0
 
 
-__all__ = ["InFlight", "decode_entry", "runs_ahead", "settle", "unbound"]
+__all__ = ["InFlight", "decode_entry", "queued_ms", "runs_ahead", "settle", "unbound"]

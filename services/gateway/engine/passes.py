@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from specserve.gateway.backends.executor import Executor, Failure, TargetPass
 from specserve.gateway.backends.pool import ServicePool, TargetReplica
-from specserve.gateway.engine import ahead
+from specserve.gateway.engine.ahead import decode_entry, queued_ms
 from specserve.gateway.engine.commit import Commit
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.overlap import Guess, keep_hits
@@ -42,6 +42,7 @@ class Passes:
         self.replica_lost = replica_lost  # a replica that cannot be reached (Admitter.replica_lost)
         self.forced_tokens = forced_tokens  # a grammar's forced tokens put into a tree per pass (--forced-tokens)
         self.commit = Commit(table, metrics)
+        self.replied: dict[int, float] = {}  # per replica: when its last Forward was answered (perf_counter s)
 
     def constrain(self, replica: int, decoding: list[GenRequest],
                   trees: dict[str, CandidateTree]) -> dict[str, CandidateTree]:
@@ -88,7 +89,7 @@ class Passes:
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
         for r in decoding:
             if sent_ahead:  # root-only (ahead.runs_ahead)
-                entry = ahead.decode_entry(r, plan.step)
+                entry = decode_entry(r, plan.step)
                 if entry is not None:
                     p.verify.append(VerifyItem(r.rid, plan.step, entry[0], [r.output[-1]], [-1], None, entry[1]))
                     record.requests.append(RequestStep(r.rid, replica, verified=1))
@@ -137,7 +138,11 @@ class Passes:
         beside = sync + [item for _, item in ahead.values()]
         epochs = {i.rid: self.table.requests[i.rid].draft_epoch for i in beside}
         results, sync_result, phase_ms = await self.executor.target_pass(passes, beside)
-        record.target_phase_ms = phase_ms
+        replied = time.perf_counter()
+        queued = {p.replica.index: queued_ms(self.replied.get(p.replica.index, 0.0), replied, r.ms)
+                  for p, r in zip(passes, results)}  # a pass sent ahead, in line behind the one before it
+        self.replied.update((p.replica.index, replied) for p in passes)
+        record.target_phase_ms = phase_ms - max(queued.values(), default=0.0)
         drafted: dict[str, CandidateTree] = {}
         if sync_result is not None:
             record.draft.sync_requests, record.draft.ahead = len(sync), len(ahead)
@@ -153,7 +158,7 @@ class Passes:
         now = time.perf_counter()
         for p, result in zip(passes, results):
             step = ReplicaStep(p.replica.index, sum(len(i.tokens) for i in p.prefill),
-                               sum(len(i.tokens) for i in p.verify), call_ms=result.ms)
+                               sum(len(i.tokens) for i in p.verify), call_ms=result.ms - queued[p.replica.index])
             record.replicas.append(step)
             if result.value is None:
                 step.failure = str(result.failure)
