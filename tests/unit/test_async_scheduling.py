@@ -94,3 +94,42 @@ def test_a_pass_sent_ahead_is_timed_from_when_the_one_before_was_answered() -> N
     assert ahead.queued_ms(10.006, 10.010, 10.0) == pytest.approx(6.0)
     assert ahead.queued_ms(9.990, 10.010, 10.0) == 0.0  # sent after the one before was answered: no wait
     assert ahead.queued_ms(10.020, 10.010, 10.0) == 10.0  # never more than the call
+
+
+def test_a_plan_carried_out_after_a_pass_is_committed_passes_over_what_that_pass_ended() -> None:
+    """The plan was made while a pass was in flight; that pass's commit ended one request and moved
+    another: the plan's admission, rejection and preemption of them are passed over."""
+    from specserve.gateway.backends.pool import ServicePool, TargetReplica
+    from specserve.gateway.config import GatewayConfig
+    from specserve.gateway.engine.loop import Engine
+    from specserve.gateway.obs.metrics import GatewayMetrics
+    from specserve.gateway.perf.cost import PassCost
+    from specserve.gateway.sched.plan import Admit, Reject
+    from specserve.gateway.sched.routing import RoundRobin
+    from specserve.gateway.sched.scheduler import Scheduler
+    from tests.support.engine import Steered
+
+    replicas = [TargetReplica(0, "unix:/a", PassCost(16, 10.0))]
+    policy = Steered()
+    engine = Engine(policy, Scheduler(policy, RoundRobin()), ServicePool(replicas, None), GatewayMetrics("t"),
+                    GatewayConfig())
+    waiting = _request()
+    waiting.rid, waiting.output = "w", []
+    engine.table.requests["w"] = waiting
+    plan = IterationPlan(1, [Admit("gone", 0), Admit("w", 0)], {}, {"gone-too": Reject("full")}, {}, {}, [],
+                         Residency.KEEP, preempt=["w", "gone"])
+    engine.table.waiting.append(waiting)
+    record = engine.admitter.apply(plan)  # "gone" ended; "w" is waiting, so it is not preempted but admitted
+    assert waiting.replica == 0 and record.admitted == 2 and "gone" not in engine.table.requests
+
+
+def test_a_failed_prompt_chunk_drops_the_next_chunk_sent_ahead_on_it() -> None:
+    r = _request()
+    r.output = []
+    r.chunk_step, r.chunk_end = 10, 16  # chunk [0, 16) in flight at step 10
+    r.chunk_step, r.chunk_end = 11, 32  # then [16, 32) sent ahead at step 11
+    assert ahead.settle(r, 10, ok=True) and r.chunk_step == 11  # the first is in; the second still in flight
+    assert ahead.settle(r, 11, ok=True) and r.chunk_step == 0
+    r.chunk_step = 13
+    assert ahead.settle(r, 12, ok=False) and r.chunk_step == 0  # step 12's chunk refused (out_of_blocks)...
+    assert not ahead.settle(r, 13, ok=False)  # ...so step 13's, which started where 12's would end, is dropped

@@ -35,19 +35,26 @@ class Admitter:
         self.admission, self.wake = admission, wake
 
     def apply(self, plan: IterationPlan) -> IterationRecord:
-        """The plan's preemptions, rejections and admissions; the iteration's record, begun."""
+        """The plan's preemptions, rejections and admissions; the iteration's record, begun. A request the
+        plan names that has ended, or left the state it was planned in, since the plan was made (a pass
+        committed in between, with --async-scheduling) is passed over."""
         now = time.perf_counter()
         if self.admission is not None:
             for outcome in ADMISSION_OUTCOMES:
                 self.metrics.on_admission(outcome, getattr(self.admission.last, outcome))
+        requests = self.table.requests
         for rid in plan.preempt:  # best effort giving its KV to SLO requests admitted below
-            self.preempt(self.table.requests[rid])
+            if (r := requests.get(rid)) is not None and r.replica is not None:
+                self.preempt(r)
         for rid, reject in plan.rejected.items():
-            self.metrics.on_error("rejected")
-            self.table.finish(self.table.requests[rid], "rejected", reject.reason, retry_after_s=reject.retry_after_s)
+            if (r := requests.get(rid)) is not None and r.replica is None:
+                self.metrics.on_error("rejected")
+                self.table.finish(r, "rejected", reject.reason, retry_after_s=reject.retry_after_s)
         best_effort = self.admission.best_effort if self.admission is not None else set()
         for a in plan.admitted:
-            r = self.table.requests[a.rid]
+            r = requests.get(a.rid)
+            if r is None or r.replica is not None:
+                continue
             assert a.replica is not None
             self.table.bind(r, a.replica)
             self.table.prefix.admitted(r, self.pool.targets[a.replica])  # what its prefix cache holds of it

@@ -4,20 +4,23 @@ As vLLM's async scheduling and SGLang's overlap scheduler do, the step loop plan
 and sends it before pass N's reply is in; it commits N's outputs while the target computes N+1, whose
 call waits in order behind N's on the replica's connection. A decoding request whose entry in N is in
 flight sends a root-only entry whose root the target fills in (`VerifyEntry.root_pending`: its newest
-committed token, the one N emits), at N's committed count plus one. What the gateway cannot know yet
-is left out of N+1: a request whose token in flight is its last by max_tokens sends nothing, and one
-whose prompt chunk is in flight sends no chunk (the next plan gives it the next one, once N's reply
-says where it stands). A request that ends at N's token (a stop id, a stop string) computed one more
-token in N+1, which is dropped.
+committed token, the one N emits), at N's committed count plus one; a request whose prompt chunk is in
+flight sends its next chunk from where that one ends. What the gateway cannot know yet is left out of
+N+1: a request whose token in flight is its last by max_tokens sends nothing, nor does one whose last
+prompt chunk is in flight (it decodes once its first token is in). A request that ends at N's token (a
+stop id, a stop string) computed one more token in N+1, which is dropped.
 
 A pass runs ahead only when it holds nothing that depends on N's answer: every decoding request is
 planned root-only (no draft tree), none has a grammar, the plan preempts nobody and keeps the draft
-where it is (`runs_ahead`); otherwise the loop commits N first and plans again. Where N's entry for a
+where it is (`runs_ahead`); otherwise the loop commits N first and then carries out the plan it made
+(planning again would show the policies the step twice: a probe the first plan spent would be lost),
+passing over what N's commit ended or moved (`Admitter.apply`, `Passes.build`). Where N's entry for a
 request did not come true (an error that does not end it, such as `out_of_blocks`, retried), its
-entry in N+1 was sent on a state the target does not have; the target refuses it (out of sync) and
-its output is dropped (`settle`). A request taken off its replica (a replica lost) drops what it had
-in flight (`unbound`). A pass sent ahead is timed from when the one before it was answered
-(`queued_ms`), so that the cost model does not count its wait in line as a round trip.
+entry in N+1 (a decode step, or its next chunk) was sent on a state the target does not have; the
+target refuses it (out of sync) and its output is dropped (`settle`). A request taken off its replica
+(a replica lost) drops what it had in flight (`unbound`). A pass sent ahead is timed from when the one
+before it was answered (`queued_ms`), so that the cost model does not count its wait in line as a
+round trip.
 """
 
 from __future__ import annotations
@@ -65,16 +68,18 @@ def decode_entry(r: GenRequest, step: int) -> tuple[int, bool] | None:
 
 def settle(r: GenRequest, step: int, ok: bool) -> bool:
     """The request's output of `step` arrived (`ok`: without an error): False where it is to be dropped (sent
-    on a state that did not come true). An entry of a later step still in flight is dropped in turn when
-    this one failed."""
+    on a state that did not come true). An entry of a later step still in flight (a decode step or the next
+    prompt chunk) is dropped in turn when this one failed."""
     if step <= r.void_step:
         return False
+    newest = max(r.ahead_step, r.chunk_step)
+    if not ok and newest > step:
+        r.void_step, r.ahead_step, r.chunk_step = newest, 0, 0
+        return True
     if r.chunk_step == step:
         r.chunk_step = 0
     if r.ahead_step == step:
         r.ahead_step = 0
-    elif r.ahead_step > step and not ok:
-        r.void_step, r.ahead_step = r.ahead_step, 0
     return True
 
 

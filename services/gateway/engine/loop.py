@@ -210,11 +210,9 @@ class Engine:
         prev = self._ahead.pop(replica.index, None)  # its pass in flight (--async-scheduling)
         plan = self.scheduler.plan(self.snapshots.take(replica.index, t0), step)
         sent_ahead = self._runs_ahead(plan, replica)
-        if prev is not None and not sent_ahead:  # this pass depends on that one's answer: commit it, plan again
-            await self._settle(prev, replica, t0)
+        if prev is not None and not sent_ahead:  # this pass depends on that one's answer: commit it first, and
+            await self._settle(prev, replica, t0)  # carry out this plan (the policies' state saw it once)
             prev = None
-            plan = self.scheduler.plan(self.snapshots.take(replica.index, t0), step)
-            sent_ahead = self._runs_ahead(plan, replica)
         record = self.admitter.apply(plan)
         mine = self.table.bound(replica.index)
         decoding = [r for r in mine if r.decoding and r.rid in plan.shapes]

@@ -68,23 +68,25 @@ class Passes:
         """The replica's pass (None when it has nothing to do, or is down), and the tree nodes selected
         per request (root included). `mine`: the requests bound to it (the plan's chunks for other
         replicas' requests are theirs to run). `sent_ahead`: the pass goes before the one in flight is
-        committed (engine/ahead.py: root-only decode entries, no chunk for a request with one in flight)."""
+        committed (engine/ahead.py: root-only decode entries; a request's next chunk starts where its chunk in
+        flight ends, and none follows its last)."""
         selected = self._select(plan, replica, decoding, trees)
         target = self.pool.targets[replica]
         p = TargetPass(target, [], [], features=self.drafts.reads_features)
         for r in mine:
             n = plan.chunks.get(r.rid, 0)
-            if n <= 0 or r.finish_reason is not None or (sent_ahead and r.chunk_step):
-                continue
-            if sent_ahead:
-                r.chunk_step = plan.step
             context = r.context
+            start = r.chunk_end if sent_ahead and r.chunk_step else r.prefilled  # after its chunk in flight
+            if n <= 0 or r.finish_reason is not None or start >= len(context):
+                continue  # (or a prompt finished by a pass committed since the plan was made)
             # a first chunk covers what its replica's prefix cache is expected to hold (r.cached), then n more
-            end = min(max(r.prefilled, r.cached) + n, len(context))
+            end = min(max(start, r.cached) + n, len(context))
             last = end == len(context)
+            if sent_ahead:
+                r.chunk_step, r.chunk_end = plan.step, end
             mask = r.grammar.first_mask() if last and not r.resuming and r.grammar is not None else None
-            p.prefill.append(PrefillItem(r.rid, plan.step, r.prefilled, context[r.prefilled: end], last,
-                                         r.prefill_sampling if r.prefilled == 0 else None,
+            p.prefill.append(PrefillItem(r.rid, plan.step, start, context[start: end], last,
+                                         r.prefill_sampling if start == 0 else None,
                                          r.output[-1] if last and r.resuming else None, mask))
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
         for r in decoding:

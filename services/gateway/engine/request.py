@@ -116,7 +116,8 @@ class GenRequest:
     # --async-scheduling (engine/ahead.py): its entries in a pass whose outputs are not committed yet
     ahead_step: int = 0  # the step of its newest root-only decode entry in flight (0: none)
     ahead_committed: int = 0  # its committed tokens once that entry's token is in
-    chunk_step: int = 0  # the step of its prompt chunk in flight (0: none)
+    chunk_step: int = 0  # the step of its newest prompt chunk in flight (0: none)
+    chunk_end: int = 0  # where that chunk ends in its context
     void_step: int = 0  # outputs of steps up to this one are dropped (sent on a state that did not come true)
 
     @classmethod
