@@ -57,6 +57,7 @@ from specserve.target.config import TargetConfig
 from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, every_row
 from specserve.target.state import TargetRequest, params_of
 
+ROOT_ONLY = (-1,)  # the parents of a one-node tree
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
 
 
@@ -89,7 +90,8 @@ class TargetEngine:
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
         masks = self._masks(msg, tensors)
-        entries = self._fit_to_pool(self._entries(msg, tensors, errors), errors, cached if use_cache else None, undo)
+        entries = self._fit_to_pool(self._entries(msg, tensors, errors), len(msg.prefill), errors,
+                                    cached if use_cache else None, undo)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         graphs = getattr(self.runner, "graphs", None)  # the simulated runner has none
         captures = graphs.captures if graphs is not None else 0
@@ -100,7 +102,7 @@ class TargetEngine:
         emitted: dict[int, tuple[list[int], int]] = {}
         kept: dict[int, torch.Tensor] = {}  # by result index: the features returned
         scored = CallLogprobs()
-        greedy = self._greedy(entries, logits, masks)
+        greedy = self._greedy(entries, len(msg.prefill), logits, masks)
         self.runner.last_logits = None  # (not kept past the call)
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
             try:
@@ -126,9 +128,9 @@ class TargetEngine:
         """The model pass: each entry's logits (and features, when asked); if it fails, the chunks give back
         what they took from the prefix cache (the runner gives back the slots it took)."""
         try:
-            if msg.features:
-                return self.runner.forward_features(passed)
-            return (self.runner.forward(passed) if passed else []), []
+            if msg.features:  # (the entries were checked by `_entries`)
+                return self.runner.forward_features(passed, checked=True)
+            return (self.runner.forward(passed, checked=True) if passed else []), []
         except BaseException:
             for give_back in undo:
                 give_back()
@@ -137,7 +139,9 @@ class TargetEngine:
     def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor],
                  errors: dict[int, ErrorInfo]) -> list[tuple[int, Chunk | Tree]]:
         """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
-        (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`."""
+        (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`.
+        A root-only step (a plain decode) runs as a one-token chunk: the pass treats both alike, and the
+        accepted path of a one-node tree is its root, so its KV is committed at once."""
         chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
         tree_tokens = split_counts(tensors, "tree_tokens", [e.num_nodes for e in msg.verify])
         tree_parents = split_counts(tensors, "tree_parents", [e.num_nodes for e in msg.verify])
@@ -159,6 +163,8 @@ class TargetEngine:
             error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
             if error:
                 errors[base + j] = error
+            elif len(toks) == 1:
+                entries.append((base + j, Chunk(verify.rid, toks, logits_at=(0,))))
             else:
                 entries.append((base + j, Tree(verify.rid, toks, parents)))
         return entries
@@ -289,17 +295,18 @@ class TargetEngine:
         return ErrorInfo("too_large", f"{rid!r} needs {tokens} tokens of KV; the pool holds "
                          f"{self.config.kv_blocks * self.config.block_size}. The request was released.")
 
-    def _fit_to_pool(self, entries: list[tuple[int, Chunk | Tree]], errors: dict[int, ErrorInfo],
+    def _fit_to_pool(self, entries: list[tuple[int, Chunk | Tree]], num_prefill: int, errors: dict[int, ErrorInfo],
                      cached: dict[int, int] | None, undos: list[Callable[[], None]]) -> list[tuple[int, Chunk | Tree]]:
-        """Admit tree steps, then prefill chunks, while free blocks last; refuse the rest (retryable). With
+        """Admit tree steps (result indices from `num_prefill` on), then prefill chunks, while free blocks last;
+        refuse the rest (retryable). With
         `cached` (the prefix cache in use), a chunk first takes what the cache holds of it (`_from_cache`; the
         tokens taken go to `cached`, how to give them back to `undos`), and gives it back if it is refused."""
         free = self.runner.num_free_blocks
         admitted = []
-        for index, entry in sorted(entries, key=lambda x: not isinstance(x[1], Tree)):
+        for index, entry in sorted(entries, key=lambda x: x[0] < num_prefill):
             undo: Callable[[], None] | None = None
             try:
-                if cached is not None and isinstance(entry, Chunk):
+                if cached is not None and index < num_prefill and isinstance(entry, Chunk):
                     before = self.runner.num_free_blocks
                     entry, cached[index], undo = self._from_cache(entry)
                     free -= before - self.runner.num_free_blocks  # evictable blocks it holds now
@@ -337,17 +344,18 @@ class TargetEngine:
         return Chunk(rid, rest, logits_at=[len(rest) - 1] if chunk.logits_at else []), taken, undo
 
     # ---- acceptance --------------------------------------------------------------------------
-    def _greedy(self, entries: list[tuple[int, Chunk | Tree]], logits: list[torch.Tensor],
+    def _greedy(self, entries: list[tuple[int, Chunk | Tree]], num_prefill: int, logits: list[torch.Tensor],
                 masks: dict[int, torch.Tensor]) -> dict[int, list[int]]:
-        """By entry position, the argmax at every node of the trees whose acceptance reads their logits as
-        they are (a greedy request with no token history for penalties or held-back stop ids, and no token
-        mask), taken for all of them at once: on a GPU one read back a call instead of one a request."""
+        """By entry position, the argmax at every node of the trees (result indices from `num_prefill` on) whose
+        acceptance reads their logits as they are (a greedy request with no token history for penalties or
+        held-back stop ids, and no token mask), taken for all of them at once: on a GPU one read back a call
+        instead of one a request."""
         if self.accept is not None:
             return {}
         plain = []
         for i, (index, entry) in enumerate(entries):
             req = self.requests.get(entry.request_id)
-            if isinstance(entry, Tree) and index not in masks and req is not None and req.params.is_greedy \
+            if index >= num_prefill and index not in masks and req is not None and req.params.is_greedy \
                     and req.history is None:
                 plain.append(i)
         return dict(zip(plain, greedy_rows([logits[i] for i in plain], self.runner.last_logits), strict=True))
@@ -359,8 +367,7 @@ class TargetEngine:
         a prefill chunk)."""
         rid = entry.request_id
         req = self.requests.get(rid)
-        if isinstance(entry, Chunk):
-            assert isinstance(message, PrefillEntry)  # a chunk is a prefill entry's
+        if isinstance(message, PrefillEntry):
             if req is None:
                 spec = message.sampling
                 assert spec is not None  # _check_prefill refused a first chunk without sampling parameters
@@ -387,14 +394,17 @@ class TargetEngine:
             req.committed, req.last_token = req.prefilled + 1, token
             return ([token], 0), None
         assert req is not None  # _check_verify refused a tree of an unknown request
-        acceptance = accept_tree(entry.tokens, entry.parents, logits, req.params, req.generator, req.history,
+        parents = entry.parents if isinstance(entry, Tree) else ROOT_ONLY
+        acceptance = accept_tree(entry.tokens, parents, logits, req.params, req.generator, req.history,
                                  greedy=greedy) if self.accept is None else \
-            self.accept(entry.tokens, entry.parents, logits, req.params, req.generator, req.history)
-        self.runner.commit_tree(rid, acceptance.path)
+            self.accept(entry.tokens, parents, logits, req.params, req.generator, req.history)
+        if isinstance(entry, Tree):  # (a root-only step ran as a chunk: committed already)
+            self.runner.commit_tree(rid, acceptance.path)
         if req.history is not None:
             req.history.add_output(acceptance.tokens)
-        req.committed += len(acceptance.tokens)
-        if self.config.prefix_caching:
+        before, req.committed = req.committed, req.committed + len(acceptance.tokens)
+        bs = self.runner.blocks.block_size
+        if self.config.prefix_caching and (req.committed - 1) // bs > (before - 1) // bs:  # a block filled
             self.runner.cache_prefix(rid, req.committed - 1)  # the KV: every committed token but the newest
         req.last_token = acceptance.tokens[-1]
         req.last_step = message.step

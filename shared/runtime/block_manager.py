@@ -20,6 +20,10 @@ writes into a keyed block: `adopt` takes whole blocks, so its own writes start i
 `truncate` into a keyed block forgets the key when the request is its only holder (it may write there
 again) and refuses when the block is shared.
 
+**Block tables as one array** (`block_tables`): every request's table is also a row of one int32 NumPy
+array, kept up to date as blocks are taken and let go, so a pass reads the tables of its batch with one
+indexing operation instead of converting each request's list.
+
 NOTE: every mutating call either succeeds completely or raises before changing anything, so an
 `OutOfBlocks` error leaves the manager exactly as it was and the caller can act (preempt, queue,
 refuse) without cleaning up.
@@ -30,6 +34,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from specserve.shared.runtime.block_hash import ROOT, chain
 
@@ -52,6 +58,7 @@ class UnknownRequest(KeyError):
 class _Allocation:
     num_slots: int = 0
     blocks: list[int] = field(default_factory=list)
+    row: int = 0  # its row of the manager's table array
     hashes: list[bytes] = field(default_factory=list)  # the keys of its leading full blocks that `cache` keyed
 
 
@@ -68,6 +75,8 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # key -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, held by nobody; least recently used first
         self._requests: dict[str, _Allocation] = {}
+        self._tables = np.zeros((16, 8), dtype=np.int32)  # row r: the blocks of the request holding row r, then 0s
+        self._spare_rows = list(range(15, -1, -1))
         self.evictions = 0  # cached blocks evicted since start
 
     # ---- queries -------------------------------------------------------------------------
@@ -106,6 +115,13 @@ class BlockManager:
         """The keys of the request's leading full blocks that `cache` (or `adopt`) keyed."""
         return list(self._get(request_id).hashes)
 
+    def block_tables(self, request_ids: Sequence[str]) -> np.ndarray:
+        """The requests' block tables as rows of one int32 array [len(request_ids), the longest table's length],
+        each padded with 0 (a copy)."""
+        allocs = [self._get(rid) for rid in request_ids]
+        width = max((len(a.blocks) for a in allocs), default=0)
+        return self._tables[[a.row for a in allocs], :width]
+
     def blocks_needed(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
 
@@ -128,7 +144,7 @@ class BlockManager:
     def add(self, request_id: str) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already has KV state")
-        self._requests[request_id] = _Allocation()
+        self._new(request_id)
 
     def append_slots(self, counts: Mapping[str, int]) -> None:
         """Grow each request by counts[request_id] slots, atomically across all of them.
@@ -144,10 +160,12 @@ class BlockManager:
         if needed > self.num_free_blocks:
             raise OutOfBlocks(needed, self.num_free_blocks, list(counts))
         for rid, n in counts.items():
-            alloc = self._requests.setdefault(rid, _Allocation())
+            alloc = self._requests.get(rid) or self._new(rid)
             alloc.num_slots += n
-            for _ in range(self.blocks_needed(alloc.num_slots) - len(alloc.blocks)):
+            had = len(alloc.blocks)
+            for _ in range(self.blocks_needed(alloc.num_slots) - had):
                 alloc.blocks.append(self._take())
+            self._write_row(alloc, had)
 
     def truncate(self, request_id: str, num_slots: int) -> None:
         """Shrink the request to its first `num_slots` slots and let go of the blocks past them. A kept
@@ -162,6 +180,8 @@ class BlockManager:
             raise ValueError(f"cannot truncate {request_id!r} to {num_slots} slots: block {cut} is a shared "
                              "cached block")
         alloc.num_slots = num_slots
+        if len(alloc.blocks) > keep:
+            self._tables[alloc.row, keep:len(alloc.blocks)] = 0
         while len(alloc.blocks) > keep:
             self._drop(alloc.blocks.pop())
         del alloc.hashes[num_slots // self.block_size:]
@@ -174,6 +194,8 @@ class BlockManager:
             raise UnknownRequest(request_id)
         for block in reversed(alloc.blocks):  # tail first: the least recently used among them
             self._drop(block)
+        self._tables[alloc.row, :len(alloc.blocks)] = 0
+        self._spare_rows.append(alloc.row)
 
     # ---- the prefix cache ----------------------------------------------------------------
     def cache(self, request_id: str, tokens: Sequence[int], num_tokens: int) -> int:
@@ -221,7 +243,8 @@ class BlockManager:
             found.append((key, block))
         if not found:
             return 0
-        alloc = self._requests.setdefault(request_id, _Allocation())
+        alloc = self._requests.get(request_id) or self._new(request_id)
+        had = len(alloc.blocks)
         for key, block in found:
             if self._refs[block] == 0:
                 del self._evictable[block]
@@ -229,9 +252,28 @@ class BlockManager:
             alloc.blocks.append(block)
             alloc.hashes.append(key)
         alloc.num_slots += len(found) * bs
+        self._write_row(alloc, had)
         return len(found) * bs
 
     # ---- internals -----------------------------------------------------------------------
+    def _new(self, request_id: str) -> _Allocation:
+        """A request's empty allocation, with a row of the table array (which grows by doubling)."""
+        if not self._spare_rows:
+            rows = len(self._tables)
+            self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
+            self._spare_rows = list(range(2 * rows - 1, rows - 1, -1))
+        alloc = self._requests[request_id] = _Allocation(row=self._spare_rows.pop())
+        return alloc
+
+    def _write_row(self, alloc: _Allocation, start: int) -> None:
+        """Copy the request's blocks from index `start` on into its row (the array widens by doubling)."""
+        n = len(alloc.blocks)
+        if n > self._tables.shape[1]:
+            width = max(n, 2 * self._tables.shape[1])
+            self._tables = np.pad(self._tables, ((0, 0), (0, width - self._tables.shape[1])))
+        if n > start:
+            self._tables[alloc.row, start:n] = alloc.blocks[start:]
+
     def _take(self) -> int:
         """One block for a new slot: a plain free one, else the least recently used cached one (evicted)."""
         if self._free:
@@ -268,6 +310,11 @@ class BlockManager:
             assert len(a.hashes) <= a.num_slots // self.block_size, f"{rid}: a key past its full blocks"
             for b in a.blocks:
                 holders[b] += 1
+            assert self._tables[a.row, :len(a.blocks)].tolist() == a.blocks, f"{rid}: its table row disagrees"
+            assert not self._tables[a.row, len(a.blocks):].any(), f"{rid}: its table row is not 0 past its blocks"
+        rows = sorted([a.row for a in self._requests.values()] + self._spare_rows)
+        assert rows == list(range(len(self._tables))), "a table row lost or held twice"
+        assert not self._tables[self._spare_rows].any(), "a spare table row is not 0"
         assert holders == self._refs, "reference counts do not match the tables"
         held = {b for b, n in enumerate(holders) if n}
         free, evictable = set(self._free), set(self._evictable)

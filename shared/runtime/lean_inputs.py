@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.shared.runtime.attention import KeyLayout
@@ -40,6 +41,11 @@ def _ancestors(parents: Sequence[int]) -> list[list[int]]:
     return out
 
 
+def _array(values: list[int], dtype: type[np.integer]) -> torch.Tensor:
+    """A 1-D CPU tensor of Python ints through NumPy (several times faster than `torch.tensor` on a list)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
 def build_lean_inputs(
     entries: Sequence[Entry],
     starts: Sequence[int],
@@ -47,27 +53,43 @@ def build_lean_inputs(
     prior_parents: Mapping[int, Sequence[int]] | None = None,
 ) -> LeanInputs:
     """starts[i]: slots of entry i's request before this pass (its new slots are allocated);
-    prior_parents[i]: a DraftNodes entry's pending nodes from earlier passes (as in batch.build_inputs)."""
+    prior_parents[i]: a DraftNodes entry's pending nodes from earlier passes (as in batch.build_inputs).
+    Per token the loop notes logical slots (its own, and a tree node's path); the physical slots are read
+    from the batch's block tables in one array operation."""
     bs = blocks.block_size
-    tables = [blocks.block_table(e.request_id) for e in entries]
+    tables = blocks.block_tables([e.request_id for e in entries])
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    logical: list[int] = []  # per token: its logical slot in its request
     seq: list[int] = []
     prefix: list[int] = []
     extra_off: list[int] = [0]
-    extra: list[int] = []
+    extra: list[int] = []  # per path node: its logical slot (its request: extra_seq)
+    extra_seq: list[int] = []
     logits_indices: list[int] = []
     logits_splits: list[int] = []
-    for i, (entry, start, table) in enumerate(zip(entries, starts, tables)):
-        n = len(entry.tokens)
+    for i, (entry, start) in enumerate(zip(entries, starts)):
+        tokens = entry.tokens
+        n, row = len(tokens), len(input_ids)
+        if n == 1 and not isinstance(entry, DraftNodes):  # a plain decode, or a one-token chunk
+            asked = entry.logits_at is None or bool(entry.logits_at)  # (validate_entry: only row 0 can be asked)
+            if asked:
+                logits_indices.append(row)
+            logits_splits.append(1 if asked else 0)
+            input_ids.append(tokens[0])
+            logical.append(start)
+            seq.append(i)
+            positions.append(start)
+            prefix.append(start + 1)
+            extra_off.append(len(extra))
+            continue
         logits_at = entry_logits_at(entry)
-        logits_indices.extend(len(input_ids) + j for j in logits_at)
+        logits_indices.extend(row + j for j in logits_at)
         logits_splits.append(len(logits_at))
-        input_ids.extend(entry.tokens)
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        input_ids.extend(tokens)
+        logical.extend(range(start, start + n))
         seq.extend([i] * n)
-        if isinstance(entry, DraftNodes) or (isinstance(entry, Tree) and n > 1):
+        if isinstance(entry, DraftNodes | Tree):
             prior = list((prior_parents or {}).get(i, ())) if isinstance(entry, DraftNodes) else []
             whole = prior + list(entry.parents)
             base = start - len(prior)
@@ -75,27 +97,32 @@ def build_lean_inputs(
             for node in range(len(prior), len(whole)):
                 positions.append(base + depth[node])
                 prefix.append(base)
-                extra.extend(table[(base + a) // bs] * bs + (base + a) % bs for a in paths[node])
+                extra.extend(base + a for a in paths[node])
                 extra_off.append(len(extra))
-        else:  # a chunk, or a one-node tree (a plain decode)
+            extra_seq.extend([i] * (len(extra) - len(extra_seq)))
+        else:  # a chunk
             positions.extend(range(start, start + n))
             prefix.extend(range(start + 1, start + n + 1))
             extra_off.extend([len(extra)] * n)
-    max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-    int32, int64 = torch.int32, torch.int64
+    i32, i64 = np.int32, np.int64
     return LeanInputs(
-        input_ids=torch.tensor(input_ids, dtype=int64),
-        positions=torch.tensor(positions, dtype=int64),
-        logits_indices=torch.tensor(logits_indices, dtype=int64),
+        input_ids=_array(input_ids, i64),
+        positions=_array(positions, i64),
+        logits_indices=_array(logits_indices, i64),
         logits_splits=logits_splits,
         keys=KeyLayout(
-            slot_mapping=torch.tensor(slots, dtype=int64),
-            tables=torch.tensor(padded, dtype=int32),
-            seq=torch.tensor(seq, dtype=int32),
-            prefix=torch.tensor(prefix, dtype=int32),
-            extra_off=torch.tensor(extra_off, dtype=int32),
-            extra_slots=torch.tensor(extra, dtype=int32),
+            slot_mapping=torch.from_numpy(_physical(tables, seq, logical, bs).astype(i64)),
+            tables=torch.from_numpy(tables),
+            seq=_array(seq, i32),
+            prefix=_array(prefix, i32),
+            extra_off=_array(extra_off, i32),
+            extra_slots=torch.from_numpy(_physical(tables, extra_seq, extra, bs)),
             block_size=bs,
         ),
     )
+
+
+def _physical(tables: np.ndarray, rows: list[int], logical: list[int], block_size: int) -> np.ndarray:
+    """int32 physical slots of logical slots `logical` of the requests at rows `rows` of `tables`."""
+    at = np.array(logical, dtype=np.int32)
+    return tables[np.array(rows, dtype=np.intp), at // block_size] * block_size + at % block_size

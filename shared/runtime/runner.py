@@ -149,11 +149,14 @@ class ModelRunner:
         return taken
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, entries: Sequence[Entry], run_model: RunModel | None = None) -> list[torch.Tensor]:
+    def forward(self, entries: Sequence[Entry], run_model: RunModel | None = None,
+                checked: bool = False) -> list[torch.Tensor]:
         """Run one pass; return per entry the float32 logits [len(logits_at), vocab] it asked for.
 
         run_model(model, kv, inputs) replaces the plain model call (the draft's static-shape CUDA
         graph replay); it must return the logits rows of inputs.logits_indices.
+        checked: the caller has checked the entries already (one entry a request; tokens in the vocabulary,
+        trees well formed, logits rows inside their entries), so they are not checked again here.
         Raises OutOfBlocks (nothing changed) if the batch does not fit in the free KV blocks.
         """
         if not entries:
@@ -171,6 +174,8 @@ class ModelRunner:
                     prior_parents[i] = pending.parents
             elif pending is not None:
                 raise PendingTree(f"request {entry.request_id!r} has an uncommitted tree")
+            if checked:
+                continue
             validate_entry(entry, self.vocab_size, len(prior_parents.get(i, ())))
             if entry.request_id in seen:
                 raise ValueError(f"request {entry.request_id!r} appears twice in one batch")
@@ -201,14 +206,15 @@ class ModelRunner:
                     self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
         return outputs
 
-    def forward_features(self, entries: Sequence[Entry]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def forward_features(self, entries: Sequence[Entry],
+                         checked: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`forward`, and per entry the final norm's output at each of its tokens [len(tokens), hidden]
         float32 (a feature-level draft's input). The logits are those `forward` gives; the pass runs
         without CUDA graphs."""
         model = self.model
         model.keep_features, model.features = True, None
         try:
-            logits = self.forward(entries)
+            logits = self.forward(entries, checked=checked)
             features = model.features
         finally:
             model.keep_features, model.features = False, None

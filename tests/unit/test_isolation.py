@@ -102,12 +102,15 @@ def control(target) -> dict[str, list[int]]:
     return {rid.removeprefix("control-"): toks for rid, toks in out.items()}
 
 
-def run_with_poison(target, control, tag: str, spec: SamplingSpec) -> tuple[dict, str]:
+def run_with_poison(target, control, tag: str, spec: SamplingSpec, poison_drafts: bool = False) -> tuple[dict, str]:
+    """poison_drafts: the poisoned request's steps are chains too (a root-only step commits no tree)."""
     for rid in list(target.requests):  # whatever an earlier failing test left behind
         target.release(rid)
     healthy = {f"{tag}-{k}": (p, GREEDY) for k, p in PROMPTS.items()}
     poison = f"{tag}-poison"
     drafts = {f"{tag}-{k}": control[k] for k in PROMPTS}
+    if poison_drafts:
+        drafts[poison] = control["poison"]
     out = decode(target, {**healthy, poison: (POISON_PROMPT, spec)}, 4, drafts)
     for k in PROMPTS:
         toks = out[f"{tag}-{k}"]
@@ -151,7 +154,7 @@ def test_a_failing_commit_ends_its_request_alone(target, control, monkeypatch):
         return real(rid, path)
 
     monkeypatch.setattr(target.runner, "commit_tree", commit_tree)
-    out, poison = run_with_poison(target, control, "commit", GREEDY)
+    out, poison = run_with_poison(target, control, "commit", GREEDY, poison_drafts=True)
     assert_ended_alone(target, out, poison, "acceptance failed (IndexError: slot out of range")
 
 
