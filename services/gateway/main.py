@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import shutil
@@ -40,6 +39,7 @@ from specserve.gateway.sched.routing import make_router
 from specserve.gateway.sched.scheduler import Scheduler
 from specserve.gateway.sched.slo_classes import default_classes, parse_class
 from specserve.shared.process import tracing
+from specserve.shared.process.collector import freeze_startup_objects
 from specserve.shared.process.lifeline import follow_parent
 from specserve.shared.process.loop_tasks import LoopTasks
 from specserve.shared.process.ports import check_port_free, port_in_use_as_error
@@ -50,10 +50,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("specserve.gateway")
-# Allocations between two young-generation collections (CPython's default: 700). An iteration at 1,000
-# streams allocates tens of thousands of short-lived containers (messages, views, SSE chunks); at 700
-# many are caught alive mid-iteration, promoted, and the older generations then fill and get walked.
-GC_YOUNG_THRESHOLD = 50_000
 ENGINE_WAIT_S = 120.0  # a front end waits this long for its engine's link to accept it
 
 
@@ -178,7 +174,7 @@ async def _serve_http(config: GatewayConfig, gateway: Gateway, reuse_port: bool,
     with port_in_use_as_error(config.port):
         await site.start()
     port = runner.addresses[0][1]
-    _freeze_startup_objects()
+    freeze_startup_objects()
     print(f"ready {role} http://{config.host}:{port}", flush=True)
     return runner.cleanup
 
@@ -195,7 +191,7 @@ async def _start_frontends(config: GatewayConfig, local: LocalEngine) -> Callabl
     port = config.port or free_port(config.host)
     frontends = Frontends(config.frontends, frontend_command(sys.argv, port, address))
     await frontends.start()
-    _freeze_startup_objects()
+    freeze_startup_objects()
     print(f"ready gateway http://{config.host}:{port}", flush=True)
 
     async def cleanup() -> None:
@@ -240,16 +236,6 @@ async def run_frontend(config: GatewayConfig) -> int:
     await remote.close()
     tracing.shutdown()
     return 0 if stopped.done() and not gone.done() else 1
-
-
-def _freeze_startup_objects() -> None:
-    """What startup loaded (torch, transformers, the tokenizer: some 350,000 objects) lives as long as
-    the process: take it out of the cyclic collector's generations, or every full collection walks it
-    all again, a pause of tens of ms that lands in whichever iteration allocates (docs/simulation.md,
-    Scale)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 async def _until_stopped() -> None:

@@ -24,6 +24,7 @@ import torch
 
 from specserve.shared.host.service_metrics import ServiceMetrics
 from specserve.shared.process import tracing
+from specserve.shared.process.collector import freeze_startup_objects
 from specserve.shared.process.lifeline import follow_parent
 from specserve.shared.process.ports import check_port_free
 from specserve.shared.process.settings import Settings, option
@@ -202,6 +203,7 @@ def serve(host: ServiceHost, config: ServiceConfig, secret: bytes) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        freeze_startup_objects()  # the model and torch out of the collector's walks
         print(f"ready {host.name} {bound}", flush=True)
         await stop.wait()
         await server.close()
