@@ -177,3 +177,38 @@ def test_the_margins_follow_the_window_of_residuals_as_it_moves():
                 max(0.0, float(np.quantile(high, HIGH_QUANTILE))) if high else 0.0,
                 max(-0.9, min(0.0, float(np.quantile(high, FAST_QUANTILE)))) if high else 0.0)
         assert cost._margin_stats() == want, i
+
+
+def test_the_scalar_interpolation_is_numpys_to_the_bit():
+    import numpy as np
+
+    from specserve.gateway.perf.cost import _interp
+
+    rng = random.Random(5)
+    for _ in range(300):
+        xs = sorted(rng.sample(range(1, 200), rng.randint(2, 9)))
+        ys = list(np.maximum.accumulate([rng.uniform(0.1, 50.0) for _ in xs]))
+        for x in [*xs, *(rng.uniform(0, 210) for _ in range(20)), *(float(rng.randint(0, 210)) for _ in range(10))]:
+            x = min(x, xs[-1])  # (PassCost asks within the chains' counts)
+            assert _interp(x, [float(v) for v in xs], ys) == float(np.interp(x, xs, ys)), (x, xs, ys)
+
+
+def test_a_pricer_prices_as_planned_ms_and_the_searches_agree():
+    cost = PassCost(256, 1.0, [(8, 1.0), (64, 1.5), (256, 3.0)], single=[(1, 0.9), (2, 0.92), (4, 0.95), (8, 1.0)])
+    rng = random.Random(2)
+    for _ in range(200):
+        n = rng.choice([1, 5, 17, 64, 100, 300])
+        cost.observe(PassSample(n, 1 + n * 0.008 + rng.random() * 0.1, 1.2 + n * 0.008, 1.5 + n * 0.008, 0.2,
+                                kv=rng.randint(10, 400), prompt=n if n > 64 else 0, depth=rng.choice([0, 2]),
+                                spec=rng.choice([0, 3]), draft_service_ms=0.3, draft_call_ms=0.5))
+    for steps, kv, margin in [(0, 0, True), (2, 50, True), (0, 500, False), (3, 120, False)]:
+        priced = cost.pricer(steps, kv, margin)
+        for n in [1, 2, 3, 8, 9, 64, 200, 256, 257, 1000, 5000]:
+            assert priced(n) == cost.planned_ms(n, steps, kv, margin)
+            spec = round(max(cost.spec, 1.0)) if steps else 0
+            expected = cost.iteration_ms(n, steps, spec, 1, round(max(cost.lag, 0.0)), kv)
+            assert priced(n) == (expected + cost.margin_ms(n, expected) if margin else expected)
+        for ms in [0.5, 2.0, 5.0, 40.0]:
+            cap = cost.time2bs(ms, steps, kv, margin)
+            assert cap == 0 or priced(cap) <= ms + 1e-9
+            assert priced(cap + 1) > ms + 1e-9

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,8 +170,8 @@ class PassCost:
         self.t_spec_ms = t_spec_ms if t_spec_ms > 0 else baseline_iteration_ms  # moving average of iterations
         # the profile's lone-request chains (tokens, ms), never falling with the tokens: the shape of small passes
         points = sorted(single or [])
-        self.single = (np.array([float(n) for n, _ in points]),
-                       np.maximum.accumulate(np.array([ms for _, ms in points], dtype=np.float64)))
+        self.single = ([float(n) for n, _ in points],
+                       np.maximum.accumulate(np.array([ms for _, ms in points], dtype=np.float64)).tolist())
         c0, c1 = _line(self.curve, baseline_iteration_ms)
         # the line's prior weighs like LINE_PRIOR_PASSES passes spread over the profile's curve, and never
         # decays: passes of a few tokens alone (concurrency 1) cannot tilt the slope it extrapolates with
@@ -202,33 +203,44 @@ class PassCost:
 
     def target_ms(self, tokens: int, kv: int = 0) -> float:
         """The target service's time for a pass of `tokens` tokens beside `kv` KV blocks held."""
+        return self._target_curve(kv)(tokens)
+
+    def _target_curve(self, kv: int) -> Callable[[int], float]:
+        """`target_ms(., kv)` as a function of the tokens, what does not depend on them worked out once (valid
+        until the next observation)."""
         kv = min(max(kv, self.kv_min), self.kv_max)  # the context term stays within the blocks timed
         seen = self.seen or {ANCHOR_TOKENS: (self.baseline_iteration_ms, float(kv))}
         keys = self._keys if self.seen else [ANCHOR_TOKENS]
         k_kv = self.kv_ms_per_block
+        shape = self._shape_curve()
 
         def at(n: int) -> float:
             ms, n_kv = seen[n]
             return ms + k_kv * (kv - n_kv)
 
-        if tokens in seen:
-            return max(1e-3, at(tokens))
-        i = bisect.bisect_left(keys, tokens)
-        if 0 < i < len(keys):
-            x0, x1 = keys[i - 1], keys[i]
-            return max(1e-3, at(x0) + (at(x1) - at(x0)) * (tokens - x0) / (x1 - x0))
-        near = keys[0] if i == 0 else keys[-1]
-        return max(1e-3, at(near) + self._shape(tokens) - self._shape(near))
+        def curve(tokens: int) -> float:
+            if tokens in seen:
+                return max(1e-3, at(tokens))
+            i = bisect.bisect_left(keys, tokens)
+            if 0 < i < len(keys):
+                x0, x1 = keys[i - 1], keys[i]
+                return max(1e-3, at(x0) + (at(x1) - at(x0)) * (tokens - x0) / (x1 - x0))
+            near = keys[0] if i == 0 else keys[-1]
+            return max(1e-3, at(near) + shape(tokens) - shape(near))
+        return curve
 
     def _shape(self, tokens: int) -> float:
         """A pass's time up to a constant: the lone-request chains' times up to their largest count, the line's
         slope beyond (and throughout, without them)."""
+        return self._shape_curve()(tokens)
+
+    def _shape_curve(self) -> Callable[[int], float]:
         xs, ys = self.single
         slope = float(self.line.theta[1])
         if len(xs) < 2:
-            return slope * tokens
-        top = float(xs[-1])
-        return float(np.interp(min(tokens, top), xs, ys)) + slope * max(0.0, tokens - top)
+            return lambda tokens: slope * tokens
+        top = xs[-1]
+        return lambda tokens: _interp(min(tokens, top), xs, ys) + slope * max(0.0, tokens - top)
 
     def draft_ms(self, depth: int, spec: int, width: int, lag: int) -> float:
         return self.draft.predict([1.0, float(depth), float(depth * spec * width), float(lag)])
@@ -236,10 +248,15 @@ class PassCost:
     def iteration_ms(self, tokens: int, depth: int = 0, spec: int = 0, width: int = 1, lag: int = 0,
                      kv: int = 0) -> float:
         """The iteration: the target pass over `tokens`, the draft call when d > 0 and anyone drafts, the rest."""
-        t = max(self.r_t, 0.0) + self.target_ms(tokens, kv) + max(self.gateway, 0.0)
-        if depth > 0 and spec > 0:
-            t += max(self.r_d, 0.0) + self.draft_ms(depth, spec, width, lag)
-        return max(t, 1e-3)
+        return self._iteration_curve(depth, spec, width, lag, kv)(tokens)
+
+    def _iteration_curve(self, depth: int, spec: int, width: int, lag: int, kv: int) -> Callable[[int], float]:
+        """`iteration_ms(., depth, spec, width, lag, kv)` as a function of the tokens (as `_target_curve`)."""
+        target, r_t, gateway = self._target_curve(kv), max(self.r_t, 0.0), max(self.gateway, 0.0)
+        if not (depth > 0 and spec > 0):
+            return lambda tokens: max(r_t + target(tokens) + gateway, 1e-3)
+        draft = max(self.r_d, 0.0) + self.draft_ms(depth, spec, width, lag)
+        return lambda tokens: max(r_t + target(tokens) + gateway + draft, 1e-3)
 
     # ---- the planner's view --------------------------------------------------------------------------
     def margin_ms(self, tokens: int, priced_ms: float) -> float:
@@ -278,9 +295,21 @@ class PassCost:
     def planned_ms(self, tokens: int, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> float:
         """An iteration as the planner prices it: `spec_steps` deep drafting for the usual draft call,
         plus the margin (without it: the expected time)."""
+        return self.pricer(spec_steps, kv, margin)(tokens)
+
+    def pricer(self, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> Callable[[int], float]:
+        """`planned_ms(., spec_steps, kv, margin)` as a function of the tokens, what does not depend on them
+        worked out once: valid until the next observation (a planning call's searches use one)."""
         spec = round(max(self.spec, 1.0)) if spec_steps > 0 else 0
-        priced = self.iteration_ms(tokens, spec_steps, spec, 1, round(max(self.lag, 0.0)), kv)
-        return priced + self.margin_ms(tokens, priced) if margin else priced
+        priced = self._iteration_curve(spec_steps, spec, 1, round(max(self.lag, 0.0)), kv)
+        if not margin:
+            return priced
+        low, share, budget = self._margin_stats()[0], self.slow_share(), self.budget_tokens
+
+        def planned(tokens: int) -> float:  # priced + margin_ms(tokens, priced)
+            t = priced(tokens)
+            return t + (low if tokens <= budget else share * t)
+        return planned
 
     def fits(self, tokens: int, time_ms: float, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> bool:
         """Whether an iteration whose pass holds `tokens` tokens is planned within `time_ms`."""
@@ -288,8 +317,10 @@ class PassCost:
 
     def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> int:
         """The most tokens one pass may hold for its iteration to be planned within `time_ms` (0: not one)."""
+        planned = self.pricer(spec_steps, kv, margin)
+
         def fits(n: int) -> bool:
-            return self.fits(n, time_ms, spec_steps, kv, margin)
+            return planned(n) <= time_ms + 1e-9
 
         if not fits(1):
             return 0
@@ -354,6 +385,20 @@ class PassCost:
         if not e:
             return {"iterations": 0}
         return {"iterations": len(e), "median": float(np.median(e)), "p90": float(np.quantile(e, 0.9))}
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """np.interp(x, xs, ys) for one x within [xs[0], xs[-1]] (or left of it), with NumPy's arithmetic, so the
+    same float: a call on a scalar costs NumPy microseconds that the planner's searches pay thousands of times."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    j = bisect.bisect_right(xs, x) - 1  # xs[j] <= x < xs[j + 1]
+    if x == xs[j]:
+        return ys[j]
+    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+    return slope * (x - xs[j]) + ys[j]
 
 
 def _line(curve: list[tuple[int, float]], baseline_ms: float) -> tuple[float, float]:

@@ -18,7 +18,7 @@ its prompts in deadline order.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 from specserve.gateway.perf.cost import PassCost
@@ -41,6 +41,7 @@ class ReplicaBudget:
         self.spec_steps = spec_steps
         self._shapes: dict[tuple[int, ...], BatchShape] = {}
         self._caps: dict[tuple[float, int], int] = {}
+        self._pricers: dict[int, Callable[[int], float]] = {}
         self._windows: dict[tuple[float, tuple[int, ...]], int | None] = {}  # the DP asks the same ones often
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
@@ -57,6 +58,13 @@ class ReplicaBudget:
             c = self._caps[(length_ms, steps)] = self.cost.time2bs(length_ms, steps, self.kv_blocks, self.margin)
         return c
 
+    def _pricer(self, steps: int) -> Callable[[int], float]:
+        """A pass's planned ms by its tokens, with the draft call of `steps` (one a depth in this memo)."""
+        p = self._pricers.get(steps)
+        if p is None:
+            p = self._pricers[steps] = self.cost.pricer(steps, self.kv_blocks, self.margin)
+        return p
+
     def _steps(self, decoders: tuple[int, ...]) -> int:
         """The draft call's depth in a pass with these decoders: none when nothing decodes."""
         return self.spec_steps if any(decoders) else 0
@@ -67,7 +75,7 @@ class ReplicaBudget:
             steps = self._steps(decoders)
             s = self._shapes[decoders] = batch_shape(
                 decoders, self.tiers, lambda ms: self.cap(ms, steps), self.idle_ms, self.longest_ms,
-                lambda n: self.cost.planned_ms(n, steps, self.kv_blocks, self.margin))
+                self._pricer(steps))
         return s
 
     def window(self, ms: float, decoders: tuple[int, ...]) -> int | None:
