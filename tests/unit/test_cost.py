@@ -212,3 +212,20 @@ def test_a_pricer_prices_as_planned_ms_and_the_searches_agree():
             cap = cost.time2bs(ms, steps, kv, margin)
             assert cap == 0 or priced(cap) <= ms + 1e-9
             assert priced(cap + 1) > ms + 1e-9
+
+
+def test_a_step_without_drafts_is_priced_with_the_gateways_share_of_such_steps_only():
+    cost = PassCost(64, 10.0)
+    plain = PassSample(64, 3.0, 3.5, 5.0, 1.0)  # the gateway's own 1 ms of a plain step
+    drafted = PassSample(64, 3.0, 3.5, 25.0, 4.0, depth=7, spec=40, draft_service_ms=15.0, draft_call_ms=15.5)
+    for _ in range(10):
+        cost.observe(plain)
+    before = cost.iteration_ms(64)
+    for _ in range(30):  # a policy that drafts: its steps' own share (trees selected and built) is 4 ms
+        cost.observe(drafted)
+    assert cost.iteration_ms(64) == pytest.approx(before)  # not 3 ms dearer
+    assert cost.iteration_ms(64, 7, 40, 1) - cost.iteration_ms(64) == pytest.approx(
+        cost.draft_ms(7, 40, 1, 0) + 0.5 + 3.0, rel=1e-6)  # the call, its round trip, the extra share
+    fresh = PassCost(64, 10.0)
+    fresh.observe(drafted)  # one kind seen: it stands in for the other
+    assert fresh.iteration_ms(64) == pytest.approx(fresh.iteration_ms(64, 7, 40, 1) - fresh.draft_ms(7, 40, 1, 0) - 0.5)

@@ -8,7 +8,7 @@ An iteration on our three-service path, for a replica whose pass holds `tokens` 
 chunks and tree nodes, roots included) while its requests hold `kv` KV blocks, with a draft call of
 depth d and width w for `spec` requests that catch up `lag` committed tokens:
 
-    T = R_t + target(tokens, kv) + T_gw + [d > 0 and spec > 0] (R_d + draft(d, spec, w, lag))
+    T = R_t + target(tokens, kv) + T_gw + [d > 0 and spec > 0] (R_d + draft(d, spec, w, lag) + T_gw,d - T_gw)
 
 - `target(tokens, kv)`: the target service's time. At a token count it has timed, the moving
   average of those passes; between timed counts, interpolated; beyond them, from the nearest timed
@@ -27,7 +27,10 @@ depth d and width w for `spec` requests that catch up `lag` committed tokens:
   blocks seen (a slope through two clusters a block apart once priced a pass with no context at nothing).
 - `draft(d, spec, w, lag) = e0 + e1 d + e2 d spec w + e3 lag`, fitted online from the draft's service time.
 - R_t, R_d: moving averages of each call's round trip beyond the service's own time; T_gw: the
-  gateway's own share of an iteration (record.schedule_ms).
+  gateway's own share of an iteration without a draft call (record.schedule_ms), T_gw,d of one with a draft call
+  (its trees selected and built: several times the plain share at 64 decoding on a CPU), each from its own kind of
+  iteration, so a policy that drafts does not raise its own price of a step without drafts (until one kind is
+  seen, the other's stands in for it).
 
 Before the first timed pass the table holds one point: the profile's baseline (a whole decode
 iteration at batch 8, round trips included) at 8 tokens. The profile's curve points are verify
@@ -185,7 +188,8 @@ class PassCost:
         self.draft = OnlineLinear([0.5, step, step / 16, 0.05], prior_weight=2.0)
         self.r_t = -1.0  # target round trip beyond its service time, ms (-1: not seen yet)
         self.r_d = -1.0  # draft round trip
-        self.gateway = -1.0  # the gateway's own part of an iteration
+        self.gateway = -1.0  # the gateway's own part of an iteration without a draft call
+        self.gateway_drafted = -1.0  # and of one with a draft call (-1: not seen yet)
         self.spec = -1.0  # moving average of the draft call's requests (the planner's draft term)
         self.lag = -1.0  # and of its catch-up tokens
         self.residuals: deque[tuple[bool, float, float]] = deque(maxlen=window)  # (a prompt in it, T - T̂, T̂), ms
@@ -252,9 +256,12 @@ class PassCost:
 
     def _iteration_curve(self, depth: int, spec: int, width: int, lag: int, kv: int) -> Callable[[int], float]:
         """`iteration_ms(., depth, spec, width, lag, kv)` as a function of the tokens (as `_target_curve`)."""
-        target, r_t, gateway = self._target_curve(kv), max(self.r_t, 0.0), max(self.gateway, 0.0)
+        target, r_t = self._target_curve(kv), max(self.r_t, 0.0)
+        plain, drafted = self.gateway, self.gateway_drafted
         if not (depth > 0 and spec > 0):
+            gateway = max(plain if plain >= 0 else drafted, 0.0)
             return lambda tokens: max(r_t + target(tokens) + gateway, 1e-3)
+        gateway = max(drafted if drafted >= 0 else plain, 0.0)
         draft = max(self.r_d, 0.0) + self.draft_ms(depth, spec, width, lag)
         return lambda tokens: max(r_t + target(tokens) + gateway + draft, 1e-3)
 
@@ -352,8 +359,12 @@ class PassCost:
         if s.tokens > 0 and s.service_ms > 0:
             self._observe_target(s.tokens, float(s.kv), s.service_ms, s.prompt > 0)
             self.r_t = _ema(self.r_t, max(0.0, s.call_ms - s.service_ms), a)
-        self.gateway = _ema(self.gateway, s.schedule_ms, a)
-        if s.spec > 0 and s.depth > 0 and s.draft_service_ms > 0:
+        drafted = s.spec > 0 and s.depth > 0 and s.draft_service_ms > 0
+        if drafted:
+            self.gateway_drafted = _ema(self.gateway_drafted, s.schedule_ms, a)
+        else:
+            self.gateway = _ema(self.gateway, s.schedule_ms, a)
+        if drafted:
             self.draft.observe([1.0, float(s.depth), float(s.depth * s.spec * s.width), float(s.lag)],
                                s.draft_service_ms)
             self.r_d = _ema(self.r_d, max(0.0, s.draft_call_ms - s.draft_service_ms), a)
