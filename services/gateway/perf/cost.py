@@ -233,12 +233,9 @@ class PassCost:
             return max(1e-3, at(near) + shape(tokens) - shape(near))
         return curve
 
-    def _shape(self, tokens: int) -> float:
-        """A pass's time up to a constant: the lone-request chains' times up to their largest count, the line's
-        slope beyond (and throughout, without them)."""
-        return self._shape_curve()(tokens)
-
     def _shape_curve(self) -> Callable[[int], float]:
+        """A pass's time up to a constant, as a function of its tokens: the lone-request chains' times up to their
+        largest count, the line's slope beyond (and throughout, without them)."""
         xs, ys = self.single
         slope = float(self.line.theta[1])
         if len(xs) < 2:
