@@ -36,11 +36,12 @@ import torch
 
 from specserve.shared.host.service_base import BadCall, ms_since, split_counts
 from specserve.shared.runtime.batch import Chunk, Tree
+from specserve.shared.runtime.block_manager import OutOfBlocks
 from specserve.shared.runtime.loader import load_model, parse_device, parse_dtype
 from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.spec import token_mask
 from specserve.shared.spec.penalties import TokenHistory
-from specserve.shared.spec.sampling import greedy_rows
+from specserve.shared.spec.sampling import greedy_rows, greedy_tokens
 from specserve.shared.spec.token_tree import InvalidTree, validate_tree
 from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
 from specserve.shared.wire.messages import (
@@ -58,6 +59,7 @@ from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, ev
 from specserve.target.state import TargetRequest, params_of
 
 ROOT_ONLY = (-1,)  # the parents of a one-node tree
+INT = (torch.int32, torch.int64)  # the payload's token tensors
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
 
 
@@ -79,12 +81,17 @@ class TargetEngine:
         self.vocab_size = runner.vocab_size
         self.requests: dict[str, TargetRequest] = {}
         self.calls = self.entry_errors = 0
+        self.batched_decodes = True  # calls of plain decodes only run through `_decode` (off: the general path)
+        self.decode_calls = 0  # calls `_decode` ran
 
     def forward(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[ForwardReply, dict]:
         start = time.perf_counter()
         self.calls += 1
         for rid in msg.release:  # before the entries: a preempted request may start again in this call
             self.release(rid)
+        decoded = self._decode(msg, tensors, start)
+        if decoded is not None:
+            return decoded
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
@@ -93,8 +100,7 @@ class TargetEngine:
         entries = self._fit_to_pool(self._entries(msg, tensors, errors), len(msg.prefill), errors,
                                     cached if use_cache else None, undo)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
-        graphs = getattr(self.runner, "graphs", None)  # the simulated runner has none
-        captures = graphs.captures if graphs is not None else 0
+        captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
         logits, features = self._pass(msg, [e for _, e in entries], undo)
         forward_ms = self.runner.model_ms  # the model call alone: building its inputs is the service's own work
@@ -118,10 +124,70 @@ class TargetEngine:
         accept_ms = ms_since(t0)
         results, payload = self._results(all_entries, errors, emitted, kept, scored, cached)
         self.entry_errors += len(errors)
-        warmup = graphs is not None and graphs.captures > captures
-        reply = ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks, warmup,
-                             cached_blocks=self.runner.blocks.num_cached_blocks)
-        return reply, payload
+        return self._reply(results, forward_ms, accept_ms, start, captures), payload
+
+    def _captures(self) -> int:
+        """CUDA graphs captured so far (none without them, as in the simulated runner)."""
+        graphs = getattr(self.runner, "graphs", None)
+        return graphs.captures if graphs is not None else 0
+
+    def _reply(self, results: list[StepResult], forward_ms: float, accept_ms: float, start: float,
+               captures: int) -> ForwardReply:
+        """The call's reply (a warmup call where the pass captured a CUDA graph: more captures than `captures`)."""
+        return ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks,
+                            self._captures() > captures, cached_blocks=self.runner.blocks.num_cached_blocks)
+
+    def _decode(self, msg: Forward, tensors: dict[str, torch.Tensor], start: float) -> tuple[ForwardReply, dict] | None:
+        """The call when every entry is a plain decode (a one-node tree) of a plain request (`TargetRequest.plain`)
+        that passes its checks, and all fit the pool: checked in one loop, run as one batch of decodes
+        (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results. None, having
+        changed nothing, for any other call: the general path runs it and says what is wrong."""
+        verify = msg.verify
+        if msg.prefill or msg.features or not verify or self.accept is not None or not self.batched_decodes:
+            return None
+        n = len(verify)
+        roots, parents = tensors.get("tree_tokens"), tensors.get("tree_parents")
+        if roots is None or parents is None or roots.dtype not in INT or parents.dtype not in INT \
+                or roots.shape != (n,) or parents.shape != (n,) or not bool((parents == -1).all()):
+            return None
+        requests, vocab = self.requests, self.vocab_size
+        limit = self.config.kv_blocks * self.runner.blocks.block_size  # committed tokens whose step fits the pool
+        reqs, rids, tokens = [], [], []
+        for entry, token in zip(verify, roots.tolist()):
+            req = requests.get(entry.rid)
+            if req is None or not req.plain or entry.num_nodes != 1 or entry.masked or entry.step <= req.last_step \
+                    or entry.num_committed != req.committed or not 0 < req.committed <= limit:
+                return None
+            if entry.root_pending:
+                token = req.last_token
+            if token != req.last_token or not 0 <= token < vocab:
+                return None
+            reqs.append(req)
+            rids.append(entry.rid)
+            tokens.append(token)
+        if len(set(rids)) != n:
+            return None
+        captures = self._captures()
+        self.runner.model_ms, self.runner.last_logits = 0.0, None
+        try:
+            logits = self.runner.decode(rids, tokens)
+        except OutOfBlocks:
+            return None
+        forward_ms = self.runner.model_ms
+        t0 = time.perf_counter()
+        emitted = greedy_tokens(logits)
+        self.runner.last_logits = None
+        bs, caching, results = self.runner.blocks.block_size, self.config.prefix_caching, []
+        for entry, req, token in zip(verify, reqs, emitted):
+            committed = req.committed
+            req.committed, req.last_token, req.last_step = committed + 1, token, entry.step
+            if caching and committed % bs == 0:  # its newest KV filled a block
+                self.runner.cache_prefix(entry.rid, committed)
+            results.append(StepResult(entry.rid, entry.step, 1, 0))
+        accept_ms = ms_since(t0)
+        self.decode_calls += 1
+        return self._reply(results, forward_ms, accept_ms, start, captures), {
+            "tokens": torch.tensor(emitted, dtype=torch.int32)}
 
     def _pass(self, msg: Forward, passed: list[Chunk | Tree],
               undo: list[Callable[[], None]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -374,8 +440,10 @@ class TargetEngine:
                 params = params_of(spec)
                 history = (TokenHistory(self.vocab_size, params, spec.num_prompt)
                            if params.penalized or params.holds_stops else None)
+                logprobs = LogprobState.of(spec)
                 req = self.requests[rid] = TargetRequest(params, params.make_generator(), history=history,
-                                                    logprobs=LogprobState.of(spec))
+                                                         logprobs=logprobs, plain=params.is_greedy and history is None
+                                                         and logprobs is None)
             req.prefilled += message.num_tokens  # (the chunk's tokens taken from the prefix cache included)
             if req.history is not None:  # the whole chunk: its computed tokens and those taken from the cache
                 req.history.add_context(self.runner.history[rid][message.start:message.start + message.num_tokens])

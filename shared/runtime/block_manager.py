@@ -167,6 +167,23 @@ class BlockManager:
                 alloc.blocks.append(self._take())
             self._write_row(alloc, had)
 
+    def append_one(self, request_ids: Sequence[str]) -> list[int]:
+        """`append_slots` of one slot for each of the requests (known ones, each named once): returns each one's
+        slot count before. A request whose blocks are full takes a new one; OutOfBlocks (changing nothing) when
+        the free blocks cannot cover them all."""
+        allocs = [self._get(rid) for rid in request_ids]
+        starts = [a.num_slots for a in allocs]
+        bs = self.block_size
+        full = [a for a, start in zip(allocs, starts) if start == len(a.blocks) * bs]
+        if len(full) > self.num_free_blocks:
+            raise OutOfBlocks(len(full), self.num_free_blocks, list(request_ids))
+        for a in allocs:
+            a.num_slots += 1
+        for a in full:
+            a.blocks.append(self._take())
+            self._write_row(a, len(a.blocks) - 1)
+        return starts
+
     def truncate(self, request_id: str, num_slots: int) -> None:
         """Shrink the request to its first `num_slots` slots and let go of the blocks past them. A kept
         block cut part way that is keyed loses its key (the request writes there again); a shared one

@@ -122,6 +122,30 @@ def build_lean_inputs(
     )
 
 
+def decode_lean_inputs(tables: np.ndarray, starts: Sequence[int], tokens: Sequence[int], block_size: int) -> LeanInputs:
+    """`build_lean_inputs` of one-token entries that ask for their logits (a batch of plain decodes), in array
+    operations: entry i's token `tokens[i]` at logical slot `starts[i]` of the request at row i of `tables`."""
+    n = len(starts)
+    at = np.array(starts, dtype=np.int64)
+    rows = np.arange(n, dtype=np.int64)
+    slots = tables[rows, at // block_size].astype(np.int64) * block_size + at % block_size
+    return LeanInputs(
+        input_ids=_array(list(tokens), np.int64),
+        positions=torch.from_numpy(at),
+        logits_indices=torch.from_numpy(rows),
+        logits_splits=[1] * n,
+        keys=KeyLayout(
+            slot_mapping=torch.from_numpy(slots),
+            tables=torch.from_numpy(tables),
+            seq=torch.from_numpy(rows.astype(np.int32)),
+            prefix=torch.from_numpy((at + 1).astype(np.int32)),
+            extra_off=torch.zeros(n + 1, dtype=torch.int32),
+            extra_slots=torch.zeros(0, dtype=torch.int32),
+            block_size=block_size,
+        ),
+    )
+
+
 def _physical(tables: np.ndarray, rows: list[int], logical: list[int], block_size: int) -> np.ndarray:
     """int32 physical slots of logical slots `logical` of the requests at rows `rows` of `tables`."""
     at = np.array(logical, dtype=np.int32)

@@ -25,7 +25,7 @@ from specserve.shared.runtime.batch import Chunk, DraftNodes, Entry, ModelInputs
 from specserve.shared.runtime.block_manager import BlockManager, OutOfBlocks, UnknownRequest
 from specserve.shared.runtime.cuda_graphs import MAX_TOKENS, GraphedPasses
 from specserve.shared.runtime.kv_cache import KVCache
-from specserve.shared.runtime.lean_inputs import build_lean_inputs
+from specserve.shared.runtime.lean_inputs import LeanInputs, build_lean_inputs, decode_lean_inputs
 from specserve.shared.runtime.lean_model import LeanModel
 from specserve.shared.runtime.loader import load_model
 from specserve.shared.runtime.model import CausalLM
@@ -206,6 +206,27 @@ class ModelRunner:
                     self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
         return outputs
 
+    def decode(self, request_ids: Sequence[str], tokens: Sequence[int]) -> torch.Tensor:
+        """`forward` of one-token chunks asking for their logits (`Chunk(rid, [token], logits_at=(0,))`: a batch
+        of plain decodes), checked by the caller and each request named once, with no per-request Python on
+        its inputs: the logits [len(request_ids), vocab], one row a request. Raises OutOfBlocks (nothing
+        changed) if they do not fit."""
+        if self.inputs_for not in ("lean", "triton") or not self._pending.keys().isdisjoint(request_ids):
+            return torch.cat(self.forward([Chunk(rid, [t], logits_at=(0,)) for rid, t in zip(request_ids, tokens)],
+                                          checked=True))  # (the torch pass, or a request with a pending tree)
+        starts = self.blocks.append_one(request_ids)
+        try:
+            lean = decode_lean_inputs(self.blocks.block_tables(request_ids), starts, tokens, self.blocks.block_size)
+            logits = self._run_lean(lean)
+        except BaseException:
+            for rid, start in zip(request_ids, starts):
+                self.blocks.truncate(rid, start)
+            raise
+        history = self.history
+        for rid, token in zip(request_ids, tokens):
+            history[rid].append(token)
+        return logits
+
     def forward_features(self, entries: Sequence[Entry],
                          checked: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`forward`, and per entry the final norm's output at each of its tokens [len(tokens), hidden]
@@ -227,30 +248,33 @@ class ModelRunner:
                  run_model: RunModel | None) -> list[torch.Tensor]:
         """The model pass of `forward`, once the entries' slots are taken: per entry its logits rows.
         (The simulated runner, shared/simulate/runner.py, replaces this and `_move_kv` alone.)"""
-        if self.inputs_for == "lean":
-            if run_model is not None:
-                raise ValueError("run_model replaces the torch pass; the compiled CPU pass has none")
+        if self.inputs_for == "lean" and run_model is not None:
+            raise ValueError("run_model replaces the torch pass; the compiled CPU pass has none")
+        if self.inputs_for == "lean" or (self.inputs_for == "triton" and run_model is None):
+            # (the static step's graphs take SDPA's inputs)
             lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
-            t0 = time.perf_counter()
-            logits = self.model(lean, self.kv)
-            self.model_ms, self.last_logits = self._timed(t0), logits
-            return list(torch.split(logits, lean.logits_splits))
+            return list(torch.split(self._run_lean(lean), lean.logits_splits))
         assert isinstance(self.model, CausalLM)
-        if self.inputs_for == "triton" and run_model is None:  # the static step's graphs take SDPA's inputs
-            lean = build_lean_inputs(entries, starts, self.blocks, prior_parents)
-            t0 = time.perf_counter()
-            if self.graphs is not None and self.graphs.fits(lean) and not self.model.keep_features:
-                logits = self.graphs.run(lean)
-            else:
-                logits = self.model(lean.input_ids.to(self.device), lean.positions.to(self.device), self.kv,
-                                    lean.keys.to(self.device), lean.logits_indices.to(self.device))
-            self.model_ms, self.last_logits = self._timed(t0), logits
-            return list(torch.split(logits, lean.logits_splits))
         inputs = build_inputs(entries, starts, self.blocks, self.windows, self.device, prior_parents)
         t0 = time.perf_counter()
         logits = (run_model or _run_model)(self.model, self.kv, inputs)
         self.model_ms, self.last_logits = self._timed(t0), logits
         return list(torch.split(logits, inputs.logits_splits))
+
+    def _run_lean(self, lean: LeanInputs) -> torch.Tensor:
+        """The model call on a pass's per-token key layout (the compiled CPU pass, or the torch pass with
+        Triton attention, replayed as a CUDA graph where one fits): the logits rows of lean.logits_indices."""
+        t0 = time.perf_counter()
+        logits: torch.Tensor
+        if isinstance(self.model, LeanModel):
+            logits = self.model(lean, self.kv)
+        elif self.graphs is not None and self.graphs.fits(lean) and not self.model.keep_features:
+            logits = self.graphs.run(lean)
+        else:
+            logits = self.model(lean.input_ids.to(self.device), lean.positions.to(self.device), self.kv,
+                                lean.keys.to(self.device), lean.logits_indices.to(self.device))
+        self.model_ms, self.last_logits = self._timed(t0), logits
+        return logits
 
     def _timed(self, t0: float) -> float:
         """Milliseconds since t0 once the device has run what was queued (on CUDA a synchronization, which the

@@ -29,6 +29,7 @@ class SimulatedRunner(ModelRunner):
         self.blocks = BlockManager(num_blocks, block_size)
         self.vocab_size = vocab_size
         self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.inputs_for = "simulated"  # (no pass of its own: `decode` goes through `forward`, hence `_compute`)
         self._pending = {}
         self.latency, self.truth, self.sleep = latency, truth, sleep
         self.history: dict[str, list[int]] = {}  # the tokens whose (simulated) KV is committed
