@@ -29,7 +29,7 @@ failure of the batched model pass itself fails the call, and that pass gives bac
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,23 +81,26 @@ class TargetEngine:
         self.vocab_size = runner.vocab_size
         self.requests: dict[str, TargetRequest] = {}
         self.calls = self.entry_errors = 0
-        self.batched_decodes = True  # calls of plain decodes only run through `_decode` (off: the general path)
+        self.batched_decodes = True  # plain decodes run without the per-entry layers (off: as any entry, for tests)
         self.decode_calls = 0  # calls `_decode` ran
+        self.plain_entries = 0  # plain decodes run without the per-entry layers (`_plain_decodes`), in any call
 
     def forward(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[ForwardReply, dict]:
         start = time.perf_counter()
         self.calls += 1
         for rid in msg.release:  # before the entries: a preempted request may start again in this call
             self.release(rid)
-        decoded = self._decode(msg, tensors, start)
-        if decoded is not None:
-            return decoded
+        plain = self._plain_decodes(msg, tensors)
+        if plain and len(plain) == len(msg.verify) and not msg.prefill:
+            decoded = self._decode(msg, plain, start)
+            if decoded is not None:
+                return decoded
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
         masks = self._masks(msg, tensors)
-        entries = self._fit_to_pool(self._entries(msg, tensors, errors), len(msg.prefill), errors,
+        entries = self._fit_to_pool(self._entries(msg, tensors, errors, plain), len(msg.prefill), errors,
                                     cached if use_cache else None, undo)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         captures = self._captures()
@@ -110,7 +113,11 @@ class TargetEngine:
         scored = CallLogprobs()
         greedy = self._greedy(entries, len(msg.prefill), logits, masks)
         self.runner.last_logits = None  # (not kept past the call)
+        base, batch = len(msg.prefill), []  # the plain decodes: (result index, entry position)
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
+            if index - base in plain:
+                batch.append((index, i))
+                continue
             try:
                 chosen = entry_logits if index not in masks else token_mask.apply_last(entry_logits, masks[index])
                 emitted[index], path = self._accept(all_entries[index], entry, chosen, greedy.get(i))
@@ -121,6 +128,14 @@ class TargetEngine:
                            entry_logits, emitted[index][0], path)
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
+        if batch:
+            tokens = [greedy[i][0] for _, i in batch]
+            self._commit_plain([msg.verify[index - base] for index, _ in batch],
+                               [plain[index - base][0] for index, _ in batch], tokens, [index for index, _ in batch],
+                               errors)
+            for (index, _), token in zip(batch, tokens):
+                if index not in errors:
+                    emitted[index] = ([token], 0)
         accept_ms = ms_since(t0)
         results, payload = self._results(all_entries, errors, emitted, kept, scored, cached)
         self.entry_errors += len(errors)
@@ -137,57 +152,81 @@ class TargetEngine:
         return ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks,
                             self._captures() > captures, cached_blocks=self.runner.blocks.num_cached_blocks)
 
-    def _decode(self, msg: Forward, tensors: dict[str, torch.Tensor], start: float) -> tuple[ForwardReply, dict] | None:
-        """The call when every entry is a plain decode (a one-node tree) of a plain request (`TargetRequest.plain`)
-        that passes its checks, and all fit the pool: checked in one loop, run as one batch of decodes
-        (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results. None, having
-        changed nothing, for any other call: the general path runs it and says what is wrong."""
-        verify = msg.verify
-        if msg.prefill or msg.features or not verify or self.accept is not None or not self.batched_decodes:
-            return None
-        n = len(verify)
+    def _plain_decodes(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> dict[int, tuple[TargetRequest, int]]:
+        """By verify index, the call's plain decodes (one-node trees, no mask) of plain requests
+        (`TargetRequest.plain`) that pass the checks `_check_verify` makes, with their roots: they run without
+        the per-entry layers (checks, acceptance), in one loop each. None when the call names a request twice
+        or its tree tensors are malformed (the general path says what is wrong), or with features asked, or
+        with an acceptance rule of its own."""
+        verify, prefill = msg.verify, msg.prefill
+        if msg.features or not verify or self.accept is not None or not self.batched_decodes:
+            return {}
+        n = sum(e.num_nodes for e in verify)
         roots, parents = tensors.get("tree_tokens"), tensors.get("tree_parents")
         if roots is None or parents is None or roots.dtype not in INT or parents.dtype not in INT \
-                or roots.shape != (n,) or parents.shape != (n,) or not bool((parents == -1).all()):
-            return None
+                or roots.shape != (n,) or parents.shape != (n,) \
+                or len({e.rid for e in verify} | {e.rid for e in prefill}) != len(verify) + len(prefill):
+            return {}
         requests, vocab = self.requests, self.vocab_size
         limit = self.config.kv_blocks * self.runner.blocks.block_size  # committed tokens whose step fits the pool
-        reqs, rids, tokens = [], [], []
-        for entry, token in zip(verify, roots.tolist()):
+        out: dict[int, tuple[TargetRequest, int]] = {}
+        tokens, parents_of, at = roots.tolist(), parents.tolist(), 0
+        for j, entry in enumerate(verify):
+            node, at = at, at + entry.num_nodes
+            if entry.num_nodes != 1 or entry.masked or parents_of[node] != -1:
+                continue
             req = requests.get(entry.rid)
-            if req is None or not req.plain or entry.num_nodes != 1 or entry.masked or entry.step <= req.last_step \
-                    or entry.num_committed != req.committed or not 0 < req.committed <= limit:
-                return None
-            if entry.root_pending:
-                token = req.last_token
-            if token != req.last_token or not 0 <= token < vocab:
-                return None
-            reqs.append(req)
-            rids.append(entry.rid)
-            tokens.append(token)
-        if len(set(rids)) != n:
-            return None
+            if req is None or not req.plain or entry.step <= req.last_step or entry.num_committed != req.committed \
+                    or not 0 < req.committed <= limit:
+                continue
+            token = req.last_token if entry.root_pending else tokens[node]
+            if token == req.last_token and 0 <= token < vocab:
+                out[j] = (req, token)
+        return out
+
+    def _decode(self, msg: Forward, plain: dict[int, tuple[TargetRequest, int]],
+                start: float) -> tuple[ForwardReply, dict] | None:
+        """The call when every entry is a plain decode (`_plain_decodes`) and all fit the pool: run as one batch of
+        decodes (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results. None,
+        having changed nothing, when they do not fit: the general path refuses some."""
+        verify = msg.verify
+        reqs = [plain[j][0] for j in range(len(verify))]
+        roots = [plain[j][1] for j in range(len(verify))]
         captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
         try:
-            logits = self.runner.decode(rids, tokens)
+            logits = self.runner.decode([e.rid for e in verify], roots)
         except OutOfBlocks:
             return None
         forward_ms = self.runner.model_ms
         t0 = time.perf_counter()
         emitted = greedy_tokens(logits)
         self.runner.last_logits = None
-        bs, caching, results = self.runner.blocks.block_size, self.config.prefix_caching, []
-        for entry, req, token in zip(verify, reqs, emitted):
-            committed = req.committed
-            req.committed, req.last_token, req.last_step = committed + 1, token, entry.step
-            if caching and committed % bs == 0:  # its newest KV filled a block
-                self.runner.cache_prefix(entry.rid, committed)
-            results.append(StepResult(entry.rid, entry.step, 1, 0))
+        errors: dict[int, ErrorInfo] = {}
+        self._commit_plain(verify, reqs, emitted, range(len(verify)), errors)
         accept_ms = ms_since(t0)
         self.decode_calls += 1
+        self.entry_errors += len(errors)
+        results = [StepResult(e.rid, e.step, 1, 0) if j not in errors else StepResult(e.rid, e.step, 0, 0, errors[j])
+                   for j, e in enumerate(verify)]
+        tokens = emitted if not errors else [t for j, t in enumerate(emitted) if j not in errors]
         return self._reply(results, forward_ms, accept_ms, start, captures), {
-            "tokens": torch.tensor(emitted, dtype=torch.int32)}
+            "tokens": torch.tensor(tokens, dtype=torch.int32)}
+
+    def _commit_plain(self, entries: list[VerifyEntry], reqs: list[TargetRequest], tokens: list[int],
+                      indices: Sequence[int], errors: dict[int, ErrorInfo]) -> None:
+        """Commit each plain decode's token (its KV was committed by the pass), keying a block of the prefix cache
+        where one filled; a failure ends that request alone (its error in `errors` at its result index)."""
+        bs, caching = self.runner.blocks.block_size, self.config.prefix_caching
+        self.plain_entries += len(entries)
+        for index, entry, req, token in zip(indices, entries, reqs, tokens):
+            try:
+                committed = req.committed
+                req.committed, req.last_token, req.last_step = committed + 1, token, entry.step
+                if caching and committed % bs == 0:  # its newest KV filled a block
+                    self.runner.cache_prefix(entry.rid, committed)
+            except Exception as exc:
+                errors[index] = self._failed(entry.rid, "acceptance", exc)
 
     def _pass(self, msg: Forward, passed: list[Chunk | Tree],
               undo: list[Callable[[], None]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -202,10 +241,11 @@ class TargetEngine:
                 give_back()
             raise
 
-    def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor],
-                 errors: dict[int, ErrorInfo]) -> list[tuple[int, Chunk | Tree]]:
+    def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor], errors: dict[int, ErrorInfo],
+                 plain: dict[int, tuple[TargetRequest, int]]) -> list[tuple[int, Chunk | Tree]]:
         """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
         (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`.
+        `plain`: the plain decodes `_plain_decodes` checked already, with their roots.
         A root-only step (a plain decode) runs as a one-token chunk: the pass treats both alike, and the
         accepted path of a one-node tree is its root, so its KV is committed at once."""
         chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
@@ -224,6 +264,10 @@ class TargetEngine:
             entries.append((i, Chunk(prefill.rid, toks, logits_at=at)))
         base = len(msg.prefill)
         for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
+            if j in plain:  # checked by `_plain_decodes`
+                seen.add(verify.rid)
+                entries.append((base + j, Chunk(verify.rid, [plain[j][1]], logits_at=(0,))))
+                continue
             if verify.root_pending and toks and (req := self.requests.get(verify.rid)) is not None and req.decoding:
                 toks[0] = req.last_token  # sent a step ahead: the root is what its last step emitted
             error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)

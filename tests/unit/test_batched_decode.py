@@ -99,6 +99,45 @@ def test_batched_decodes_give_what_the_general_path_gives_and_other_calls_take_i
     assert fast.decode_calls == calls + 1
 
 
+def test_plain_decodes_beside_prompt_chunks_and_trees_run_batched_with_the_same_results(monkeypatch) -> None:
+    fast, slow = _pair(kv_blocks=64)
+    _start(fast, slow, {rid: SamplingSpec() for rid in "abc"})
+    # a prompt chunk beside three plain decodes: the chunk goes through the checks, the decodes do not
+    msg, tensors = _decodes(fast, ["a", "b", "c"], 2, pending=frozenset("b"))
+    prompt = _prompt("d", PROMPTS["d"])
+    msg = Forward(prefill=[PrefillEntry("d", 1, 0, len(prompt), True, SamplingSpec())], verify=msg.verify)
+    tensors["prefill_tokens"] = torch.tensor(prompt, dtype=torch.int32)
+    assert all(r.error is None for r in _same(fast, slow, msg, tensors)) and fast.plain_entries == 3
+    # a tree beside plain decodes: its own checks and acceptance, the others batched
+    reqs = fast.requests
+    msg, tensors = _decodes(fast, ["a", "c", "d"], 3)
+    tree = VerifyEntry("b", 3, reqs["b"].committed, 3)
+    msg = Forward(verify=[msg.verify[0], tree, *msg.verify[1:]])
+    tensors = {"tree_tokens": torch.tensor([reqs["a"].last_token, reqs["b"].last_token, 7, 9, reqs["c"].last_token,
+                                            reqs["d"].last_token], dtype=torch.int32),
+               "tree_parents": torch.tensor([-1, -1, 0, 0, -1, -1], dtype=torch.int32)}
+    assert all(r.error is None for r in _same(fast, slow, msg, tensors)) and fast.plain_entries == 6
+    # a commit that fails ends that request alone, on either path
+    failing = fast.runner.cache_prefix
+
+    def fail_for(runner, rid_failing: str):
+        def cache_prefix(rid: str, num_tokens: int) -> int:
+            if rid == rid_failing:
+                raise RuntimeError("the prefix cache failed")
+            return failing(rid, num_tokens) if runner is fast.runner else original(rid, num_tokens)
+        return cache_prefix
+
+    original = slow.runner.cache_prefix
+    for engine in (fast, slow):
+        monkeypatch.setattr(engine.runner, "cache_prefix", fail_for(engine.runner, "c"))
+    for step in range(4, 4 + 16):  # c's next block fills on one of these steps
+        results = _same(fast, slow, *_decodes(fast, [r for r in "abcd" if r in fast.requests], step))
+        if "c" not in fast.requests:
+            break
+    assert [r.error.code for r in results if r.error is not None] == ["internal"] and "c" not in slow.requests
+    assert not fast.runner.has_request("c") and fast.decode_calls > 0
+
+
 def test_requests_that_sample_penalize_or_ask_for_logprobs_go_the_general_path() -> None:
     fast, slow = _pair(kv_blocks=64)
     specs = {"a": SamplingSpec(), "b": SamplingSpec(temperature=0.8, seed=5), "c": SamplingSpec(logprobs=2),

@@ -103,7 +103,8 @@ def control(target) -> dict[str, list[int]]:
 
 
 def run_with_poison(target, control, tag: str, spec: SamplingSpec, poison_drafts: bool = False) -> tuple[dict, str]:
-    """poison_drafts: the poisoned request's steps are chains too (a root-only step commits no tree)."""
+    """poison_drafts: the poisoned request's steps are chains too (a root-only step of a greedy request commits
+    no tree and runs batched, without the per-entry check and acceptance: TargetEngine._plain_decodes)."""
     for rid in list(target.requests):  # whatever an earlier failing test left behind
         target.release(rid)
     healthy = {f"{tag}-{k}": (p, GREEDY) for k, p in PROMPTS.items()}
@@ -167,7 +168,7 @@ def test_a_failing_check_ends_its_request_alone(target, control, monkeypatch):
         return real(entry, tokens, parents, seen)
 
     monkeypatch.setattr(target, "_check_verify", check_verify)
-    out, poison = run_with_poison(target, control, "check", GREEDY)
+    out, poison = run_with_poison(target, control, "check", GREEDY, poison_drafts=True)
     assert_ended_alone(target, out, poison, "check failed (KeyError")
 
 
