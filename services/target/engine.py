@@ -11,6 +11,11 @@ before the pass; a refused entry gets an error in its result and
 changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
 KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
 
+**Plain decodes** (a one-node tree of a greedy request with no token history, logprobs or mask: most entries of a
+busy call) are checked in one loop before the others (`_plain_decodes`), run as one-token chunks, take their token
+from the call's one argmax and are committed in one loop (`_commit_plain`): the same checks, tokens and state as
+the per-entry path, without its layers. A call of nothing else runs as one batch of decodes (`_decode`).
+
 **Prefix cache** (`--no-prefix-caching` turns it off): a prefill chunk starts from the cached blocks of
 its longest cached prefix (block_manager.py; a new request's first chunk, or a later chunk of one whose
 KV fills whole cached blocks), less its last token, whose logits a last chunk needs; only the rest is
