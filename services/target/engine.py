@@ -12,9 +12,10 @@ changes nothing, and the others run. Capacity is checked up front, so the pass c
 KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
 
 **Plain decodes** (a one-node tree of a greedy request with no token history, logprobs or mask: most entries of a
-busy call) are checked in one loop before the others (`_plain_decodes`), run as one-token chunks, take their token
-from the call's one argmax and are committed in one loop (`_commit_plain`): the same checks, tokens and state as
-the per-entry path, without its layers. A call of nothing else runs as one batch of decodes (`_decode`).
+busy call) are checked in one loop before the others (`_plain_decodes`), run beside them in the pass with inputs
+built by array operations (`ModelRunner.decode`), take their tokens from one argmax and are committed in one loop
+(`_commit_plain`): the same checks, tokens and state as the per-entry path, without its layers; their KV blocks are
+set aside before the other entries are fitted to the pool. A call of nothing else skips the rest too (`_decode`).
 
 **Prefix cache** (`--no-prefix-caching` turns it off): a prefill chunk starts from the cached blocks of
 its longest cached prefix (block_manager.py; a new request's first chunk, or a later chunk of one whose
@@ -100,17 +101,23 @@ class TargetEngine:
             decoded = self._decode(msg, plain, start)
             if decoded is not None:
                 return decoded
+        base = len(msg.prefill)
+        plain_ids = [msg.verify[j].rid for j in plain]  # (by verify index)
+        reserved = self.runner.blocks.new_blocks_for_one(plain_ids) if plain else 0
+        if reserved > self.runner.num_free_blocks:  # the general path refuses some
+            plain, plain_ids, reserved = {}, [], 0
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
         masks = self._masks(msg, tensors)
         entries = self._fit_to_pool(self._entries(msg, tensors, errors, plain), len(msg.prefill), errors,
-                                    cached if use_cache else None, undo)
+                                    cached if use_cache else None, undo, reserved)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
-        logits, features = self._pass(msg, [e for _, e in entries], undo)
+        logits, features, plain_logits = self._pass(msg, [e for _, e in entries], undo, plain_ids,
+                                                    [root for _, root in plain.values()])
         forward_ms = self.runner.model_ms  # the model call alone: building its inputs is the service's own work
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
@@ -118,11 +125,7 @@ class TargetEngine:
         scored = CallLogprobs()
         greedy = self._greedy(entries, len(msg.prefill), logits, masks)
         self.runner.last_logits = None  # (not kept past the call)
-        base, batch = len(msg.prefill), []  # the plain decodes: (result index, entry position)
         for i, ((index, entry), entry_logits) in enumerate(zip(entries, logits)):
-            if index - base in plain:
-                batch.append((index, i))
-                continue
             try:
                 chosen = entry_logits if index not in masks else token_mask.apply_last(entry_logits, masks[index])
                 emitted[index], path = self._accept(all_entries[index], entry, chosen, greedy.get(i))
@@ -133,12 +136,12 @@ class TargetEngine:
                            entry_logits, emitted[index][0], path)
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
-        if batch:
-            tokens = [greedy[i][0] for _, i in batch]
-            self._commit_plain([msg.verify[index - base] for index, _ in batch],
-                               [plain[index - base][0] for index, _ in batch], tokens, [index for index, _ in batch],
+        if plain:
+            assert plain_logits is not None
+            tokens, indices = greedy_tokens(plain_logits), [base + j for j in plain]
+            self._commit_plain([msg.verify[j] for j in plain], [req for req, _ in plain.values()], tokens, indices,
                                errors)
-            for (index, _), token in zip(batch, tokens):
+            for index, token in zip(indices, tokens):
                 if index not in errors:
                     emitted[index] = ([token], 0)
         accept_ms = ms_since(t0)
@@ -200,7 +203,7 @@ class TargetEngine:
         captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
         try:
-            logits = self.runner.decode([e.rid for e in verify], roots)
+            _, logits = self.runner.decode([e.rid for e in verify], roots)
         except OutOfBlocks:
             return None
         forward_ms = self.runner.model_ms
@@ -233,14 +236,18 @@ class TargetEngine:
             except Exception as exc:
                 errors[index] = self._failed(entry.rid, "acceptance", exc)
 
-    def _pass(self, msg: Forward, passed: list[Chunk | Tree],
-              undo: list[Callable[[], None]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The model pass: each entry's logits (and features, when asked); if it fails, the chunks give back
-        what they took from the prefix cache (the runner gives back the slots it took)."""
+    def _pass(self, msg: Forward, passed: list[Chunk | Tree], undo: list[Callable[[], None]], plain_ids: list[str],
+              roots: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+        """The model pass: each entry's logits (and features, when asked), and the plain decodes' logits (one row
+        each, beside the entries: `ModelRunner.decode`); if it fails, the chunks give back what they took from the
+        prefix cache (the runner gives back the slots it took)."""
         try:
+            if plain_ids:
+                others, plain_logits = self.runner.decode(plain_ids, roots, passed)
+                return others, [], plain_logits
             if msg.features:  # (the entries were checked by `_entries`)
-                return self.runner.forward_features(passed, checked=True)
-            return (self.runner.forward(passed, checked=True) if passed else []), []
+                return *self.runner.forward_features(passed, checked=True), None
+            return (self.runner.forward(passed, checked=True) if passed else []), [], None
         except BaseException:
             for give_back in undo:
                 give_back()
@@ -250,7 +257,7 @@ class TargetEngine:
                  plain: dict[int, tuple[TargetRequest, int]]) -> list[tuple[int, Chunk | Tree]]:
         """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
         (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`.
-        `plain`: the plain decodes `_plain_decodes` checked already, with their roots.
+        `plain`: the plain decodes `_plain_decodes` checked already (not among them: they run beside them).
         A root-only step (a plain decode) runs as a one-token chunk: the pass treats both alike, and the
         accepted path of a one-node tree is its root, so its KV is committed at once."""
         chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
@@ -269,9 +276,8 @@ class TargetEngine:
             entries.append((i, Chunk(prefill.rid, toks, logits_at=at)))
         base = len(msg.prefill)
         for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
-            if j in plain:  # checked by `_plain_decodes`
+            if j in plain:  # checked by `_plain_decodes`, run beside the entries
                 seen.add(verify.rid)
-                entries.append((base + j, Chunk(verify.rid, [plain[j][1]], logits_at=(0,))))
                 continue
             if verify.root_pending and toks and (req := self.requests.get(verify.rid)) is not None and req.decoding:
                 toks[0] = req.last_token  # sent a step ahead: the root is what its last step emitted
@@ -315,6 +321,9 @@ class TargetEngine:
                 continue
             tokens, accepted = emitted[index]
             out += tokens
+            if index not in kept and index not in scored.rows and index not in cached:  # (most entries)
+                results.append(StepResult(message.rid, message.step, len(tokens), accepted))
+                continue
             rows = kept.get(index)
             if rows is not None:
                 feats.append(rows)
@@ -411,12 +420,13 @@ class TargetEngine:
                          f"{self.config.kv_blocks * self.config.block_size}. The request was released.")
 
     def _fit_to_pool(self, entries: list[tuple[int, Chunk | Tree]], num_prefill: int, errors: dict[int, ErrorInfo],
-                     cached: dict[int, int] | None, undos: list[Callable[[], None]]) -> list[tuple[int, Chunk | Tree]]:
-        """Admit tree steps (result indices from `num_prefill` on), then prefill chunks, while free blocks last;
-        refuse the rest (retryable). With
+                     cached: dict[int, int] | None, undos: list[Callable[[], None]],
+                     reserved: int = 0) -> list[tuple[int, Chunk | Tree]]:
+        """Admit tree steps (result indices from `num_prefill` on), then prefill chunks, while free blocks beyond
+        `reserved` (the plain decodes') last; refuse the rest (retryable). With
         `cached` (the prefix cache in use), a chunk first takes what the cache holds of it (`_from_cache`; the
         tokens taken go to `cached`, how to give them back to `undos`), and gives it back if it is refused."""
-        free = self.runner.num_free_blocks
+        free = self.runner.num_free_blocks - reserved
         admitted = []
         for index, entry in sorted(entries, key=lambda x: x[0] < num_prefill):
             undo: Callable[[], None] | None = None

@@ -173,8 +173,7 @@ class BlockManager:
         the free blocks cannot cover them all."""
         allocs = [self._get(rid) for rid in request_ids]
         starts = [a.num_slots for a in allocs]
-        bs = self.block_size
-        full = [a for a, start in zip(allocs, starts) if start == len(a.blocks) * bs]
+        full = self._full(allocs)
         if len(full) > self.num_free_blocks:
             raise OutOfBlocks(len(full), self.num_free_blocks, list(request_ids))
         for a in allocs:
@@ -183,6 +182,15 @@ class BlockManager:
             a.blocks.append(self._take())
             self._write_row(a, len(a.blocks) - 1)
         return starts
+
+    def new_blocks_for_one(self, request_ids: Sequence[str]) -> int:
+        """Blocks that `append_one(request_ids)` would take."""
+        return len(self._full([self._get(rid) for rid in request_ids]))
+
+    def _full(self, allocs: list[_Allocation]) -> list[_Allocation]:
+        """The allocations whose blocks are full (their next slot takes a new block)."""
+        bs = self.block_size
+        return [a for a in allocs if a.num_slots == len(a.blocks) * bs]
 
     def truncate(self, request_id: str, num_slots: int) -> None:
         """Shrink the request to its first `num_slots` slots and let go of the blocks past them. A kept

@@ -41,9 +41,15 @@ def _ancestors(parents: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def _array(values: list[int], dtype: type[np.integer]) -> torch.Tensor:
-    """A 1-D CPU tensor of Python ints through NumPy (several times faster than `torch.tensor` on a list)."""
-    return torch.from_numpy(np.array(values, dtype=dtype))
+@dataclass(slots=True)
+class Decodes:
+    """A batch of plain decodes beside a pass's entries: request `request_ids[i]` reads `tokens[i]` at its logical
+    slot `starts[i]` (allocated) and asks for its logits; the same inputs as one-token chunks, built by array
+    operations."""
+
+    request_ids: Sequence[str]
+    starts: Sequence[int]
+    tokens: Sequence[int]
 
 
 def build_lean_inputs(
@@ -51,13 +57,16 @@ def build_lean_inputs(
     starts: Sequence[int],
     blocks: BlockManager,
     prior_parents: Mapping[int, Sequence[int]] | None = None,
+    decodes: Decodes | None = None,
 ) -> LeanInputs:
     """starts[i]: slots of entry i's request before this pass (its new slots are allocated);
-    prior_parents[i]: a DraftNodes entry's pending nodes from earlier passes (as in batch.build_inputs).
+    prior_parents[i]: a DraftNodes entry's pending nodes from earlier passes (as in batch.build_inputs);
+    decodes: plain decodes after the entries (their tokens, logits rows and table rows follow the entries').
     Per token the loop notes logical slots (its own, and a tree node's path); the physical slots are read
     from the batch's block tables in one array operation."""
     bs = blocks.block_size
-    tables = blocks.block_tables([e.request_id for e in entries])
+    decode_ids = decodes.request_ids if decodes is not None else ()
+    tables = blocks.block_tables([*(e.request_id for e in entries), *decode_ids])
     input_ids: list[int] = []
     positions: list[int] = []
     logical: list[int] = []  # per token: its logical slot in its request
@@ -105,48 +114,35 @@ def build_lean_inputs(
             prefix.extend(range(start + 1, start + n + 1))
             extra_off.extend([len(extra)] * n)
     i32, i64 = np.int32, np.int64
+    n, at = len(decode_ids), np.array(decodes.starts if decodes is not None else (), dtype=i64)
+    ids = np.concatenate([np.array(input_ids, dtype=i64), np.array(decodes.tokens if decodes is not None else (),
+                                                                    dtype=i64)])
+    pos = np.concatenate([np.array(positions, dtype=i64), at])
+    chosen = np.concatenate([np.array(logits_indices, dtype=i64), np.arange(len(input_ids), len(ids), dtype=i64)])
+    logits_splits += [1] * n
+    rows_of = np.concatenate([np.array(seq, dtype=i32), np.arange(len(entries), len(entries) + n, dtype=i32)])
+    slots_of = np.concatenate([np.array(logical, dtype=i64), at])
+    reads = np.concatenate([np.array(prefix, dtype=i64), at + 1]).astype(i32)
+    offsets = np.concatenate([np.array(extra_off, dtype=i32), np.full(n, len(extra), dtype=i32)])
     return LeanInputs(
-        input_ids=_array(input_ids, i64),
-        positions=_array(positions, i64),
-        logits_indices=_array(logits_indices, i64),
+        input_ids=torch.from_numpy(ids),
+        positions=torch.from_numpy(pos),
+        logits_indices=torch.from_numpy(chosen),
         logits_splits=logits_splits,
         keys=KeyLayout(
-            slot_mapping=torch.from_numpy(_physical(tables, seq, logical, bs).astype(i64)),
+            slot_mapping=torch.from_numpy(_physical(tables, rows_of, slots_of, bs).astype(i64)),
             tables=torch.from_numpy(tables),
-            seq=_array(seq, i32),
-            prefix=_array(prefix, i32),
-            extra_off=_array(extra_off, i32),
-            extra_slots=torch.from_numpy(_physical(tables, extra_seq, extra, bs)),
+            seq=torch.from_numpy(rows_of),
+            prefix=torch.from_numpy(reads),
+            extra_off=torch.from_numpy(offsets),
+            extra_slots=torch.from_numpy(_physical(tables, np.array(extra_seq, dtype=i32), np.array(extra, dtype=i64),
+                                                   bs).astype(i32)),
             block_size=bs,
         ),
     )
 
 
-def decode_lean_inputs(tables: np.ndarray, starts: Sequence[int], tokens: Sequence[int], block_size: int) -> LeanInputs:
-    """`build_lean_inputs` of one-token entries that ask for their logits (a batch of plain decodes), in array
-    operations: entry i's token `tokens[i]` at logical slot `starts[i]` of the request at row i of `tables`."""
-    n = len(starts)
-    at = np.array(starts, dtype=np.int64)
-    rows = np.arange(n, dtype=np.int64)
-    slots = tables[rows, at // block_size].astype(np.int64) * block_size + at % block_size
-    return LeanInputs(
-        input_ids=_array(list(tokens), np.int64),
-        positions=torch.from_numpy(at),
-        logits_indices=torch.from_numpy(rows),
-        logits_splits=[1] * n,
-        keys=KeyLayout(
-            slot_mapping=torch.from_numpy(slots),
-            tables=torch.from_numpy(tables),
-            seq=torch.from_numpy(rows.astype(np.int32)),
-            prefix=torch.from_numpy((at + 1).astype(np.int32)),
-            extra_off=torch.zeros(n + 1, dtype=torch.int32),
-            extra_slots=torch.zeros(0, dtype=torch.int32),
-            block_size=block_size,
-        ),
-    )
-
-
-def _physical(tables: np.ndarray, rows: list[int], logical: list[int], block_size: int) -> np.ndarray:
-    """int32 physical slots of logical slots `logical` of the requests at rows `rows` of `tables`."""
-    at = np.array(logical, dtype=np.int32)
-    return tables[np.array(rows, dtype=np.intp), at // block_size] * block_size + at % block_size
+def _physical(tables: np.ndarray, rows: np.ndarray, logical: np.ndarray, block_size: int) -> np.ndarray:
+    """Physical slots of logical slots `logical` of the requests at rows `rows` of `tables`."""
+    slots: np.ndarray = tables[rows.astype(np.intp), logical // block_size] * block_size + logical % block_size
+    return slots

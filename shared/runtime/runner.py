@@ -25,7 +25,7 @@ from specserve.shared.runtime.batch import Chunk, DraftNodes, Entry, ModelInputs
 from specserve.shared.runtime.block_manager import BlockManager, OutOfBlocks, UnknownRequest
 from specserve.shared.runtime.cuda_graphs import MAX_TOKENS, GraphedPasses
 from specserve.shared.runtime.kv_cache import KVCache
-from specserve.shared.runtime.lean_inputs import LeanInputs, build_lean_inputs, decode_lean_inputs
+from specserve.shared.runtime.lean_inputs import Decodes, LeanInputs, build_lean_inputs
 from specserve.shared.runtime.lean_model import LeanModel
 from specserve.shared.runtime.loader import load_model
 from specserve.shared.runtime.model import CausalLM
@@ -161,6 +161,53 @@ class ModelRunner:
         """
         if not entries:
             return []
+        prior_parents = self._check(entries, checked)
+        starts, is_new = self._take_slots(entries)
+        try:
+            outputs = self._compute(entries, starts, prior_parents, run_model)
+        except BaseException:
+            self._give_back(entries, starts, is_new)
+            raise
+        self._note(entries, starts, prior_parents)
+        return outputs
+
+    def decode(self, request_ids: Sequence[str], tokens: Sequence[int],
+               others: Sequence[Entry] = ()) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`forward(others, checked=True)` and in the same pass one-token chunks asking for their logits
+        (`Chunk(rid, [token], logits_at=(0,))`: a batch of plain decodes, known requests named once, none among
+        `others`), their inputs built by array operations: (the logits of `others` as `forward` gives them, the
+        decodes' logits [len(request_ids), vocab]). Raises OutOfBlocks (nothing changed) if they do not fit."""
+        if self.inputs_for not in ("lean", "triton") or not self._pending.keys().isdisjoint(request_ids):
+            # (the torch pass, or a request with a pending tree: `forward` raises PendingTree)
+            chunks = [Chunk(rid, [t], logits_at=(0,)) for rid, t in zip(request_ids, tokens)]
+            outputs = self.forward([*others, *chunks], checked=True)
+            return outputs[:len(others)], torch.cat(outputs[len(others):])
+        prior_parents = self._check(others, checked=True)
+        starts, is_new = self._take_slots(others)
+        try:
+            decode_starts = self.blocks.append_one(request_ids)
+        except BaseException:
+            self._give_back(others, starts, is_new)
+            raise
+        try:
+            lean = build_lean_inputs(others, starts, self.blocks, prior_parents,
+                                     Decodes(request_ids, decode_starts, tokens))
+            logits = self._run_lean(lean)
+        except BaseException:
+            for rid, start in zip(request_ids, decode_starts):
+                self.blocks.truncate(rid, start)
+            self._give_back(others, starts, is_new)
+            raise
+        self._note(others, starts, prior_parents)
+        history = self.history
+        for rid, token in zip(request_ids, tokens):
+            history[rid].append(token)
+        rows = len(logits) - len(request_ids)
+        return list(torch.split(logits[:rows], lean.logits_splits[:len(others)])), logits[rows:]
+
+    def _check(self, entries: Sequence[Entry], checked: bool) -> dict[int, list[int]]:
+        """Refuse entries of requests with a pending tree (DraftNodes grow their own forest) and, unless `checked`,
+        malformed ones and a request twice; returns the DraftNodes entries' pending parents, by entry index."""
         seen: set[str] = set()
         prior_parents: dict[int, list[int]] = {}
         for i, entry in enumerate(entries):
@@ -180,19 +227,27 @@ class ModelRunner:
             if entry.request_id in seen:
                 raise ValueError(f"request {entry.request_id!r} appears twice in one batch")
             seen.add(entry.request_id)
+        return prior_parents
+
+    def _take_slots(self, entries: Sequence[Entry]) -> tuple[list[int], list[bool]]:
+        """Allocate the entries' slots (OutOfBlocks, nothing changed, if they do not fit): each one's slot count
+        before, and whether its request is new."""
         is_new = [e.request_id not in self.blocks for e in entries]
         starts = [0 if new else self.blocks.num_slots(e.request_id) for e, new in zip(entries, is_new)]
-        self.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
-        try:
-            outputs = self._compute(entries, starts, prior_parents, run_model)
-        except BaseException:
-            # Give back exactly what this call took: new requests disappear, others shrink back.
-            for entry, start, new in zip(entries, starts, is_new):
-                if new:
-                    self.blocks.free(entry.request_id)
-                else:
-                    self.blocks.truncate(entry.request_id, start)
-            raise
+        if entries:
+            self.blocks.append_slots({e.request_id: len(e.tokens) for e in entries})
+        return starts, is_new
+
+    def _give_back(self, entries: Sequence[Entry], starts: list[int], is_new: list[bool]) -> None:
+        """Undo `_take_slots` (the pass failed): new requests disappear, others shrink back."""
+        for entry, start, new in zip(entries, starts, is_new):
+            if new:
+                self.blocks.free(entry.request_id)
+            else:
+                self.blocks.truncate(entry.request_id, start)
+
+    def _note(self, entries: Sequence[Entry], starts: list[int], prior_parents: dict[int, list[int]]) -> None:
+        """After the pass: a chunk's tokens join its history (committed); a tree or draft nodes stay pending."""
         for i, (entry, start) in enumerate(zip(entries, starts)):
             if isinstance(entry, Chunk):
                 self.history.setdefault(entry.request_id, []).extend(entry.tokens)
@@ -204,28 +259,6 @@ class ModelRunner:
                     self._pending[entry.request_id].parents.extend(entry.parents)
                 else:
                     self._pending[entry.request_id] = _Pending(start, list(entry.parents), forest=True)
-        return outputs
-
-    def decode(self, request_ids: Sequence[str], tokens: Sequence[int]) -> torch.Tensor:
-        """`forward` of one-token chunks asking for their logits (`Chunk(rid, [token], logits_at=(0,))`: a batch
-        of plain decodes), checked by the caller and each request named once, with no per-request Python on
-        its inputs: the logits [len(request_ids), vocab], one row a request. Raises OutOfBlocks (nothing
-        changed) if they do not fit."""
-        if self.inputs_for not in ("lean", "triton") or not self._pending.keys().isdisjoint(request_ids):
-            return torch.cat(self.forward([Chunk(rid, [t], logits_at=(0,)) for rid, t in zip(request_ids, tokens)],
-                                          checked=True))  # (the torch pass, or a request with a pending tree)
-        starts = self.blocks.append_one(request_ids)
-        try:
-            lean = decode_lean_inputs(self.blocks.block_tables(request_ids), starts, tokens, self.blocks.block_size)
-            logits = self._run_lean(lean)
-        except BaseException:
-            for rid, start in zip(request_ids, starts):
-                self.blocks.truncate(rid, start)
-            raise
-        history = self.history
-        for rid, token in zip(request_ids, tokens):
-            history[rid].append(token)
-        return logits
 
     def forward_features(self, entries: Sequence[Entry],
                          checked: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,6 +1,7 @@
 """The target's batched plain decodes (`TargetEngine._decode`, `ModelRunner.decode`, `BlockManager.append_one`,
-`decode_lean_inputs`): a call of one-node trees of greedy requests runs in array operations, with the results,
-state, KV and prefix cache the general path gives; any other call goes the general path, with nothing changed."""
+`build_lean_inputs` with `Decodes`): the one-node trees of greedy requests run without the per-entry layers, their
+inputs built by array operations, with the results, state, KV and prefix cache the general path gives; any other
+entry goes the general path."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.shared.runtime.batch import Chunk
+from specserve.shared.runtime.batch import Chunk, Tree
 from specserve.shared.runtime.block_manager import BlockManager, OutOfBlocks
-from specserve.shared.runtime.lean_inputs import build_lean_inputs, decode_lean_inputs
+from specserve.shared.runtime.lean_inputs import Decodes, build_lean_inputs
 from specserve.shared.wire.messages import Forward, PrefillEntry, SamplingSpec, VerifyEntry
 from specserve.target.config import TargetConfig
 from specserve.target.engine import TargetEngine
@@ -31,7 +32,8 @@ def _pair(kv_blocks: int) -> tuple[TargetEngine, TargetEngine]:
 
 
 def _same(fast: TargetEngine, slow: TargetEngine, msg: Forward, tensors: dict[str, torch.Tensor]) -> list:
-    """Run the call on both; their replies, payloads and state agree. Returns the results."""
+    """Run the call on both; their replies, payloads and state (but the physical blocks) agree. Returns the
+    results."""
     r1, p1 = fast.forward(msg, {k: v.clone() for k, v in tensors.items()})
     r2, p2 = slow.forward(msg, {k: v.clone() for k, v in tensors.items()})
     assert r1.results == r2.results
@@ -44,7 +46,9 @@ def _same(fast: TargetEngine, slow: TargetEngine, msg: Forward, tensors: dict[st
         other = slow.requests[rid]
         assert (req.prefilled, req.committed, req.last_token, req.last_step) == \
             (other.prefilled, other.committed, other.last_token, other.last_step)
-        assert fast.runner.blocks.block_table(rid) == slow.runner.blocks.block_table(rid)
+        # (which physical blocks: the plain decodes take theirs after the call's other entries)
+        assert fast.runner.blocks.num_slots(rid) == slow.runner.blocks.num_slots(rid)
+        assert len(fast.runner.blocks.block_table(rid)) == len(slow.runner.blocks.block_table(rid))
         assert fast.runner.blocks.block_keys(rid) == slow.runner.blocks.block_keys(rid)
         assert fast.runner.history[rid] == slow.runner.history[rid]
     return r1.results
@@ -177,19 +181,25 @@ def test_append_one_is_append_slots_of_one_slot_each_and_all_or_nothing() -> Non
     a.check_invariants()
 
 
-def test_decode_inputs_are_the_lean_inputs_of_one_token_chunks() -> None:
+def test_decodes_beside_entries_get_the_lean_inputs_of_one_token_chunks() -> None:
     m = BlockManager(40, 4)
-    counts = {"p": 3, "q": 4, "r": 9, "s": 16}
+    counts = {"p": 3, "q": 4, "r": 9, "s": 16, "t": 5, "u": 2}
     m.append_slots(counts)
-    starts = m.append_one(list(counts))
+    others = [Chunk("t", [5, 6, 7], logits_at=[2]), Tree("u", [8, 9, 10], [-1, 0, 0])]
+    starts = [m.num_slots("t"), m.num_slots("u")]
+    m.append_slots({"t": 3, "u": 3})
+    decodes = ["p", "q", "r", "s"]
     tokens = [11, 22, 33, 44]
-    ref = build_lean_inputs([Chunk(rid, [t], logits_at=(0,)) for rid, t in zip(counts, tokens)], starts, m)
-    got = decode_lean_inputs(m.block_tables(list(counts)), starts, tokens, 4)
-    assert got.logits_splits == ref.logits_splits
-    for name in ("input_ids", "positions", "logits_indices"):
-        assert torch.equal(getattr(got, name), getattr(ref, name)), name
-    for name in ("slot_mapping", "tables", "seq", "prefix", "extra_off", "extra_slots"):
-        assert torch.equal(getattr(got.keys, name), getattr(ref.keys, name)), name
+    for beside in (others, []):
+        at = m.append_one(decodes)
+        chunks = [Chunk(rid, [t], logits_at=(0,)) for rid, t in zip(decodes, tokens)]
+        ref = build_lean_inputs([*beside, *chunks], starts[:len(beside)] + at, m)
+        got = build_lean_inputs(beside, starts[:len(beside)], m, decodes=Decodes(decodes, at, tokens))
+        assert got.logits_splits == ref.logits_splits
+        for name in ("input_ids", "positions", "logits_indices"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+        for name in ("slot_mapping", "tables", "seq", "prefix", "extra_off", "extra_slots"):
+            assert torch.equal(getattr(got.keys, name), getattr(ref.keys, name)), name
 
 
 def test_a_failed_batched_pass_gives_back_the_slots_it_took(monkeypatch) -> None:
@@ -205,4 +215,11 @@ def test_a_failed_batched_pass_gives_back_the_slots_it_took(monkeypatch) -> None
         fast.forward(*_decodes(fast, list(PROMPTS), 2))
     assert {rid: fast.runner.blocks.block_table(rid) for rid in PROMPTS} == before
     assert all(fast.runner.num_tokens(rid) == PROMPTS[rid] for rid in PROMPTS)
+    fast.runner.blocks.check_invariants()
+    msg, tensors = _decodes(fast, list(PROMPTS), 2)  # beside a new request's prompt: it is gone again
+    prompt = _prompt("f", 20)
+    msg = Forward(prefill=[PrefillEntry("f", 1, 0, len(prompt), True, SamplingSpec())], verify=msg.verify)
+    with pytest.raises(RuntimeError, match="the model pass failed"):
+        fast.forward(msg, {**tensors, "prefill_tokens": torch.tensor(prompt, dtype=torch.int32)})
+    assert {rid: fast.runner.blocks.block_table(rid) for rid in PROMPTS} == before and not fast.runner.has_request("f")
     fast.runner.blocks.check_invariants()
