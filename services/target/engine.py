@@ -163,7 +163,7 @@ class TargetEngine:
     def _plain_decodes(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> dict[int, tuple[TargetRequest, int]]:
         """By verify index, the call's plain decodes (one-node trees, no mask) of plain requests
         (`TargetRequest.plain`) that pass the checks `_check_verify` makes, with their roots: they run without
-        the per-entry layers (checks, acceptance), in one loop each. None when the call names a request twice
+        the per-entry layers (checks, acceptance), in one loop each. Empty when the call names a request twice
         or its tree tensors are malformed (the general path says what is wrong), or with features asked, or
         with an acceptance rule of its own."""
         verify, prefill = msg.verify, msg.prefill
