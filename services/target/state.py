@@ -31,7 +31,7 @@ class TargetRequest:
     last_step: int = -1
     history: TokenHistory | None = None  # with penalties or min_tokens: its tokens as they read them
     logprobs: LogprobState | None = None  # only for a request that asked for logprobs
-    plain: bool = False  # greedy, no history, no logprobs: its plain decodes may run batched (TargetEngine._decode)
+    plain: bool = False  # greedy, no history, no logprobs: its decodes skip the per-entry layers (_plain_decodes)
 
     @property
     def decoding(self) -> bool:

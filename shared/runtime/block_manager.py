@@ -187,11 +187,6 @@ class BlockManager:
         """Blocks that `append_one(request_ids)` would take."""
         return len(self._full([self._get(rid) for rid in request_ids]))
 
-    def _full(self, allocs: list[_Allocation]) -> list[_Allocation]:
-        """The allocations whose blocks are full (their next slot takes a new block)."""
-        bs = self.block_size
-        return [a for a in allocs if a.num_slots == len(a.blocks) * bs]
-
     def truncate(self, request_id: str, num_slots: int) -> None:
         """Shrink the request to its first `num_slots` slots and let go of the blocks past them. A kept
         block cut part way that is keyed loses its key (the request writes there again); a shared one
@@ -298,6 +293,11 @@ class BlockManager:
             self._tables = np.pad(self._tables, ((0, 0), (0, width - self._tables.shape[1])))
         if n > start:
             self._tables[alloc.row, start:n] = alloc.blocks[start:]
+
+    def _full(self, allocs: list[_Allocation]) -> list[_Allocation]:
+        """The allocations whose blocks are full (their next slot takes a new block)."""
+        bs = self.block_size
+        return [a for a in allocs if a.num_slots == len(a.blocks) * bs]
 
     def _take(self) -> int:
         """One block for a new slot: a plain free one, else the least recently used cached one (evicted)."""
