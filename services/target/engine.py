@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from specserve.shared.host.service_base import BadCall, ms_since, split_counts
+from specserve.shared.host.service_base import BadCall, flat_counts, ms_since, split_counts
 from specserve.shared.runtime.batch import Chunk, Tree
 from specserve.shared.runtime.block_manager import OutOfBlocks
 from specserve.shared.runtime.loader import load_model, parse_device, parse_dtype
@@ -60,12 +60,13 @@ from specserve.shared.wire.messages import (
     StepResult,
     VerifyEntry,
 )
+from specserve.shared.wire.transport import split_flat
 from specserve.target.config import TargetConfig
 from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, every_row
 from specserve.target.state import TargetRequest, params_of
 
 ROOT_ONLY = (-1,)  # the parents of a one-node tree
-INT = (torch.int32, torch.int64)  # the payload's token tensors
+Plain = dict[int, tuple[TargetRequest, int]]  # by verify index: a plain decode's request and root
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
 
 
@@ -96,7 +97,9 @@ class TargetEngine:
         self.calls += 1
         for rid in msg.release:  # before the entries: a preempted request may start again in this call
             self.release(rid)
-        plain = self._plain_decodes(msg, tensors)
+        counts = [e.num_nodes for e in msg.verify]
+        trees = flat_counts(tensors, "tree_tokens", counts), flat_counts(tensors, "tree_parents", counts)
+        plain = self._plain_decodes(msg, *trees)
         if plain and len(plain) == len(msg.verify) and not msg.prefill:
             decoded = self._decode(msg, plain, start)
             if decoded is not None:
@@ -111,7 +114,7 @@ class TargetEngine:
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
         masks = self._masks(msg, tensors)
-        entries = self._fit_to_pool(self._entries(msg, tensors, errors, plain), len(msg.prefill), errors,
+        entries = self._fit_to_pool(self._entries(msg, tensors, trees, errors, plain), len(msg.prefill), errors,
                                     cached if use_cache else None, undo, reserved)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         captures = self._captures()
@@ -160,25 +163,20 @@ class TargetEngine:
         return ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks,
                             self._captures() > captures, cached_blocks=self.runner.blocks.num_cached_blocks)
 
-    def _plain_decodes(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> dict[int, tuple[TargetRequest, int]]:
+    def _plain_decodes(self, msg: Forward, tokens: list[int], parents_of: list[int]) -> Plain:
         """By verify index, the call's plain decodes (one-node trees, no mask) of plain requests
         (`TargetRequest.plain`) that pass the checks `_check_verify` makes, with their roots: they run without
-        the per-entry layers (checks, acceptance), in one loop each. Empty when the call names a request twice
-        or its tree tensors are malformed (the general path says what is wrong), or with features asked, or
-        with an acceptance rule of its own."""
+        the per-entry layers (checks, acceptance), in one loop each. `tokens`, `parents_of`: the call's tree
+        tensors as flat lists. Empty when the call names a request twice (the general path says so), or with
+        features asked, or with an acceptance rule of its own."""
         verify, prefill = msg.verify, msg.prefill
-        if msg.features or not verify or self.accept is not None or not self.batched_decodes:
-            return {}
-        n = sum(e.num_nodes for e in verify)
-        roots, parents = tensors.get("tree_tokens"), tensors.get("tree_parents")
-        if roots is None or parents is None or roots.dtype not in INT or parents.dtype not in INT \
-                or roots.shape != (n,) or parents.shape != (n,) \
+        if msg.features or not verify or self.accept is not None or not self.batched_decodes \
                 or len({e.rid for e in verify} | {e.rid for e in prefill}) != len(verify) + len(prefill):
             return {}
         requests, vocab = self.requests, self.vocab_size
         limit = self.config.kv_blocks * self.runner.blocks.block_size  # committed tokens whose step fits the pool
-        out: dict[int, tuple[TargetRequest, int]] = {}
-        tokens, parents_of, at = roots.tolist(), parents.tolist(), 0
+        out: Plain = {}
+        at = 0
         for j, entry in enumerate(verify):
             node, at = at, at + entry.num_nodes
             if entry.num_nodes != 1 or entry.masked or parents_of[node] != -1:
@@ -192,8 +190,7 @@ class TargetEngine:
                 out[j] = (req, token)
         return out
 
-    def _decode(self, msg: Forward, plain: dict[int, tuple[TargetRequest, int]],
-                start: float) -> tuple[ForwardReply, dict] | None:
+    def _decode(self, msg: Forward, plain: Plain, start: float) -> tuple[ForwardReply, dict] | None:
         """The call when every entry is a plain decode (`_plain_decodes`) and all fit the pool: run as one batch of
         decodes (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results. None,
         having changed nothing, when they do not fit: the general path refuses some."""
@@ -253,16 +250,17 @@ class TargetEngine:
                 give_back()
             raise
 
-    def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor], errors: dict[int, ErrorInfo],
-                 plain: dict[int, tuple[TargetRequest, int]]) -> list[tuple[int, Chunk | Tree]]:
+    def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor], trees: tuple[list[int], list[int]],
+                 errors: dict[int, ErrorInfo], plain: Plain) -> list[tuple[int, Chunk | Tree]]:
         """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
         (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`.
-        `plain`: the plain decodes `_plain_decodes` checked already (not among them: they run beside them).
+        `trees`: the tree tensors as flat lists (`flat_counts`); `plain`: the plain decodes `_plain_decodes`
+        checked already (not among them: they run beside them).
         A root-only step (a plain decode) runs as a one-token chunk: the pass treats both alike, and the
         accepted path of a one-node tree is its root, so its KV is committed at once."""
         chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
-        tree_tokens = split_counts(tensors, "tree_tokens", [e.num_nodes for e in msg.verify])
-        tree_parents = split_counts(tensors, "tree_parents", [e.num_nodes for e in msg.verify])
+        counts = [e.num_nodes for e in msg.verify]
+        tree_tokens, tree_parents = split_flat(trees[0], counts), split_flat(trees[1], counts)
         seen: set[str] = set()
         entries: list[tuple[int, Chunk | Tree]] = []
         for i, (prefill, toks) in enumerate(zip(msg.prefill, chunks)):
@@ -395,6 +393,8 @@ class TargetEngine:
 
     def _check_verify(self, entry: VerifyEntry, tokens: list[int], parents: list[int],
                       seen: set[str]) -> ErrorInfo | None:
+        """None where the tree may be verified, else why not. `_plain_decodes` makes these checks (and `_common`'s)
+        on one-node trees in one loop of its own: a check added here belongs there too."""
         error = self._common(entry.rid, entry.step, tokens, seen)
         if error:
             return error

@@ -253,6 +253,12 @@ def ms_since(t0: float) -> float:
 
 def split_counts(tensors: dict[str, torch.Tensor], name: str, counts: list[int]) -> list[list[int]]:
     """Cut a flat int tensor of the payload into per-entry lists."""
+    return split_flat(flat_counts(tensors, name, counts), counts)
+
+
+def flat_counts(tensors: dict[str, torch.Tensor], name: str, counts: list[int]) -> list[int]:
+    """A flat int tensor of the payload as one list, checked to hold `counts` entries' tokens (no tensor: no
+    tokens)."""
     flat = tensors.get(name)
     total = sum(counts)
     if any(c < 0 for c in counts):
@@ -260,8 +266,8 @@ def split_counts(tensors: dict[str, torch.Tensor], name: str, counts: list[int])
     if flat is None:
         if total:
             raise BadCall(f"the call lacks tensor {name!r}")
-        return [[] for _ in counts]
+        return []
     if flat.dim() != 1 or flat.numel() != total or flat.dtype not in (torch.int32, torch.int64):
         raise BadCall(f"tensor {name!r} must be 1-D integer with {total} elements "
                       f"(got {flat.dtype} {list(flat.shape)})")
-    return split_flat(flat.tolist(), counts)
+    return flat.tolist()
