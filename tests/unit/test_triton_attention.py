@@ -4,7 +4,9 @@ the torch pass launches on CUDA.
 
 - Against its torch reference on a ragged batch that mixes every kind of token (a decode, a prefill
   chunk over earlier context, a token tree, the draft's beam nodes over an earlier layer), for grouped
-  query heads of 1, 2 and 3 per kv head, head widths 16 and 32, float32 and bfloat16 KV.
+  query heads of 1, 2 and 3 per kv head, head widths 16 and 32, float32 and bfloat16 KV; and with long
+  contexts split in parts (flash-decoding), where a token's output is the same bit for bit whatever shares
+  its call, split or not.
 - The torch pass with `--kernels triton` against the same pass with SDPA on a tiny random model:
   prefill, a tree, and the KV commit of an accepted path, every logit within float32 tolerance.
 """
@@ -52,6 +54,57 @@ def test_the_kernel_equals_its_reference(heads, kv_heads, dim, dtype):
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def _long_layout(names: list[str]):
+    """Entries of `names` over one pool state: contexts of 1 to 58 keys (parts of 16 keys: up to four)."""
+    blocks = BlockManager(96, BLOCK)
+    blocks.append_slots({"long": 57, "mid": 20, "tree": 33, "short": 3})
+    every = {"long": (Chunk("long", [1]), 57), "mid": (Chunk("mid", [2, 3, 4, 5, 6]), 20),
+             "tree": (Tree("tree", [7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 3, 2]), 33),
+             "short": (Chunk("short", [13, 14]), 3), "new": (Chunk("new", [16, 17, 18]), 0)}
+    blocks.append_slots({e.request_id: len(e.tokens) for e, _ in every.values()})
+    entries = [every[n] for n in names]
+    return build_lean_inputs([e for e, _ in entries], [s for _, s in entries], blocks).keys
+
+
+def _tensors(tokens, heads, kv_heads, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(96 * BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(96 * BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (6, 2, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_contexts_equal_the_reference(heads, kv_heads, dim, dtype):
+    keys = _long_layout(["long", "mid", "tree", "short", "new"])
+    q, k, v = _tensors(keys.seq.numel(), heads, kv_heads, dim, dtype, seed=heads)
+    args = (q, k, v, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots, BLOCK)
+    assert int((keys.prefix + keys.extra_off[1:] - keys.extra_off[:-1]).max()) > 3 * 16  # four parts
+    got = triton_attention.paged_attention(*args, split_n=16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), triton_attention.attention_reference(*args).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_output_does_not_depend_on_what_shares_its_call(dtype):
+    """Each entry alone, and all together (where the long one splits every token's keys): the same bits."""
+    names = ["long", "mid", "tree", "short", "new"]
+    together = _long_layout(names)
+    q, k, v = _tensors(together.seq.numel(), 4, 2, 16, dtype, seed=3)
+    out = triton_attention.paged_attention(q, k, v, together.tables, together.seq, together.prefix,
+                                           together.extra_off, together.extra_slots, BLOCK, split_n=16)
+    at = 0
+    for name in names:
+        alone = _long_layout([name])
+        n = alone.seq.numel()
+        got = triton_attention.paged_attention(q[at: at + n], k, v, alone.tables, alone.seq, alone.prefix,
+                                               alone.extra_off, alone.extra_slots, BLOCK, split_n=16)
+        assert torch.equal(got, out[at: at + n]), name
+        at += n
+    assert at == q.shape[0]
 
 
 def test_a_head_width_the_kernel_cannot_take_is_refused():

@@ -4,14 +4,16 @@ Each new token reads its keys straight from the paged KV pool, with no dense cop
 request's committed slots through the block table, then its tree path (`lean_inputs.LeanInputs`'s key
 layout, the same the compiled CPU pass reads). One program per (token, kv head) runs the kv head's
 query heads together, streaming the keys in blocks with an online softmax. So decode, prefill chunks,
-tree verification and the draft's beam nodes are one kernel.
+tree verification and the draft's beam nodes are one kernel. Contexts are split (flash-decoding): parts of
+`SPLIT_N` keys, one program each, merged in order by a second kernel, so that a few long requests still fill
+the GPU's cores.
 
 `attention_reference` is the same computation in torch (gathered keys, a plain softmax): the tests
 check the kernel against it through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, where
 `available()` is false for the service (it picks the kernel on CUDA only).
 
-`available()` says whether Triton imports; the kernel itself is defined on first use, so that
-TRITON_INTERPRET set by a test before that use applies.
+`available()` says whether Triton imports; the kernels (triton_attention_jit.py) are imported on first use, so
+that TRITON_INTERPRET set by a test before that use applies.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_reference", "available", "paged_attention"]
+__all__ = ["SPLIT_N", "attention_reference", "available", "paged_attention"]
+
+SPLIT_N = 512  # keys per part of a context (flash-decoding's split; vLLM's paged attention v2 also uses 512)
 
 
 @cache
@@ -35,81 +39,46 @@ def available() -> bool:
 
 
 @cache
-def _kernel() -> Any:
-    import triton
-    import triton.language as tl
+def _jit() -> Any:
+    from specserve.shared.runtime.kernels import triton_attention_jit
 
-    @triton.jit
-    def paged_attention_kernel(  # type: ignore[no-untyped-def]
-        q_ptr, k_ptr, v_ptr, out_ptr,
-        tables_ptr, seq_ptr, prefix_ptr, extra_off_ptr, extra_slots_ptr,
-        scale,
-        stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, max_blocks,
-        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        g = tl.program_id(1)
-        rows = tl.arange(0, GROUP_PAD)
-        head_ok = rows < GROUP
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + t * stride_qt + (g * GROUP + rows)[:, None] * stride_qh + d[None, :],
-                    mask=head_ok[:, None], other=0.0).to(tl.float32)
-        seq = tl.load(seq_ptr + t)
-        prefix = tl.load(prefix_ptr + t)
-        e0 = tl.load(extra_off_ptr + t)
-        n = prefix + tl.load(extra_off_ptr + t + 1) - e0
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for start in range(0, n, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            valid = j < n
-            in_prefix = j < prefix
-            block = tl.load(tables_ptr + seq * max_blocks + j // BLOCK_SIZE, mask=valid & in_prefix, other=0)
-            extra = tl.load(extra_slots_ptr + e0 + (j - prefix), mask=valid & (j >= prefix), other=0)
-            slot = tl.where(in_prefix, block.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE, extra.to(tl.int64))
-            offsets = slot[:, None] * stride_kslot + g * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + t * stride_ot + (g * GROUP + rows)[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-
-    return paged_attention_kernel
+    return triton_attention_jit
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     seq: torch.Tensor, prefix: torch.Tensor, extra_off: torch.Tensor, extra_slots: torch.Tensor,
-                    block_size: int, scale: float | None = None, block_n: int = 16) -> torch.Tensor:
+                    block_size: int, scale: float | None = None, block_n: int = 16,
+                    split_n: int = SPLIT_N) -> torch.Tensor:
     """q [T, H, D] (RoPE applied), one layer's k/v cache [slots, KVH, D] (slot-major, the new tokens' K/V
-    already written) -> attention output [T, H, D] in q's dtype. The key layout as in LeanInputs."""
+    already written) -> attention output [T, H, D] in q's dtype. The key layout as in LeanInputs.
+
+    Each token's keys are split in parts of `split_n`, one program each, and combined in order by a second
+    kernel (the grid has as many parts as the block table's width and the tree paths allow a token); a
+    token's parts depend on its own keys alone, so its output does not depend on what shares its call."""
     tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    if heads % kv_heads or dim & (dim - 1) or dim < 16:
-        raise ValueError(f"paged_attention needs whole query-head groups and a power-of-two head_dim >= 16, "
-                         f"got {heads} heads over {kv_heads}, head_dim {dim}")
+    if heads % kv_heads or dim & (dim - 1) or dim < 16 or split_n % block_n:
+        raise ValueError(f"paged_attention needs whole query-head groups, a power-of-two head_dim >= 16 and parts "
+                         f"of whole key blocks, got {heads} heads over {kv_heads}, head_dim {dim}, parts of "
+                         f"{split_n} keys in blocks of {block_n}")
     group = heads // kv_heads
     out = torch.empty_like(q)
     if tokens == 0:
         return out
     extra_slots = extra_slots if extra_slots.numel() else extra_slots.new_zeros(1)  # never read; a valid pointer
-    _kernel()[(tokens, kv_heads)](
-        q, k_cache, v_cache, out, tables, seq, prefix, extra_off, extra_slots,
-        1.0 / math.sqrt(dim) if scale is None else scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        tables.shape[1],
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=dim,
-        BLOCK_N=block_n,
-    )
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    shape = {"BLOCK_SIZE": block_size, "GROUP": group, "GROUP_PAD": max(16, 1 << (group - 1).bit_length()),
+             "D": dim}
+    splits = -(-(tables.shape[1] * block_size + extra_slots.numel()) // split_n)  # the most keys a token can have
+    jit = _jit()
+    part = torch.empty(tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(tokens, heads, splits, 2, dtype=torch.float32, device=q.device)
+    jit.split_kernel[(tokens, kv_heads, splits)](
+        q, k_cache, v_cache, part, ml, tables, seq, prefix, extra_off, extra_slots, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.shape[1], splits,
+        BLOCK_N=block_n, SPLIT_N=split_n, **shape)
+    jit.combine_kernel[(tokens, kv_heads)](part, ml, out, prefix, extra_off, out.stride(0), out.stride(1), splits,
+                                           GROUP=group, GROUP_PAD=shape["GROUP_PAD"], D=dim, SPLIT_N=split_n)
     return out
 
 
