@@ -35,18 +35,31 @@ class PrefixCaches:
         return (replica.prefix.enabled and len(replica.prefix) > 0 and replica.block_size == self.pool.block_size
                 and not (draft is not None and draft.reads_features))
 
+    def usable(self) -> list[bool]:
+        """Per replica, by index: whether its prefix cache is priced now (enabled, holding something, at the
+        gateway's block size, and no draft that reads features)."""
+        return [self._usable(t) for t in self.pool.targets]
+
     def expected(self, r: GenRequest, replica: TargetReplica) -> int:
         """Tokens of the request's context the replica is expected to hold in its prefix cache."""
         if not self._usable(replica) or r.prefill_sampling.prompt_logprobs:  # (those need every prompt row)
             return 0
+        return self._held(r, replica)
+
+    def per_replica(self, r: GenRequest, usable: list[bool] | None = None) -> tuple[int, ...]:
+        """`expected` on every replica, by index (empty when no replica has anything cached). `usable`: what
+        `usable()` said, for a snapshot that asks for many requests."""
+        usable = self.usable() if usable is None else usable
+        if not any(usable):
+            return ()
+        if r.prefill_sampling.prompt_logprobs:
+            return (0,) * len(usable)
+        return tuple(self._held(r, t) if ok else 0 for t, ok in zip(self.pool.targets, usable))
+
+    @staticmethod
+    def _held(r: GenRequest, replica: TargetReplica) -> int:
         bs = replica.block_size
         return replica.prefix.match(r.keys(bs, len(r.context) - 1)) * bs
-
-    def per_replica(self, r: GenRequest) -> tuple[int, ...]:
-        """`expected` on every replica, by index (empty when no replica has anything cached)."""
-        if not any(self._usable(t) for t in self.pool.targets):
-            return ()
-        return tuple(self.expected(r, t) for t in self.pool.targets)
 
     def admitted(self, r: GenRequest, replica: TargetReplica) -> None:
         """Bound to the replica: its first chunk starts from what the replica is expected to hold there."""

@@ -28,9 +28,10 @@ class Snapshots:
 
     def take(self, replica: int, now: float) -> SchedulerView:
         prefix = self.table.prefix
+        usable = prefix.usable() if self.table.waiting else []
         waiting = [WaitingView(r.rid, len(r.context), r.remaining, r.kv_blocks, r.slo.name, r.slo.tpot_ms,
                                r.slo.ttft_ms, (now - r.arrival) * 1e3, r.best_effort_ok or r.readmitted,
-                               prefix.per_replica(r) if i < PRICED_WAITING else ())
+                               prefix.per_replica(r, usable) if i < PRICED_WAITING else ())
                    for i, r in enumerate(self.table.waiting)]  # one admitted before is never refused
         prefilling: list[PrefillView] = []
         decoding: list[RequestView] = []

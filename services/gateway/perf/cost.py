@@ -160,6 +160,22 @@ def _ema(old: float, new: float, weight: float) -> float:
     return new if old < 0 else old + weight * (new - old)
 
 
+def most_tokens(planned: Callable[[int], float], time_ms: float) -> int:
+    """The most tokens one pass may hold for `planned(tokens)` (a `PassCost.pricer`) to be within `time_ms`
+    (0: not one): doubling, then bisection."""
+    bound = time_ms + 1e-9
+    if planned(1) > bound:
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_PASS_TOKENS and planned(hi) <= bound:
+        lo, hi = hi, hi * 2
+    if hi > MAX_PASS_TOKENS:
+        return MAX_PASS_TOKENS
+    while hi - lo > 1:  # planned(lo) fits, planned(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if planned(mid) <= bound else (lo, mid)
+    return lo
+
 class PassCost:
     """One replica's iteration time (ms) as a function of its pass, its context and the draft call."""
 
@@ -303,16 +319,21 @@ class PassCost:
 
     def pricer(self, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> Callable[[int], float]:
         """`planned_ms(., spec_steps, kv, margin)` as a function of the tokens, what does not depend on them
-        worked out once: valid until the next observation (a planning call's searches use one)."""
+        worked out once and each count's price kept: valid until the next observation (a planning call's
+        searches use one)."""
         spec = round(max(self.spec, 1.0)) if spec_steps > 0 else 0
         priced = self._iteration_curve(spec_steps, spec, 1, round(max(self.lag, 0.0)), kv)
-        if not margin:
-            return priced
         low, share, budget = self._margin_stats()[0], self.slow_share(), self.budget_tokens
+        memo: dict[int, float] = {}
 
         def planned(tokens: int) -> float:  # priced + margin_ms(tokens, priced)
-            t = priced(tokens)
-            return t + (low if tokens <= budget else share * t)
+            t = memo.get(tokens)
+            if t is None:
+                t = priced(tokens)
+                if margin:
+                    t += low if tokens <= budget else share * t
+                memo[tokens] = t
+            return t
         return planned
 
     def fits(self, tokens: int, time_ms: float, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> bool:
@@ -321,22 +342,7 @@ class PassCost:
 
     def time2bs(self, time_ms: float, spec_steps: int = 0, kv: int = 0, margin: bool = True) -> int:
         """The most tokens one pass may hold for its iteration to be planned within `time_ms` (0: not one)."""
-        planned = self.pricer(spec_steps, kv, margin)
-
-        def fits(n: int) -> bool:
-            return planned(n) <= time_ms + 1e-9
-
-        if not fits(1):
-            return 0
-        lo, hi = 1, 2
-        while hi <= MAX_PASS_TOKENS and fits(hi):
-            lo, hi = hi, hi * 2
-        if hi > MAX_PASS_TOKENS:
-            return MAX_PASS_TOKENS
-        while hi - lo > 1:  # fits(lo), not fits(hi)
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return most_tokens(self.pricer(spec_steps, kv, margin), time_ms)
 
     # ---- fitting -------------------------------------------------------------------------------------
     def observe_record(self, record: IterationRecord, replica: int, kv: int = 0) -> None:
@@ -419,4 +425,4 @@ def _line(curve: list[tuple[int, float]], baseline_ms: float) -> tuple[float, fl
     return max(0.0, float(y.mean() - c1 * x.mean())), c1
 
 
-__all__ = ["OnlineLinear", "PassCost", "PassSample", "sample_of"]
+__all__ = ["OnlineLinear", "PassCost", "PassSample", "most_tokens", "sample_of"]

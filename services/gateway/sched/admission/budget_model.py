@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
-from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.perf.cost import PassCost, most_tokens
 from specserve.gateway.sched.admission.budget import BatchShape, TierLoad, batch_shape
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
 from specserve.gateway.sched.plan import SchedulerView
@@ -55,7 +55,7 @@ class ReplicaBudget:
         steps = self.spec_steps if spec_steps is None else spec_steps
         c = self._caps.get((length_ms, steps))
         if c is None:
-            c = self._caps[(length_ms, steps)] = self.cost.time2bs(length_ms, steps, self.kv_blocks, self.margin)
+            c = self._caps[(length_ms, steps)] = most_tokens(self._pricer(steps), length_ms)
         return c
 
     def _pricer(self, steps: int) -> Callable[[int], float]:
