@@ -6,14 +6,15 @@
 Part 1, the stack's own time: a near-null target (the bundled demo draft, 2 layers of 160, served as the
 target, so the pass is a fraction of a millisecond) under `none`, at each number of requests in flight
 (closed loop: every client sends its next request when one ends; greedy, `ignore_eos`, 64 new tokens,
-a 16-token prompt), served by the stack's own gateway and by a second one with `--async-scheduling`
-(`none+ahead`: each pass planned and sent while the one before runs). Per level, over a steady window:
+a 16-token prompt), served by the stack's own gateway with `--async-scheduling off` and by a second one
+with it on (`none+ahead`: each pass planned and sent while the one before runs; the default, auto, is
+off on a CPU target and on on a GPU). Per level, over a steady window:
 the iteration's wall time (the window's wall time over the gateway's iterations; `counted_ms` is the
 sum of its counters' draft, target, transport and scheduling seconds over them, which leaves out the
 loop's turns between iterations), the target's model pass (`specserve:iteration_pass_seconds`), and
 the rest, the stack's own, in total and per request in flight; of the stack, the part inside the target
 service around its pass (checks, inputs, acceptance, the reply). Then the default policy at the largest
-level below 100 (its pairing for that model, the demo draft), without and with `--async-scheduling`,
+level below 100 (its pairing for that model, the demo draft), with `--async-scheduling` off and on,
 against `none`, as tokens/s.
 
 Part 2, the replay draft (services/draft/replay.py) on SmolLM2-135M-Instruct at one request: the
@@ -113,10 +114,10 @@ def near_null(args: argparse.Namespace, levels: list[int], up_args: tuple[str, .
     model = str(MODELS / "draft")
     profile = Path(tempfile.mkdtemp()) / "profile.json"
     up = Up("--model", model, "--draft-model", model, "--policy", "none", "--threads", "1",
-            "--profile", str(profile), *up_args, timeout_s=600)
-    gateways = {"none+ahead": gateway(up, "none", "--model", model, "--profile", str(profile), "--async-scheduling"),
-                "joint": gateway(up, "joint", "--model", model, "--profile", str(profile)),
-                "joint+ahead": gateway(up, "joint", "--model", model, "--profile", str(profile), "--async-scheduling")}
+            "--profile", str(profile), *up_args, "--", "--async-scheduling", "off", timeout_s=600)
+    own = ("--model", model, "--profile", str(profile), "--async-scheduling")
+    gateways = {"none+ahead": gateway(up, "none", *own, "on"), "joint": gateway(up, "joint", *own, "off"),
+                "joint+ahead": gateway(up, "joint", *own, "on")}
     duel = max([n for n in levels if n < 100] or [levels[0]])
     rounds = []
     try:

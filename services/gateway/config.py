@@ -90,11 +90,14 @@ class GatewayConfig(Settings):
     overlap_miss: str = option("root", "with --overlap, a request whose guess was wrong verifies next: its root "
                                "alone (root) or a tree drafted before the pass, as without --overlap (draft)",
                                choices=("root", "draft"))
-    async_scheduling: bool = option(False, "plan and send a replica's next pass while its current one runs (one "
-                                    "step ahead): a decoding request's next root is the token the pass in flight "
-                                    "returns, filled in by the target; only for passes of root-only decode steps "
-                                    "and prompt chunks (no tree, grammar or preemption; not with --overlap, eager "
-                                    "draft sync, --kv-lookahead-tokens or tracing); lossless")
+    async_scheduling: str = option("auto", "plan and send a replica's next pass while its current one runs (one "
+                                   "step ahead): a decoding request's next root is the token the pass in flight "
+                                   "returns, filled in by the target; only for passes of root-only decode steps "
+                                   "and prompt chunks (no tree, grammar or preemption; not with --overlap, eager "
+                                   "draft sync, --kv-lookahead-tokens or tracing); lossless. auto: on for a "
+                                   "replica whose pass runs on a GPU (the host's cores are free while it runs; on "
+                                   "a CPU the gateway's work beside the pass takes a core from it)",
+                                   choices=("auto", "on", "off"))
     forced_tokens: int = option(16, "structured output: up to this many tokens the request's grammar forces (a "
                                 "single allowed token, or a string that must come next) go into its tree each pass, "
                                 "verified with it, at most the budget B per pass over all its requests (0: none)")

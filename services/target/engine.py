@@ -555,4 +555,5 @@ class TargetEngine:
                           self.config.block_size, len(self.requests), self.calls, self.entry_errors,
                           request_ids=sorted(self.requests), prefix_caching=self.config.prefix_caching,
                           cached_blocks=self.runner.blocks.num_cached_blocks,
-                          evictable_blocks=self.runner.blocks.num_evictable_blocks)
+                          evictable_blocks=self.runner.blocks.num_evictable_blocks,
+                          device="simulated" if self.runner.inputs_for == "simulated" else self.device.type)

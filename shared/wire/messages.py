@@ -85,6 +85,7 @@ class StatsReply(Struct, tag=True):
     prefix_caching: bool = False  # its KV blocks of committed tokens are kept in a prefix cache (block_manager.py)
     cached_blocks: int = 0  # blocks holding a prefix-cache entry, held by requests or evictable
     evictable_blocks: int = 0  # cached blocks no request holds: counted in free_blocks (allocatable at once)
+    device: str = ""  # target only: where its model pass runs ("cpu", "cuda"; "simulated": a modelled pass)
 
 
 class Release(Struct, tag=True):

@@ -213,7 +213,7 @@ def test_greedy_identical_with_async_scheduling(up, reference):
     it plans no tree) equal the target alone, the prompts batched, one of them ending at once (EOS first);
     then requests that end one by one at max_tokens, with a stop string, and streamed, beside each other."""
     for policy in ["none", "joint"]:
-        g = gateway(up, policy, "--budget", "24", "--async-scheduling")
+        g = gateway(up, policy, "--budget", "24", "--async-scheduling", "on")
         try:
             assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
 

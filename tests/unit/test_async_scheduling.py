@@ -89,6 +89,12 @@ def test_only_a_pass_that_needs_no_answer_of_the_one_in_flight_runs_ahead() -> N
     assert not ahead.runs_ahead(_plan({"a": NO_DRAFT}, draft_sync=["a"]), [r])
 
 
+def test_auto_goes_ahead_on_a_gpu_target_only_and_the_target_says_where_its_pass_runs() -> None:
+    assert [ahead.ahead_on("auto", d) for d in ("cuda", "cpu", "simulated", "")] == [True, False, False, False]
+    assert ahead.ahead_on("on", "cpu") and not ahead.ahead_on("off", "cuda")
+    assert TargetEngine(TargetConfig(kv_blocks=16, threads=1)).stats().device == "cpu"
+
+
 def test_a_pass_sent_ahead_is_timed_from_when_the_one_before_was_answered() -> None:
     # sent at 10.000 s, answered at 10.010 s (a 10 ms call); the pass before it was answered at 10.006 s
     assert ahead.queued_ms(10.006, 10.010, 10.0) == pytest.approx(6.0)

@@ -171,6 +171,7 @@ def test_simulated_target_and_draft_agree_on_the_true_text():
     true continuation, so greedy output is reproducible and real text."""
     target = simulated_target(TargetConfig(simulate="cpu-demo", kv_blocks=256))
     draft = simulated_draft(DraftConfig(simulate="cpu-demo", kv_blocks=256))
+    assert target.stats().device == "simulated"  # (no device: --async-scheduling auto leaves it off)
     preset = load_preset("cpu-demo")
     truth = load_corpus(preset.corpus, preset.tokenizer, preset.seed)
     prompt = truth.tokens[100:140]

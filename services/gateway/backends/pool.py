@@ -104,6 +104,7 @@ class TargetReplica(_Service):
         self.requests: dict[str, Any] = {}
         self.retired = False  # its address vanished: no new requests; dropped once drained
         self.prefix = PrefixMirror()  # what its prefix cache holds, as the gateway can tell (prefix.py)
+        self.device = ""  # where its model pass runs, as it said ("cpu", "cuda", "simulated")
 
     @property
     def state(self) -> str:
@@ -123,6 +124,7 @@ class TargetReplica(_Service):
         self.last_ok = time.monotonic()
         self.total_blocks, self.block_size, self.free_blocks = stats.total_blocks, stats.block_size, stats.free_blocks
         self.prefix.reset(stats.prefix_caching)  # a restarted replica's cache is empty
+        self.device = stats.device
         # Whatever it holds that no request of ours is bound to (a gateway restarted, a call that timed
         # out after it ran) is released with the next owed releases.
         self.owed_releases.update(set(stats.request_ids) - self.requests.keys())

@@ -35,7 +35,7 @@ from specserve.gateway.backends.executor import Executor
 from specserve.gateway.backends.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.admit import Admitter
-from specserve.gateway.engine.ahead import InFlight, runs_ahead
+from specserve.gateway.engine.ahead import InFlight, ahead_on, runs_ahead
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.intake import Intake
 from specserve.gateway.engine.overlap import guesses, held_trees
@@ -72,8 +72,8 @@ class Engine:
         self.snapshots = Snapshots(self.table, pool, config)
         self.grow_kv = config.kv_lookahead_tokens > 0  # reservations grow on the way (--kv-lookahead-tokens)
         # --async-scheduling: where it applies, each replica's pass sent before the last one is committed
-        self.async_scheduling = (config.async_scheduling and not config.overlap and config.draft_sync == "lazy"
-                                 and not self.grow_kv)
+        self.ahead_mode = config.async_scheduling if (not config.overlap and config.draft_sync == "lazy"
+                                                      and not self.grow_kv) else "off"
         self._ahead: dict[int, InFlight] = {}  # per replica: its pass in flight, not committed yet
         self._settled = 0  # passes sent ahead and committed since start
         self._wakes: dict[int, asyncio.Event] = {}  # per replica: news for its loop
@@ -239,7 +239,8 @@ class Engine:
 
     def _runs_ahead(self, plan: IterationPlan, replica: TargetReplica) -> bool:
         """This plan's pass may go before the replica's pass in flight is committed (engine/ahead.py)."""
-        return self.async_scheduling and not tracing.ENABLED and runs_ahead(plan, self.table.bound(replica.index))
+        return (ahead_on(self.ahead_mode, replica.device) and not tracing.ENABLED
+                and runs_ahead(plan, self.table.bound(replica.index)))
 
     async def _settle(self, prev: InFlight, replica: TargetReplica, end: float) -> None:
         """A pass sent ahead: its reply committed (its call's task does that), then its record consumed, its
