@@ -177,17 +177,20 @@ class TargetEngine:
         limit = self.config.kv_blocks * self.runner.blocks.block_size  # committed tokens whose step fits the pool
         out: Plain = {}
         at = 0
-        for j, entry in enumerate(verify):
-            node, at = at, at + entry.num_nodes
-            if entry.num_nodes != 1 or entry.masked or parents_of[node] != -1:
-                continue
-            req = requests.get(entry.rid)
-            if req is None or not req.plain or entry.step <= req.last_step or entry.num_committed != req.committed \
-                    or not 0 < req.committed <= limit:
-                continue
-            token = req.last_token if entry.root_pending else tokens[node]
-            if token == req.last_token and 0 <= token < vocab:
-                out[j] = (req, token)
+        try:
+            for j, entry in enumerate(verify):
+                node, at = at, at + entry.num_nodes
+                if entry.num_nodes != 1 or entry.masked or parents_of[node] != -1:
+                    continue
+                req = requests.get(entry.rid)
+                if req is None or not req.plain or entry.step <= req.last_step \
+                        or entry.num_committed != req.committed or not 0 < req.committed <= limit:
+                    continue
+                token = req.last_token if entry.root_pending else tokens[node]
+                if token == req.last_token and 0 <= token < vocab:
+                    out[j] = (req, token)
+        except Exception:  # a state that cannot be read: the per-entry checks end that request alone
+            return {}
         return out
 
     def _decode(self, msg: Forward, plain: Plain, start: float) -> tuple[ForwardReply, dict] | None:

@@ -153,6 +153,29 @@ def test_requests_that_sample_penalize_or_ask_for_logprobs_go_the_general_path()
     assert fast.decode_calls == 2  # the calls of "a" and "e" alone
 
 
+def test_a_request_whose_state_cannot_be_read_ends_alone() -> None:
+    """A fault in reading one request's state while the plain decodes are picked ends that request alone, as the
+    per-entry checks do, not the call."""
+    from specserve.target.state import TargetRequest
+
+    class Broken(TargetRequest):
+        @property
+        def last_step(self) -> int:
+            raise RuntimeError("unreadable")
+
+    fast, slow = _pair(kv_blocks=64)
+    _start(fast, slow, {rid: SamplingSpec() for rid in ("a", "b", "c")})
+    broken = Broken.__new__(Broken)
+    for name in TargetRequest.__slots__:
+        if name != "last_step":
+            object.__setattr__(broken, name, getattr(fast.requests["b"], name))
+    fast.requests["b"] = broken
+    reply, _payload = fast.forward(*_decodes(fast, ["a", "b", "c"], 2))
+    assert [(r.rid, r.error.code if r.error else None) for r in reply.results] == \
+        [("a", None), ("b", "internal"), ("c", None)]
+    assert "b" not in fast.requests and fast.plain_entries == 0  # (the call went the per-entry path)
+
+
 def test_plain_decodes_that_do_not_fit_the_pool_are_refused_as_before() -> None:
     fast, slow = _pair(kv_blocks=11)  # a: 1 block, b: 1, c: 2, d: 2, e: 3 taken by the prompts; 2 free
     _start(fast, slow, {rid: SamplingSpec() for rid in PROMPTS})
