@@ -176,6 +176,7 @@ def most_tokens(planned: Callable[[int], float], time_ms: float) -> int:
         lo, hi = (mid, hi) if planned(mid) <= bound else (lo, mid)
     return lo
 
+
 class PassCost:
     """One replica's iteration time (ms) as a function of its pass, its context and the draft call."""
 
