@@ -6,7 +6,7 @@ the torch pass launches on CUDA.
   chunk over earlier context, a token tree, the draft's beam nodes over an earlier layer), for grouped
   query heads of 1, 2 and 3 per kv head, head widths 16 and 32, float32 and bfloat16 KV; and with long
   contexts split in parts (flash-decoding), where a token's output is the same bit for bit whatever shares
-  its call, split or not.
+  its call (a grid of one part or of four).
 - The torch pass with `--kernels triton` against the same pass with SDPA on a tiny random model:
   prefill, a tree, and the KV commit of an accepted path, every logit within float32 tolerance.
 """
@@ -90,7 +90,8 @@ def test_split_contexts_equal_the_reference(heads, kv_heads, dim, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_output_does_not_depend_on_what_shares_its_call(dtype):
-    """Each entry alone, and all together (where the long one splits every token's keys): the same bits."""
+    """Each entry alone, and all together (where the long one gives the grid four parts for every token): the same
+    bits."""
     names = ["long", "mid", "tree", "short", "new"]
     together = _long_layout(names)
     q, k, v = _tensors(together.seq.numel(), 4, 2, 16, dtype, seed=3)
