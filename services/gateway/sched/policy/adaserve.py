@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from specserve.gateway.perf.cost import PassCost
+from specserve.gateway.sched.plan import NO_DRAFT
 from specserve.gateway.sched.policy.base import BatchView, Policy, Selected, Shape, Trees
 from specserve.gateway.sched.policy.selection import Selection
 
@@ -31,7 +32,7 @@ class _BudgetedTrees(Policy):
         n = len(batch.requests)
         budget = batch.tree_budget(model)
         if n == 0 or budget <= n:  # the roots use the whole budget: skip drafting (digest, pitfalls)
-            return {r.rid: Shape(0, 1) for r in batch.requests}
+            return {r.rid: NO_DRAFT for r in batch.requests}
         d = max(1, min(self.max_depth, math.ceil(budget / n)))  # eq. 8
         w = max(1, min(self.max_width, budget // n))  # eq. 9
         return {r.rid: Shape(min(d, r.remaining - 1), w) for r in batch.requests}

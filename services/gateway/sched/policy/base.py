@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.perf.record import IterationRecord
-from specserve.gateway.sched.plan import BatchView, Decision, RequestView, Residency, SchedulerView, Shape
+from specserve.gateway.sched.plan import NO_DRAFT, BatchView, Decision, RequestView, Residency, SchedulerView, Shape
 from specserve.gateway.sched.policy.goodput import expected_tokens
 
 
@@ -85,7 +85,7 @@ class Policy:
 
     def shapes(self, batch: BatchView, model: PassCost) -> dict[str, Shape]:
         """The speculation shape of every decoding request of one replica (d = 0: no draft tokens)."""
-        return {r.rid: Shape(0, 1) for r in batch.requests}
+        return {r.rid: NO_DRAFT for r in batch.requests}
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:
         return {rid: [0] for rid in candidates}

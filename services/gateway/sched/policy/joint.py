@@ -113,8 +113,7 @@ class Joint(TurboSpec):
         priced: dict[int, float] = {}
         plain: dict[int, float] = {}
         t0, slow = 0.0, model.slow_share()
-        for k in range(c.max_k + 1):
-            tokens, t = c.tokens_ms(batch, model, may, k, rates)
+        for k, (tokens, t) in enumerate(c.depth_table(batch, model, may, rates)):
             t0 = t if k == 0 else t0
             plain[k] = tokens / t
             late = k > 0 and makes_late(batch, t0, t, slow)
@@ -128,14 +127,20 @@ class Joint(TurboSpec):
         t = model.t_spec_ms
         ready, late = c.eligible(batch)
         allowed = {r.rid for r in ready + late}
-        paces = {r.rid: r.pace_ms() for r in batch.requests}  # once, as the rates: every k is priced with them
-        states = {r.rid: self.state(r, t, paces[r.rid]) for r in batch.requests}
-        may = [r for r in batch.requests if r.rid in allowed and r.remaining > 1 and states[r.rid] != LOST]
+        paces: dict[str, float] = {}  # once, as the rates: every k is priced with them
+        may: list[RequestView] = []
+        narrow: list[RequestView] = []  # the at-risk ones among `may`
+        for r in batch.requests:
+            pace = paces[r.rid] = r.pace_ms()
+            state = self.state(r, t, pace)
+            if r.rid in allowed and r.remaining > 1 and state != LOST:
+                may.append(r)
+                if state == AT_RISK:
+                    narrow.append(r)
         current = c.current.get(batch.replica, 0)
         rates = c.acceptance.rates(batch.requests) if may else {}
         wide, plain = self.wide(batch, model, may, rates) if may else ({0: 0.0}, {0: 0.0})
         k, spec = best_depth(wide, current, c.margin), may
-        narrow = [r for r in may if states[r.rid] == AT_RISK]
         if narrow and len(narrow) < len(may):
             table = {k: self.value(batch, model, narrow, k, rates, paces) for k in range(c.max_k + 1)}
             k_narrow = best_depth(table, current, c.margin)

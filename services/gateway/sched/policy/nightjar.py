@@ -44,7 +44,7 @@ from typing import ClassVar
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.perf.record import IterationRecord
-from specserve.gateway.sched.plan import Residency, SchedulerView, Shape
+from specserve.gateway.sched.plan import NO_DRAFT, Residency, SchedulerView, Shape
 from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, Selected, Trees
 from specserve.shared.process.settings import Settings, option
 
@@ -246,7 +246,7 @@ class Nightjar(Policy):
         n = len(batch.requests)
         warm = [r for r in batch.requests if r.rid not in self.cold and r.remaining > 1]
         if not warm:
-            return {r.rid: Shape(0, 1) for r in batch.requests}
+            return {r.rid: NO_DRAFT for r in batch.requests}
         lag = sum(r.draft_lag for r in warm)
         switch = self.catchup_ms_per_token * lag if lag > L_SYNC * len(warm) and self.catchup_ms_per_token > 0 else 0.0
         i = self.bandit.choose(n, list(range(len(self.bandit.arms))), switch)
@@ -258,7 +258,7 @@ class Nightjar(Policy):
             self.prefill_share[batch.replica] = max(0.0, model.target_ms(nodes + batch.prefill_tokens)
                                                     - model.target_ms(nodes))
         chosen = {r.rid for r in warm}
-        return {r.rid: Shape(min(d, r.remaining - 1), w) if r.rid in chosen and d > 0 else Shape(0, 1)
+        return {r.rid: Shape(min(d, r.remaining - 1), w) if r.rid in chosen and d > 0 else NO_DRAFT
                 for r in batch.requests}
 
     def select(self, batch: BatchView, candidates: Trees, model: PassCost) -> Selected:

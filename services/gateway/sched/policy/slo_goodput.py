@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.perf.record import IterationRecord
-from specserve.gateway.sched.plan import SchedulerView
+from specserve.gateway.sched.plan import NO_DRAFT, SchedulerView
 from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, RequestView, Selected, Shape, Trees
 from specserve.gateway.sched.policy.goodput import expected_tokens
 from specserve.gateway.sched.policy.selection import Selection
@@ -62,7 +62,7 @@ class SloGoodput(Policy):
         chosen = {r.rid for r in spec}
         n = len(batch.requests)
         depth = min(self.max_depth, k + (self.extra if n > 1 else 0)) if k > 0 else 0
-        shapes = {r.rid: Shape(min(depth, r.remaining - 1), 1) if r.rid in chosen else Shape(0, 1)
+        shapes = {r.rid: Shape(min(depth, r.remaining - 1), 1) if r.rid in chosen else NO_DRAFT
                   for r in batch.requests}
         self.budget[batch.replica] = n + sum(min(k, r.remaining - 1) for r in spec if k > 0)
         if probe is not None:
