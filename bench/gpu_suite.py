@@ -27,8 +27,9 @@ Sections, in this order (each is timed; one that fails is reported with its erro
    and transformers `generate` on the GPU at the same batch sizes on the same prompts.
 6. **overhead**: bench/step_overhead.py's part 1 on the device: the near-null target (the demo draft served as
    the target) under `none` at 1, 16, 64 and 256 in flight, without and with `--async-scheduling`, and the
-   default at 64 both ways; per mode the iteration, the target's pass and the rest (the stack's own time), ms
-   per iteration, and tokens/s.
+   default at 64 both ways, then `none` and the default at 64 with a chat SLO no step comes near (the flag
+   at auto); per mode the iteration, the target's pass and the rest (the stack's own time), ms per
+   iteration, and tokens/s.
 7. **sim**: a simulator preset written from passes of the demo pair measured on this GPU (the latency model of
    bench/sim_fit_latency.py, acceptance of the cpu-demo preset: the same pair), and the simulated stack
    (`up --simulate`) against the real one of section 5 at 16 in flight: the error of tokens/s and TPOT p50.
@@ -136,7 +137,7 @@ class Plan:
     lossless_prompts: int = 8
     sim_concurrency: int = 16
     overhead_inflight: tuple[int, ...] = (1, 16, 64, 256)  # the near-null target's requests in flight
-    overhead_seconds: float = 6.0  # per closed loop: 2 gateways at each level, and the default twice
+    overhead_seconds: float = 6.0  # per closed loop: 2 gateways at each level, the default twice, a loose pair
     extra_shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def requests(self, concurrency: int) -> int:
@@ -551,7 +552,7 @@ def stack(plan: Plan, work: Path) -> dict:
 def overhead(plan: Plan) -> dict[str, dict]:
     """bench/step_overhead.py's part 1 on the device: the near-null target (the demo draft served as the
     target) under `none` at each number in flight, and the default at the largest below 100, each without and
-    with `--async-scheduling`; per mode the iteration, the target's pass and the rest (the stack's own), ms per
+    with `--async-scheduling`, and both with a loose chat SLO; per mode the iteration, the target's pass and the rest (the stack's own), ms per
     iteration, and tokens/s."""
     from bench.step_overhead import near_null
 

@@ -15,7 +15,11 @@ loop's turns between iterations), the target's model pass (`specserve:iteration_
 the rest, the stack's own, in total and per request in flight; of the stack, the part inside the target
 service around its pass (checks, inputs, acceptance, the reply). Then the default policy at the largest
 level below 100 (its pairing for that model, the demo draft), with `--async-scheduling` off and on,
-against `none`, as tokens/s.
+against `none`, as tokens/s; and both again (`none-loose`, `joint-loose`, the flag at its default, auto)
+with a chat TPOT SLO that no step comes near (`LOOSE_TPOT_MS`). The SLO classes scale with the profiled
+baseline, a fraction of a millisecond here, so chat's 8x is a few milliseconds: at 64 in flight a step
+takes about that long, the SLOs bind in the admission and in the default's choice of who drafts, and the
+default trades tokens for SLOs met; the loose pair shows what the policy's own work costs beside `none`.
 
 Part 2, the replay draft (services/draft/replay.py) on SmolLM2-135M-Instruct at one request: the
 target's greedy outputs on the chat prompts of bench/smollm2_c1.py are recorded in this process
@@ -47,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from bench.sweep import spread  # noqa: E402
 
 NEW_TOKENS = 64
+LOOSE_TPOT_MS = 1000.0  # the `-loose` gateways' chat TPOT: no step at these loads comes near it
 PROMPT = list(range(100, 116))  # 16 token ids, valid in both bundled vocabularies and SmolLM2's
 
 
@@ -116,8 +121,11 @@ def near_null(args: argparse.Namespace, levels: list[int], up_args: tuple[str, .
     up = Up("--model", model, "--draft-model", model, "--policy", "none", "--threads", "1",
             "--profile", str(profile), *up_args, "--", "--async-scheduling", "off", timeout_s=600)
     own = ("--model", model, "--profile", str(profile), "--async-scheduling")
+    loose = ("--slo-class", f"chat={LOOSE_TPOT_MS:g}")  # requests carry no tier: chat
     gateways = {"none+ahead": gateway(up, "none", *own, "on"), "joint": gateway(up, "joint", *own, "off"),
-                "joint+ahead": gateway(up, "joint", *own, "on")}
+                "joint+ahead": gateway(up, "joint", *own, "on"),
+                "none-loose": gateway(up, "none", *own, "auto", *loose),
+                "joint-loose": gateway(up, "joint", *own, "auto", *loose)}
     duel = max([n for n in levels if n < 100] or [levels[0]])
     rounds = []
     try:
@@ -127,7 +135,7 @@ def near_null(args: argparse.Namespace, levels: list[int], up_args: tuple[str, .
                 row[f"none@{n}"] = asyncio.run(closed_loop(up.url, n, args.seconds, PROMPT, NEW_TOKENS))
                 row[f"none+ahead@{n}"] = asyncio.run(closed_loop(gateways["none+ahead"].address, n, args.seconds,
                                                                  PROMPT, NEW_TOKENS))
-            for name in ("joint", "joint+ahead"):
+            for name in ("joint", "joint+ahead", "none-loose", "joint-loose"):
                 row[f"{name}@{duel}"] = asyncio.run(closed_loop(gateways[name].address, duel, args.seconds, PROMPT,
                                                                 NEW_TOKENS))
             rounds.append(row)
