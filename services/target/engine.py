@@ -114,7 +114,7 @@ class TargetEngine:
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
         masks = self._masks(msg, tensors)
-        entries = self._fit_to_pool(self._entries(msg, tensors, trees, errors, plain), len(msg.prefill), errors,
+        entries = self._fit_to_pool(self._entries(msg, tensors, trees, counts, errors, plain), len(msg.prefill), errors,
                                     cached if use_cache else None, undo, reserved)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
         captures = self._captures()
@@ -254,15 +254,14 @@ class TargetEngine:
             raise
 
     def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor], trees: tuple[list[int], list[int]],
-                 errors: dict[int, ErrorInfo], plain: Plain) -> list[tuple[int, Chunk | Tree]]:
+                 counts: list[int], errors: dict[int, ErrorInfo], plain: Plain) -> list[tuple[int, Chunk | Tree]]:
         """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
         (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`.
-        `trees`: the tree tensors as flat lists (`flat_counts`); `plain`: the plain decodes `_plain_decodes`
-        checked already (not among them: they run beside them).
+        `trees`: the tree tensors as flat lists (`flat_counts`) and `counts` the verify entries' nodes;
+        `plain`: the plain decodes `_plain_decodes` checked already (not among them: they run beside them).
         A root-only step (a plain decode) runs as a one-token chunk: the pass treats both alike, and the
         accepted path of a one-node tree is its root, so its KV is committed at once."""
         chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
-        counts = [e.num_nodes for e in msg.verify]
         tree_tokens, tree_parents = split_flat(trees[0], counts), split_flat(trees[1], counts)
         seen: set[str] = set()
         entries: list[tuple[int, Chunk | Tree]] = []
