@@ -552,8 +552,8 @@ def stack(plan: Plan, work: Path) -> dict:
 def overhead(plan: Plan) -> dict[str, dict]:
     """bench/step_overhead.py's part 1 on the device: the near-null target (the demo draft served as the
     target) under `none` at each number in flight, and the default at the largest below 100, each without and
-    with `--async-scheduling`, and both with a loose chat SLO; per mode the iteration, the target's pass and the rest (the stack's own), ms per
-    iteration, and tokens/s."""
+    with `--async-scheduling`, and both with a loose chat SLO; per mode the iteration, the target's pass and
+    the rest (the stack's own), ms per iteration, and tokens/s."""
     from bench.step_overhead import near_null
 
     args = argparse.Namespace(rounds=1, seconds=plan.overhead_seconds)

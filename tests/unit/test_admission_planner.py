@@ -21,9 +21,9 @@ import random
 import numpy as np
 import pytest
 
-from specserve.gateway.perf.cost import PassCost, PassSample
+from specserve.gateway.perf.cost import PassCost, PassSample, most_tokens
 from specserve.gateway.sched.admission.budget import TierLoad, batch_shape, pb_closed_form, pb_schedule
-from specserve.gateway.sched.admission.budget_model import ReplicaBudget
+from specserve.gateway.sched.admission.budget_model import Prices, ReplicaBudget
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
 from specserve.gateway.sched.admission.slo import SloAdmission
 from specserve.gateway.sched.admission.slo_round import LOOKAHEAD
@@ -57,6 +57,24 @@ def sample(tokens: int, ms: float, kv: int = 0, prompt: int = 0) -> PassSample:
 def linear_cost(k1: float, b: float, budget: int = 16) -> PassCost:
     """A cost model that has timed nothing yet and prices an iteration at b + k1 * tokens exactly."""
     return PassCost(budget, b + 8 * k1, [(1, b + k1), (64, b + 64 * k1)])
+
+
+def test_a_plans_budgets_price_their_passes_once():
+    """The budgets of one planning call share its `Prices` (an arrival's KV variant too): one pricer per
+    cost model, draft steps, KV and margin, and the same pass lengths' token counts as a fresh search."""
+    cost, other = linear_cost(0.1, 5.0), linear_cost(0.2, 5.0)
+    prices = Prices()
+    a = ReplicaBudget(cost, [TierLoad(10.0)], 10.0, 0, 20, prices=prices)
+    b = a.attending(20)
+    assert b.prices is a.prices and b is not a
+    assert prices.pricer(cost, 0, 20, True) is prices.pricer(cost, 0, 20, True)
+    assert prices.pricer(cost, 0, 20, True) is not prices.pricer(cost, 0, 20, False)
+    assert prices.pricer(cost, 0, 20, True) is not prices.pricer(other, 0, 20, True)
+    for ms in (5.0, 6.3, 12.0, 40.0):
+        assert a.cap(ms) == b.cap(ms) == most_tokens(cost.pricer(0, 20, True), ms)
+        assert prices.cap(other, 0, 20, True, ms) == most_tokens(other.pricer(0, 20, True), ms)
+    assert prices.cap(other, 0, 20, True, 40.0) < a.cap(40.0)  # the dearer model's own entries
+    assert ReplicaBudget(cost, [TierLoad(10.0)], 10.0).prices is not prices  # a budget alone prices its own
 
 
 def test_the_cost_model_learns_a_two_plane_table_from_a_wrong_start():

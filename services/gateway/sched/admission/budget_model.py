@@ -29,10 +29,38 @@ from specserve.gateway.sched.plan import SchedulerView
 MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
 
 
+class Prices:
+    """One planning call's prices, shared by all its replica budgets (several price the same passes: two
+    operating points, with and without the margin, at the KV of each arrival): a pass's planned ms by its
+    tokens (`PassCost.pricer`) and the most tokens a pass of a given length holds, per cost model, draft
+    steps, KV blocks and margin. Valid for one call: no cost model is refitted within it."""
+
+    def __init__(self) -> None:
+        self._pricers: dict[tuple[int, int, int, bool], Callable[[int], float]] = {}
+        self._caps: dict[tuple[int, int, int, bool, float], int] = {}
+
+    def pricer(self, cost: PassCost, steps: int, kv: int, margin: bool) -> Callable[[int], float]:
+        key = (id(cost), steps, kv, margin)
+        p = self._pricers.get(key)
+        if p is None:
+            p = self._pricers[key] = cost.pricer(steps, kv, margin)
+        return p
+
+    def cap(self, cost: PassCost, steps: int, kv: int, margin: bool, length_ms: float) -> int:
+        """`most_tokens` of that pricer within `length_ms`."""
+        key = (id(cost), steps, kv, margin, length_ms)
+        c = self._caps.get(key)
+        if c is None:
+            c = self._caps[key] = most_tokens(self.pricer(cost, steps, kv, margin), length_ms)
+        return c
+
+
 class ReplicaBudget:
     def __init__(self, cost: PassCost, tiers: Sequence[TierLoad], idle_ms: float, spec_steps: int = 0,
-                 kv_blocks: int = 0, longest_ms: float = math.inf, margin: bool = True):
+                 kv_blocks: int = 0, longest_ms: float = math.inf, margin: bool = True,
+                 prices: Prices | None = None):
         self.cost = cost
+        self.prices = prices or Prices()  # the planning call's, shared with its other budgets
         self.margin = margin  # passes priced with the cost model's margin (False: at their expected time)
         self.longest_ms = longest_ms
         self.kv_blocks = kv_blocks  # KV blocks the replica's requests will hold: the context its passes attend to
@@ -40,30 +68,22 @@ class ReplicaBudget:
         self.idle_ms = idle_ms  # batch length when nothing decodes
         self.spec_steps = spec_steps
         self._shapes: dict[tuple[int, ...], BatchShape] = {}
-        self._caps: dict[tuple[float, int], int] = {}
-        self._pricers: dict[int, Callable[[int], float]] = {}
         self._windows: dict[tuple[float, tuple[int, ...]], int | None] = {}  # the DP asks the same ones often
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
         """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
         return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks, self.longest_ms,
-                             self.margin)
+                             self.margin, self.prices)
 
     def cap(self, length_ms: float, spec_steps: int | None = None) -> int:
         """Tokens one pass of `length_ms` holds, with the draft call of `spec_steps` (default: the
         replica's moving average; 0 when nothing decodes, so nothing drafts)."""
         steps = self.spec_steps if spec_steps is None else spec_steps
-        c = self._caps.get((length_ms, steps))
-        if c is None:
-            c = self._caps[(length_ms, steps)] = most_tokens(self._pricer(steps), length_ms)
-        return c
+        return self.prices.cap(self.cost, steps, self.kv_blocks, self.margin, length_ms)
 
     def _pricer(self, steps: int) -> Callable[[int], float]:
-        """A pass's planned ms by its tokens, with the draft call of `steps` (one a depth in this memo)."""
-        p = self._pricers.get(steps)
-        if p is None:
-            p = self._pricers[steps] = self.cost.pricer(steps, self.kv_blocks, self.margin)
-        return p
+        """A pass's planned ms by its tokens, with the draft call of `steps`."""
+        return self.prices.pricer(self.cost, steps, self.kv_blocks, self.margin)
 
     def _steps(self, decoders: tuple[int, ...]) -> int:
         """The draft call's depth in a pass with these decoders: none when nothing decodes."""
@@ -160,4 +180,4 @@ def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]],
     return chunks, per_replica
 
 
-__all__ = ["MIN_CHUNK_TOKENS", "ReplicaBudget", "best_plan", "prefill_chunks"]
+__all__ = ["MIN_CHUNK_TOKENS", "Prices", "ReplicaBudget", "best_plan", "prefill_chunks"]

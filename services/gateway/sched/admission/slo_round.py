@@ -15,7 +15,7 @@ from typing import Protocol
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.sched.admission.budget import TierLoad
-from specserve.gateway.sched.admission.budget_model import ReplicaBudget, best_plan, prefill_chunks
+from specserve.gateway.sched.admission.budget_model import Prices, ReplicaBudget, best_plan, prefill_chunks
 from specserve.gateway.sched.admission.dp import Node
 from specserve.gateway.sched.plan import Admit, Proposal, Reject, ReplicaView, SchedulerView, WaitingView
 
@@ -61,6 +61,7 @@ class SloRound:
                  first: Mapping[str, int] | None):
         self.adm, self.view, self.best_effort_ok = adm, view, best_effort_ok
         self._attend_memo: dict[tuple[ReplicaBudget, int], ReplicaBudget] = {}
+        self.prices = Prices()  # every budget of this plan prices its passes here
         self._tiers()
         self._replicas()
         self._routing(first)
@@ -132,7 +133,7 @@ class SloRound:
     def points(self, margin: bool) -> dict[int, list[ReplicaBudget]]:
         """Each replica's two operating points (measured, plain), priced with the cost model's margin or not."""
         return {rep.index: [replica_budget(rep.cost, ls, st, sum(self.base[rep.index]), self.attend[rep.index],
-                                           self.view.limits.max_prefill_tokens, first, margin)
+                                           self.view.limits.max_prefill_tokens, first, margin, self.prices)
                             for ls, st, first in ((self.loads, self.steps, False), (self.plain, 0, True))]
                 for rep in self.up}
 
@@ -335,11 +336,12 @@ def paces(view: SchedulerView, tpot_of: dict[str, float]) -> dict[float, float]:
     return paces
 
 def replica_budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: int, attending: int,
-            max_prefill: int, prefill_first: bool, margin: bool) -> ReplicaBudget:
+            max_prefill: int, prefill_first: bool, margin: bool, prices: Prices | None = None) -> ReplicaBudget:
     """A replica's budget at one operating point: the tiers' loads and the draft call's depth; with
     `prefill_first`, batches with nothing decoding are the engine's largest passes; `margin`: passes
     priced with the cost model's margin (else at their expected time)."""
-    longest = cost.planned_ms(max_prefill + decoders, steps, attending, margin)
+    prices = prices or Prices()
+    longest = prices.pricer(cost, steps, attending, margin)(max_prefill + decoders)
     # with nothing decoding, batches last the tightest tier's length (its TPOT times the tokens
     # a pass gives it, the speculation prior included) that holds a token without a draft call:
     # the prompts admitted now decode at that pace once prefilled (planning them only in the
@@ -347,7 +349,7 @@ def replica_budget(cost: PassCost, loads: list[TierLoad], steps: int, decoders: 
     # largest pass (the chunks' deadline floor keeps the prompts the plan admits within their TTFT)
     idle = min((n for n in (min(t.tpot_ms * t.gain, longest) for t in loads if t.paced)
                 if cost.fits(1, n, 0, attending, margin)), default=longest) if not prefill_first else longest
-    return ReplicaBudget(cost, loads, idle, steps, attending, longest, margin)
+    return ReplicaBudget(cost, loads, idle, steps, attending, longest, margin, prices)
 
 
 def count(where: dict[str, int], tier: str) -> None:
