@@ -193,27 +193,6 @@ def test_the_rates_a_plan_prices_with_are_each_requests_own():
         assert p.control.goodput(b, sm, reqs[2:], k, rates) == p.control.goodput(b, sm, reqs[2:], k)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_depth_table_prices_every_k_as_tokens_ms_does(seed):
-    """`depth_table` (every k at once, over arrays) gives `tokens_ms`'s floats bit for bit: requests with
-    their own rates and with the global one, chains cut by what remains (none left included), draft lags,
-    prompt tokens in the pass, the KV held, a batch some of whose requests do not draft."""
-    rng = random.Random(seed)
-    p = TurboSpec(max_k=rng.choice([1, 4, 7]))
-    reqs = [req(f"r{i}", remaining=rng.choice([0, 1, 2, 3, 5, 9, 100]), lag=rng.randint(0, 40))
-            for i in range(rng.randint(1, 70))]
-    for r in reqs[: len(reqs) // 2]:
-        for _ in range(rng.randint(1, 5)):
-            p.control.acceptance.observe(r.rid, 4, rng.randint(0, 4))
-    sm = latency()
-    sm.r_t, sm.r_d, sm.gateway, sm.gateway_drafted = 0.3, 0.7, 0.9, 1.3
-    b = BatchView(reqs, prefill_tokens=rng.choice([0, 37]), kv_blocks=rng.randint(0, 500))
-    spec = [r for r in reqs if rng.random() < 0.8]
-    table = p.control.depth_table(b, sm, spec)
-    assert table == [p.control.tokens_ms(b, sm, spec, k) for k in range(p.control.max_k + 1)]
-    assert p.control.depth_table(b, sm, []) == [p.control.tokens_ms(b, sm, [], 0)] * (p.control.max_k + 1)
-
-
 def test_acceptance_per_request_is_shrunk_toward_the_global_rate():
     rng = random.Random(3)
     est = Acceptance(decay=1.0)

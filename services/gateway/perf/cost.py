@@ -268,18 +268,9 @@ class PassCost:
         """The iteration: the target pass over `tokens`, the draft call when d > 0 and anyone drafts, the rest."""
         return self._iteration_curve(depth, spec, width, lag, kv)(tokens)
 
-    def iteration_table(self, passes: list[tuple[int, int, int, int, int]], kv: int = 0) -> list[float]:
-        """`iteration_ms` of each (tokens, depth, spec, width, lag) beside `kv` KV blocks, the target's curve
-        worked out once (a policy prices every chain depth of a batch each iteration)."""
-        target = self._target_curve(kv)
-        return [self._iteration_curve(depth, spec, width, lag, kv, target)(tokens)
-                for tokens, depth, spec, width, lag in passes]
-
-    def _iteration_curve(self, depth: int, spec: int, width: int, lag: int, kv: int,
-                         target: Callable[[int], float] | None = None) -> Callable[[int], float]:
-        """`iteration_ms(., depth, spec, width, lag, kv)` as a function of the tokens (as `_target_curve`;
-        `target`: that curve at `kv`, when the caller has it)."""
-        target, r_t = target or self._target_curve(kv), max(self.r_t, 0.0)
+    def _iteration_curve(self, depth: int, spec: int, width: int, lag: int, kv: int) -> Callable[[int], float]:
+        """`iteration_ms(., depth, spec, width, lag, kv)` as a function of the tokens (as `_target_curve`)."""
+        target, r_t = self._target_curve(kv), max(self.r_t, 0.0)
         plain, drafted = self.gateway, self.gateway_drafted
         if not (depth > 0 and spec > 0):
             gateway = max(plain if plain >= 0 else drafted, 0.0)

@@ -113,7 +113,8 @@ class Joint(TurboSpec):
         priced: dict[int, float] = {}
         plain: dict[int, float] = {}
         t0, slow = 0.0, model.slow_share()
-        for k, (tokens, t) in enumerate(c.depth_table(batch, model, may, rates)):
+        for k in range(c.max_k + 1):
+            tokens, t = c.tokens_ms(batch, model, may, k, rates)
             t0 = t if k == 0 else t0
             plain[k] = tokens / t
             late = k > 0 and makes_late(batch, t0, t, slow)

@@ -26,8 +26,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import NO_DRAFT, SchedulerView
@@ -92,30 +90,6 @@ class GoodputControl:
         tokens = sum(expected_tokens(rates[r.rid], kr) for r, kr in zip(spec, ks, strict=True))
         return tokens + len(batch.requests) - len(spec), t
 
-    def depth_table(self, batch: BatchView, cost: PassCost, spec: list[RequestView],
-                    rates: dict[str, float] | None = None) -> list[tuple[float, float]]:
-        """`tokens_ms` for every k in 0..max_k in one pass over `spec`, as arrays: the same sums in the same
-        order, so the same floats (a plan prices every k of a batch of hundreds each iteration)."""
-        if not spec:
-            return [self.tokens_ms(batch, cost, spec, 0)] * (self.max_k + 1)
-        rates = rates or self.acceptance.rates(spec)
-        rows: dict[float, list[float]] = {}  # l(a, j) for j in 0..max_k, per distinct rate
-        for r in spec:
-            a = rates[r.rid]
-            if a not in rows:
-                rows[a] = [expected_tokens(a, j) for j in range(self.max_k + 1)]
-        ks = np.minimum(np.arange(self.max_k + 1)[:, None], np.array([r.remaining - 1 for r in spec]))
-        drafting = ks > 0
-        lags = np.where(drafting, np.array([r.draft_lag for r in spec]), 0).sum(axis=1).tolist()
-        chains = ks.sum(axis=1).tolist()
-        depths, counts = ks.max(axis=1).tolist(), drafting.sum(axis=1).tolist()
-        each = np.take_along_axis(np.array([rows[rates[r.rid]] for r in spec]), np.maximum(ks, 0).T, axis=1)
-        tokens = np.cumsum(each, axis=0)[-1].tolist()  # in request order, as `sum` adds them
-        n = len(batch.requests)
-        ms = cost.iteration_table([(n + chains[k] + batch.prefill_tokens, depths[k], counts[k], 1, lags[k])
-                                   for k in range(self.max_k + 1)], batch.kv_blocks)
-        return [(tokens[k] + n - len(spec), ms[k]) for k in range(self.max_k + 1)]
-
     def goodput(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int,
                 rates: dict[str, float] | None = None) -> float:
         """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains."""
@@ -144,7 +118,7 @@ class GoodputControl:
         """(k for this replica, the requests that may speculate)."""
         spec, late = self.eligible(batch)
         rates = self.acceptance.rates(spec + late)
-        table = {k: tokens / t for k, (tokens, t) in enumerate(self.depth_table(batch, cost, spec + late, rates))} \
+        table = {k: self.goodput(batch, cost, spec + late, k, rates) for k in range(self.max_k + 1)} \
             if spec or late else {0: 0.0}
         k = best_depth(table, self.current.get(batch.replica, 0), self.margin)
         if k > 0 and late:
