@@ -71,7 +71,8 @@ class ReplicaBudget:
         self._windows: dict[tuple[float, tuple[int, ...]], int | None] = {}  # the DP asks the same ones often
 
     def attending(self, kv_blocks: int) -> ReplicaBudget:
-        """The same replica and tiers with its passes attending to `kv_blocks` (a fresh memo)."""
+        """The same replica and tiers with its passes attending to `kv_blocks` (fresh shapes and windows; the
+        call's prices shared)."""
         return ReplicaBudget(self.cost, self.tiers, self.idle_ms, self.spec_steps, kv_blocks, self.longest_ms,
                              self.margin, self.prices)
 
