@@ -193,6 +193,27 @@ def test_the_rates_a_plan_prices_with_are_each_requests_own():
         assert p.control.goodput(b, sm, reqs[2:], k, rates) == p.control.goodput(b, sm, reqs[2:], k)
 
 
+def test_the_depth_table_prices_every_k_as_each_k_alone():
+    """`GoodputControl.depth_table` (one pass over the requests, grouped by rate and longest chain) gives every
+    k's tokens and pass time as `tokens_ms` does for that k alone: requests that share a rate, ones whose output
+    ends before k (one with a single token left drafts nothing), draft lags, prompt tokens and KV in the pass."""
+    rng = random.Random(5)
+    p = TurboSpec()
+    reqs = [req(f"r{i}", remaining=rng.choice([1, 2, 3, 5, 9, 40]), lag=rng.choice([0, 0, 3, 17])) for i in range(20)]
+    for r in reqs[:6]:
+        p.control.acceptance.observe(r.rid, 4, rng.randint(0, 4))
+    sm = latency()
+    sm.r_t, sm.r_d, sm.gateway = 1.0, 0.5, 2.0
+    for batch, spec in ((BatchView(reqs), reqs), (BatchView(reqs, prefill_tokens=30, kv_blocks=9), reqs[3:]),
+                        (BatchView(reqs[:1]), reqs[:1]), (BatchView(reqs), [])):
+        table = p.control.depth_table(batch, sm, spec)
+        assert len(table) == p.control.max_k + 1
+        for k, (tokens, t) in enumerate(table):
+            alone = p.control.tokens_ms(batch, sm, spec, k)
+            assert tokens == pytest.approx(alone[0], rel=1e-12) and t == pytest.approx(alone[1], rel=1e-12)
+    assert table[0][1] < p.control.depth_table(BatchView(reqs), sm, reqs)[3][1]  # the draft call is priced
+
+
 def test_acceptance_per_request_is_shrunk_toward_the_global_rate():
     rng = random.Random(3)
     est = Acceptance(decay=1.0)

@@ -268,9 +268,17 @@ class PassCost:
         """The iteration: the target pass over `tokens`, the draft call when d > 0 and anyone drafts, the rest."""
         return self._iteration_curve(depth, spec, width, lag, kv)(tokens)
 
-    def _iteration_curve(self, depth: int, spec: int, width: int, lag: int, kv: int) -> Callable[[int], float]:
-        """`iteration_ms(., depth, spec, width, lag, kv)` as a function of the tokens (as `_target_curve`)."""
-        target, r_t = self._target_curve(kv), max(self.r_t, 0.0)
+    def iteration_table(self, rows: list[tuple[int, int, int, int]], width: int = 1, kv: int = 0) -> list[float]:
+        """`iteration_ms(tokens, depth, spec, width, lag, kv)` of each (tokens, depth, spec, lag) row, the target's
+        curve at `kv` worked out once for all of them."""
+        target = self._target_curve(kv)
+        return [self._iteration_curve(depth, spec, width, lag, kv, target)(tokens) for tokens, depth, spec, lag in rows]
+
+    def _iteration_curve(self, depth: int, spec: int, width: int, lag: int, kv: int,
+                         target: Callable[[int], float] | None = None) -> Callable[[int], float]:
+        """`iteration_ms(., depth, spec, width, lag, kv)` as a function of the tokens (as `_target_curve`; `target`:
+        `_target_curve(kv)`, when the caller has it)."""
+        target, r_t = target or self._target_curve(kv), max(self.r_t, 0.0)
         plain, drafted = self.gateway, self.gateway_drafted
         if not (depth > 0 and spec > 0):
             gateway = max(plain if plain >= 0 else drafted, 0.0)

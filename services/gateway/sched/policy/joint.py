@@ -84,13 +84,14 @@ class Joint(TurboSpec):
         return AT_RISK if pace < t_ms else SLACK
 
     def value(self, batch: BatchView, model: PassCost, group: list[RequestView], k: int,
-              rates: dict[str, float] | None = None, paces: dict[str, float] | None = None) -> float:
+              rates: dict[str, float] | None = None, paces: dict[str, float] | None = None,
+              t: float | None = None) -> float:
         """Predicted SLO goodput (tokens per ms) of this pass if the requests in `group` draft k-token chains
         (rates, paces: `Acceptance.rates` and `pace_ms()` of the batch's requests, when the caller prices
-        several k)."""
+        several k; t: the pass's time, `GoodputControl.step_ms`, when the caller has it)."""
         c = self.control
-        ks, t = c.step_ms(batch, model, group, k)
-        chains = {r.rid: kr for r, kr in zip(group, ks, strict=True)}
+        chains = {r.rid: min(k, r.remaining - 1) for r in group}
+        t = c.step_ms(batch, model, group, k)[1] if t is None else t
         rates = rates or c.acceptance.rates(batch.requests)
         paces = paces or {r.rid: r.pace_ms() for r in batch.requests}
         good = 0.0
@@ -113,8 +114,7 @@ class Joint(TurboSpec):
         priced: dict[int, float] = {}
         plain: dict[int, float] = {}
         t0, slow = 0.0, model.slow_share()
-        for k in range(c.max_k + 1):
-            tokens, t = c.tokens_ms(batch, model, may, k, rates)
+        for k, (tokens, t) in enumerate(c.depth_table(batch, model, may, rates)):
             t0 = t if k == 0 else t0
             plain[k] = tokens / t
             late = k > 0 and makes_late(batch, t0, t, slow)
@@ -143,7 +143,8 @@ class Joint(TurboSpec):
         wide, plain = self.wide(batch, model, may, rates) if may else ({0: 0.0}, {0: 0.0})
         k, spec = best_depth(wide, current, c.margin), may
         if narrow and len(narrow) < len(may):
-            table = {k: self.value(batch, model, narrow, k, rates, paces) for k in range(c.max_k + 1)}
+            times = [t for _, t in c.depth_table(batch, model, narrow, rates)]
+            table = {k: self.value(batch, model, narrow, k, rates, paces, t) for k, t in enumerate(times)}
             k_narrow = best_depth(table, current, c.margin)
             if table[k_narrow] > self.value(batch, model, may, k, rates, paces) * (1.0 + c.margin):
                 k, spec = k_narrow, narrow

@@ -90,6 +90,30 @@ class GoodputControl:
         tokens = sum(expected_tokens(rates[r.rid], kr) for r, kr in zip(spec, ks, strict=True))
         return tokens + len(batch.requests) - len(spec), t
 
+    def depth_table(self, batch: BatchView, cost: PassCost, spec: list[RequestView],
+                    rates: dict[str, float] | None = None) -> list[tuple[float, float]]:
+        """`tokens_ms` for every k in 0..max_k, from one pass over `spec`: its requests counted by (rate, the longest
+        chain their output allows), each k priced per group rather than per request, the target's curve once."""
+        rates = rates or self.acceptance.rates(spec)
+        groups: dict[tuple[float, int], int] = {}
+        lag = drafts = 0  # of the requests whose chain is not empty at k > 0
+        for r in spec:
+            longest = min(r.remaining - 1, self.max_k)
+            if longest > 0:
+                lag += r.draft_lag
+                drafts += 1
+            key = (rates[r.rid], longest)
+            groups[key] = groups.get(key, 0) + 1
+        n, plain = len(batch.requests), len(batch.requests) - len(spec)
+        tokens: list[float] = []
+        rows: list[tuple[int, int, int, int]] = []
+        for k in range(self.max_k + 1):
+            chains = [(a, min(k, longest), count) for (a, longest), count in groups.items()]
+            tokens.append(sum(count * expected_tokens(a, kr) for a, kr, count in chains) + plain)
+            rows.append((n + sum(count * kr for _, kr, count in chains) + batch.prefill_tokens,
+                         max((kr for _, kr, _ in chains), default=0), drafts if k > 0 else 0, lag if k > 0 else 0))
+        return list(zip(tokens, cost.iteration_table(rows, 1, batch.kv_blocks), strict=True))
+
     def goodput(self, batch: BatchView, cost: PassCost, spec: list[RequestView], k: int,
                 rates: dict[str, float] | None = None) -> float:
         """Predicted tokens per ms of this replica's pass if the requests in `spec` draft k-token chains."""
@@ -118,7 +142,7 @@ class GoodputControl:
         """(k for this replica, the requests that may speculate)."""
         spec, late = self.eligible(batch)
         rates = self.acceptance.rates(spec + late)
-        table = {k: self.goodput(batch, cost, spec + late, k, rates) for k in range(self.max_k + 1)} \
+        table = {k: tokens / t for k, (tokens, t) in enumerate(self.depth_table(batch, cost, spec + late, rates))} \
             if spec or late else {0: 0.0}
         k = best_depth(table, self.current.get(batch.replica, 0), self.margin)
         if k > 0 and late:
