@@ -155,8 +155,10 @@ class GoodputControl:
         rid and chain (PROBE_DEPTHS in turn, within its remaining tokens)."""
         off = self.off_steps.get(batch.replica, 0) + 1 if k == 0 else 0
         self.off_steps[batch.replica] = off
+        if off < self.probe_every:
+            return None
         candidates = [r for r in spec if r.remaining > 1]
-        if off < self.probe_every or not candidates:
+        if not candidates:
             return None
         self.off_steps[batch.replica] = 0
         self.probe_turn += 1
