@@ -22,7 +22,7 @@ from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expec
 from specserve.gateway.sched.policy.joint import AT_RISK, LOST, SLACK, Joint, makes_late
 from specserve.gateway.sched.policy.slo_goodput import SloGoodput, hopeless
 from specserve.gateway.sched.policy.tetris import Tetris, tetris_select
-from specserve.gateway.sched.policy.turbospec import TurboSpec
+from specserve.gateway.sched.policy.turbospec import HOLD_STEPS, GoodputControl, TurboSpec
 
 # A target whose profiled pass takes 6 + 0.5 ms per token (collinear points: the fit is exact).
 CURVE = [(8, 10.0), (16, 14.0), (32, 22.0)]
@@ -258,6 +258,41 @@ def test_turbospec_turns_off_when_the_batch_is_large_and_on_when_small():
     shapes = p2.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))  # 0.5 ms per verified token
     assert all(s.depth == 0 for s in shapes.values())  # off: no draft call at all
     assert p2.control.thr == 64  # later arrivals at this load skip their draft prefill
+
+
+@pytest.mark.parametrize("cls", [TurboSpec, Joint])
+def test_an_off_far_from_paying_is_held_unpriced_for_a_few_steps(cls, monkeypatch):
+    """k = 0 chosen with every k > 0 under half its goodput is kept for HOLD_STEPS iterations without pricing the
+    depths; a batch shrunk below HOLD_BATCH of the size priced, an observed drafted step, or (joint) a request at
+    risk prices at once. The held choice is the one pricing would make."""
+    priced: list[int] = []
+    table = GoodputControl.depth_table
+    monkeypatch.setattr(GoodputControl, "depth_table", lambda self, b, *a: priced.append(len(b.requests)) or
+                        table(self, b, *a))
+    p = cls(probe_every=1000)
+    lat = latency(curve=[(8, 10.0), (64, 38.0)])
+    lat.draft.theta = [100.0, 10.0, 0.5, 0.0]  # a draft call costs more than the pass: far from paying
+    big = [req(f"r{i}", tpot=1000.0) for i in range(64)]
+    for _ in range(1 + HOLD_STEPS):
+        assert all(s.depth == 0 for s in p.shapes(BatchView(big), lat).values())
+    assert len(priced) == 1 and p.control.thr == 64  # priced once; the skip threshold as when priced
+    p.shapes(BatchView(big), lat)
+    assert len(priced) == 2  # held HOLD_STEPS, then priced again
+    p.shapes(BatchView(big[:40]), lat)
+    assert len(priced) == 3  # 40 < 0.75 * 64: priced at once
+    p.control.proposed["r0"] = 2
+    p.observe(iteration(0, nodes=66, target_ms=38.0, steps=[RequestStep("r0", 0, depth=2, verified=3, accepted=1,
+                                                                        emitted=2)]))
+    p.shapes(BatchView(big[:40]), lat)
+    assert len(priced) == 4  # an acceptance measured: priced again
+    unpriced = TurboSpec(probe_every=1000)
+    assert p.shapes(BatchView(big[:40]), lat) == unpriced.shapes(BatchView(big[:40]), lat)
+    if cls is Joint:
+        assert len(priced) == 5
+        lat.t_spec_ms = 13.5
+        urgent = req("u", tpot=12.0, decoded=20, elapsed=230.0)  # its root alone falls behind its pace
+        p.shapes(BatchView([*big[:39], urgent]), lat)
+        assert len(priced) == 7  # priced (the unpriced policy's call above was the sixth)
 
 
 def test_turbospec_learns_the_draft_cost_online_and_switches_off():

@@ -22,10 +22,10 @@ acceptance MLE and the three-service step-time model, refitted online):
    when drafting for everyone would make the pass too long for the requests at risk, the requests
    with slack keep their roots only and the tokens go to those at risk; when every request keeps
    its pace this is TurboSpec on the requests not lost.
-3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip and probes (the
-   skip only where drafting does not pay at the batch size, not while the prices of step 2 hold it
-   off); a request that starts decoding at risk keeps its draft prefill whatever the load; every
-   drafted chain is verified whole.
+3. k = 0 is the off switch (no draft call), with TurboSpec's draft-prefill skip, probes and held offs
+   (the skip only where drafting does not pay at the batch size, not while the prices of step 2 hold it
+   off; an off is held unpriced only while no request is at risk); a request that starts decoding at risk
+   keeps its draft prefill whatever the load; every drafted chain is verified whole.
 4. Trees where they pay (branching.py): when no request waits for admission, none of a batch of
    several is at risk and every request of the batch that is not lost keeps its pace with its chain,
    the drafting requests ask for trees instead of chains if the draft's extra time for the width is
@@ -138,6 +138,9 @@ class Joint(TurboSpec):
                 may.append(r)
                 if state == AT_RISK:
                     narrow.append(r)
+        if not narrow and c.holds(batch):  # a far-off k = 0 held, and nobody at risk
+            c.settle(batch, 0, [], may)
+            return 0, may
         current = c.current.get(batch.replica, 0)
         rates = c.acceptance.rates(batch.requests) if may else {}
         wide, plain = self.wide(batch, model, may, rates) if may else ({0: 0.0}, {0: 0.0})
@@ -153,6 +156,7 @@ class Joint(TurboSpec):
         # does not pay at this batch size), not the prices of requests waiting or prompts going in: those
         # pass, and a request whose draft prefill was skipped meanwhile could never draft after them
         held_off = k == 0 and best_depth(plain, 0, c.margin) > 0
+        c.hold(batch, k, plain)
         c.settle(batch, k, [r for r in late if r.rid in drafting], [] if held_off else may)
         return k, spec if k > 0 else may  # at k = 0 nobody drafts; TurboSpec's probe picks among `may`
 

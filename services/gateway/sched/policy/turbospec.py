@@ -10,6 +10,10 @@ The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
   receives its prompt (digest §3, errata 4). `thr` resets after `skip_reset` skips; when the best
   k is positive again and the batch is below `thr`, skipped requests whose draft lag is at most
   `late_lag` tokens are enabled late (their catch-up is priced in the draft time);
+- holds a clear "off": when k = 0 was chosen with every k > 0 predicting less than `HOLD_SHARE` of k = 0's
+  goodput, the next `HOLD_STEPS` iterations of that replica keep k = 0 without pricing the depths again,
+  unless its batch shrinks below `HOLD_BATCH` of the size priced or a drafted step (a probe) is observed;
+  a far-off verdict cannot turn within a few steps otherwise (the inputs move by a request or a token a step);
 - probes after long off periods: after `probe_every` iterations at k = 0, one request (the least
   draft lag, in turn among equals) speculates for one iteration with k = 1, 2, 4 in turn
   (PROBE_DEPTHS), so that the acceptance estimate, the draft's per-step cost and the target's cost
@@ -33,6 +37,9 @@ from specserve.gateway.sched.policy.base import BatchView, Decision, Policy, Req
 from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens
 
 PROBE_DEPTHS = (1, 2, 4)  # a probe's chain, in turn
+HOLD_SHARE = 0.5  # an "off" is held when the best k > 0 predicts less than this share of k = 0's goodput
+HOLD_STEPS = 8  # iterations it is held without pricing
+HOLD_BATCH = 0.75  # a batch below this share of the size priced prices again
 
 
 @dataclass(slots=True)
@@ -51,6 +58,27 @@ class GoodputControl:
     skips: int = 0
     draft_ok: dict[str, bool] = field(default_factory=dict)  # rid -> may it speculate
     proposed: dict[str, int] = field(default_factory=dict)  # rid -> draft tokens verified (chain depth)
+    held: dict[int, tuple[int, int]] = field(default_factory=dict)  # per replica: (batch priced, steps left) of an off
+
+    def holds(self, batch: BatchView) -> bool:
+        """Whether this replica's iteration keeps k = 0 unpriced (a held off: module docstring); counts the step."""
+        held = self.held.get(batch.replica)
+        if held is None or self.current.get(batch.replica, 0) != 0:
+            return False
+        priced, left = held
+        if left <= 0 or len(batch.requests) < HOLD_BATCH * priced:
+            del self.held[batch.replica]
+            return False
+        self.held[batch.replica] = (priced, left - 1)
+        return True
+
+    def hold(self, batch: BatchView, k: int, plain: dict[int, float]) -> None:
+        """After pricing: hold k = 0 where it was chosen far off (every k > 0 under `HOLD_SHARE` of k = 0's plain
+        goodput), else drop any hold."""
+        if k == 0 and len(plain) > 1 and max(g for d, g in plain.items() if d > 0) < HOLD_SHARE * plain[0]:
+            self.held[batch.replica] = (len(batch.requests), HOLD_STEPS)
+        else:
+            self.held.pop(batch.replica, None)
 
     # ---- per iteration -----------------------------------------------------------------------------
     def admit(self, view: SchedulerView, keep: Callable[[RequestView], bool] | None = None) -> None:
@@ -141,10 +169,14 @@ class GoodputControl:
     def choose(self, batch: BatchView, cost: PassCost) -> tuple[int, list[RequestView]]:
         """(k for this replica, the requests that may speculate)."""
         spec, late = self.eligible(batch)
+        if self.holds(batch):
+            self.settle(batch, 0, late, spec)
+            return 0, spec
         rates = self.acceptance.rates(spec + late)
         table = {k: tokens / t for k, (tokens, t) in enumerate(self.depth_table(batch, cost, spec + late, rates))} \
             if spec or late else {0: 0.0}
         k = best_depth(table, self.current.get(batch.replica, 0), self.margin)
+        self.hold(batch, k, table)
         if k > 0 and late:
             spec = spec + late
         self.settle(batch, k, late, spec)
@@ -188,6 +220,7 @@ class GoodputControl:
             k = self.proposed.pop(s.rid, 0)
             if k > 0 and s.error is None and s.verified > 0:
                 self.acceptance.observe(s.rid, k, s.accepted)
+                self.held.clear()  # a measured acceptance: price again
 
 
 class TurboSpec(Policy):
