@@ -292,7 +292,7 @@ def test_an_off_far_from_paying_is_held_unpriced_for_a_few_steps(cls, monkeypatc
         lat.t_spec_ms = 13.5
         urgent = req("u", tpot=12.0, decoded=20, elapsed=230.0)  # its root alone falls behind its pace
         p.shapes(BatchView([*big[:39], urgent]), lat)
-        assert len(priced) == 7  # priced (the unpriced policy's call above was the sixth)
+        assert len(priced) == 7  # priced: its wide and narrow options (the unpriced policy above priced the fifth)
 
 
 def test_turbospec_learns_the_draft_cost_online_and_switches_off():
