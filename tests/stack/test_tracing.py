@@ -143,14 +143,16 @@ def test_span_tree_of_one_streamed_request_across_three_processes(traced_up):
         return next((s for s in spans if s.name == "llm_request" and s.attrs.get("gen_ai.request.id") == rid), None)
 
     def complete(spans: list[SpanData]) -> bool:
+        """The request span, and every CLIENT call of the iterations linked to it with its served span (each
+        process exports on its own schedule: a call's served span may come after the gateway's spans)."""
         req = request_span(spans)
         if req is None:
             return False
         linked = {s.span_id for s in spans if (req.trace_id, req.span_id) in s.links}
-        children = {s.parent for s in spans}
-        services = {s.service for s in spans if s.parent and
-                    any(p.span_id == s.parent and p.kind == 3 for p in spans)}
-        return bool(linked) and bool(linked & children) and {"specserve-draft", "specserve-target"} <= services
+        calls = {s.span_id for s in spans if s.parent in linked and s.kind == 3}
+        served = {s.parent: s.service for s in spans if s.parent in calls}
+        services = set(served.values())
+        return bool(calls) and calls <= served.keys() and {"specserve-draft", "specserve-target"} <= services
 
     spans = _wait_for(receiver, complete)
     by_id = {s.span_id: s for s in spans}
