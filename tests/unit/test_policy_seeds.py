@@ -22,7 +22,7 @@ from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expec
 from specserve.gateway.sched.policy.joint import AT_RISK, LOST, SLACK, Joint, makes_late
 from specserve.gateway.sched.policy.slo_goodput import SloGoodput, hopeless
 from specserve.gateway.sched.policy.tetris import Tetris, tetris_select
-from specserve.gateway.sched.policy.turbospec import HOLD_STEPS, GoodputControl, TurboSpec
+from specserve.gateway.sched.policy.turbospec import FAR_PROBES, HOLD_STEPS, GoodputControl, TurboSpec
 
 # A target whose profiled pass takes 6 + 0.5 ms per token (collinear points: the fit is exact).
 CURVE = [(8, 10.0), (16, 14.0), (32, 22.0)]
@@ -327,6 +327,23 @@ def test_turbospec_probes_after_a_long_off_period():
         depths += [s.depth for s in shapes.values() if s.depth > 0]
     assert probes == [0, 0, 0, 0, 1] * 3 + [0, 0]  # one request, every 5th iteration
     assert sorted(depths) == [1, 2, 4]  # the chain's depth in turn: the draft's cost is fitted at several
+
+
+@pytest.mark.parametrize("cls", [TurboSpec, Joint])
+def test_a_held_off_probes_far_probes_times_less_often(cls):
+    """While an off is held (far from paying), a probe comes after FAR_PROBES * probe_every iterations at k = 0;
+    once the verdict is near again (a cheap draft), after probe_every."""
+    p = cls(probe_every=5)
+    lat = latency(curve=[(8, 10.0), (64, 38.0)])
+    lat.draft.theta = [100.0, 10.0, 0.5, 0.0]  # a draft call costs more than the pass: far from paying
+    big = BatchView([req(f"r{i}", tpot=1000.0) for i in range(64)])
+    steps = 2 * 5 * FAR_PROBES + 3
+    probes = [sum(1 for s in p.shapes(big, lat).values() if s.depth > 0) for _ in range(steps)]
+    assert probes == ([0] * (5 * FAR_PROBES - 1) + [1]) * 2 + [0] * 3
+    near = cls(probe_every=5)
+    near_probes = [sum(1 for s in near.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)])).values() if s.depth > 0)
+                   for _ in range(10)]
+    assert near_probes == [0, 0, 0, 0, 1] * 2 and not near.control.held
 
 
 def test_turbospec_draft_prefill_skip_and_late_enablement():
@@ -646,8 +663,9 @@ def test_nightjar_policy_marks_requests_cold_across_an_offload():
 def test_turbospec_probe_takes_the_least_draft_lag():
     p = TurboSpec(probe_every=1)
     big = BatchView([req(f"r{i}", lag=100 - i) for i in range(64)])
-    shapes = p.shapes(big, latency(curve=[(8, 10.0), (64, 38.0)]))
-    assert [rid for rid, s in shapes.items() if s.depth > 0] == ["r63"]
+    lat = latency(curve=[(8, 10.0), (64, 38.0)])
+    probed = [rid for _ in range(FAR_PROBES) for rid, s in p.shapes(big, lat).items() if s.depth > 0]
+    assert probed == ["r63"]  # (this far from paying the off is held: one probe in FAR_PROBES steps)
 
 
 def test_target_time_is_measured_per_token_count_and_interpolated():

@@ -14,7 +14,8 @@ The controller (`GoodputControl`, shared with `slo-goodput`) per replica:
   goodput, the next `HOLD_STEPS` iterations of that replica keep k = 0 without pricing the depths again,
   unless its batch shrinks below `HOLD_BATCH` of the size priced or a drafted step (a probe) is observed;
   a far-off verdict cannot turn within a few steps otherwise (the inputs move by a request or a token a step);
-- probes after long off periods: after `probe_every` iterations at k = 0, one request (the least
+- probes after long off periods: after `probe_every` iterations at k = 0 (`FAR_PROBES` times as many while
+  the off is held: far from paying, a probe's measurement is unlikely to turn it), one request (the least
   draft lag, in turn among equals) speculates for one iteration with k = 1, 2, 4 in turn
   (PROBE_DEPTHS), so that the acceptance estimate, the draft's per-step cost and the target's cost
   of a few more tokens are measured at more than one depth; and the other way, after `probe_every` iterations at
@@ -40,6 +41,7 @@ PROBE_DEPTHS = (1, 2, 4)  # a probe's chain, in turn
 HOLD_SHARE = 0.5  # an "off" is held when the best k > 0 predicts less than this share of k = 0's goodput
 HOLD_STEPS = 8  # iterations it is held without pricing
 HOLD_BATCH = 0.75  # a batch below this share of the size priced prices again
+FAR_PROBES = 4  # while an off is held, probes come this many times less often
 
 
 @dataclass(slots=True)
@@ -183,11 +185,12 @@ class GoodputControl:
         return k, spec
 
     def probe(self, batch: BatchView, spec: list[RequestView], k: int) -> tuple[str, int] | None:
-        """After `probe_every` iterations at k = 0, one request (in turn) speculates for one iteration: its
-        rid and chain (PROBE_DEPTHS in turn, within its remaining tokens)."""
+        """After `probe_every` iterations at k = 0 (`FAR_PROBES` times as many while the replica's off is held),
+        one request (in turn) speculates for one iteration: its rid and chain (PROBE_DEPTHS in turn, within its
+        remaining tokens)."""
         off = self.off_steps.get(batch.replica, 0) + 1 if k == 0 else 0
         self.off_steps[batch.replica] = off
-        if off < self.probe_every:
+        if off < self.probe_every * (FAR_PROBES if batch.replica in self.held else 1):
             return None
         candidates = [r for r in spec if r.remaining > 1]
         if not candidates:
