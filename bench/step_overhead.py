@@ -1,7 +1,8 @@
 """What the stack costs per iteration beside the target's pass, and speculation at a known acceptance.
 
     .venv/bin/python bench/step_overhead.py [--rounds 3] [--inflight 1,16,64,256] [--seconds 15]
-                                            [--replay-alpha 0.8] [--skip-replay] [--out FILE]
+                                            [--replay-alpha 0.8] [--skip-replay] [--staggered]
+                                            [--out FILE]
 
 Part 1, the stack's own time: a near-null target (the bundled demo draft, 2 layers of 160, served as the
 target, so the pass is a fraction of a millisecond) under `none`, at each number of requests in flight
@@ -20,6 +21,11 @@ with a chat TPOT SLO that no step comes near (`LOOSE_TPOT_MS`). The SLO classes 
 baseline, a fraction of a millisecond here, so chat's 8x is a few milliseconds: at 64 in flight a step
 takes about that long, the SLOs bind in the admission and in the default's choice of who drafts, and the
 default trades tokens for SLOs met; the loose pair shows what the policy's own work costs beside `none`.
+With `--staggered`, both pairs again (`-staggered` modes) with each request asking for 64 +- 32 new tokens
+(seeded per round): in the loop above every request asks for 64, so under `none` the batch runs in step (its
+prompts all go in one pass, then 63 passes of plain decodes), which a request that drafts a step breaks for
+good (it ends a pass earlier; its successor's prompt then goes in beside the others' decodes); served traffic
+is never in step.
 
 Part 2, the replay draft (services/draft/replay.py) on SmolLM2-135M-Instruct at one request: the
 target's greedy outputs on the chat prompts of bench/smollm2_c1.py are recorded in this process
@@ -51,36 +57,48 @@ sys.path.insert(0, str(ROOT))
 from bench.sweep import spread  # noqa: E402
 
 NEW_TOKENS = 64
+STAGGER = 32  # `--staggered`: each request's new tokens drawn from NEW_TOKENS +- STAGGER (seeded)
 LOOSE_TPOT_MS = 1000.0  # the `-loose` gateways' chat TPOT: no step at these loads comes near it
 PROMPT = list(range(100, 116))  # 16 token ids, valid in both bundled vocabularies and SmolLM2's
 
 
-async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int], max_tokens: int) -> dict:
+async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int], max_tokens: int,
+                      stagger: int = 0, seed: int = 0) -> dict:
     """`inflight` clients for `seconds` (after a warm-up of one request each); the gateway's counters over
-    the steady window and the tokens the clients received in it."""
+    the steady window, the tokens the clients received in it, and of the requests ended in it the share
+    that met both SLOs (the response's `specserve.slo_met`) and their tokens per second. stagger > 0: each
+    request asks for max_tokens +- stagger new tokens (uniform, drawn from `seed`), so that requests end and
+    start at different iterations, as in served traffic, rather than all together."""
+    import random
+
     import aiohttp
 
     from specserve.cli.loadgen.scrape import scrape, server_delta
 
-    tokens = 0
+    tokens, met, ended, good = 0, 0, 0, 0
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async with session.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        async def one() -> int:
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
+        draw = random.Random(seed)
+        body = {"model": model, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+
+        async def one() -> tuple[int, bool]:
+            length = max_tokens + draw.randint(-stagger, stagger) if stagger else max_tokens
+            async with session.post(f"{url}/v1/completions", json={**body, "max_tokens": length}) as resp:
                 resp.raise_for_status()
-                return int((await resp.json())["usage"]["completion_tokens"])
+                out = await resp.json()
+                return int(out["usage"]["completion_tokens"]), bool(out["specserve"]["slo_met"])
 
         await asyncio.gather(*[one() for _ in range(inflight)])  # warm-up: shapes, profiles, caches
         stop_at = time.monotonic() + seconds
 
         async def client() -> None:
-            nonlocal tokens
+            nonlocal tokens, met, ended, good
             while time.monotonic() < stop_at:
-                received = await one()  # not `tokens += await one()`: that reads `tokens` before the await
-                tokens += received
+                received, slo_met = await one()  # not `tokens += ...`: that reads `tokens` before the await
+                tokens, ended, met = tokens + received, ended + 1, met + slo_met
+                good += received if slo_met else 0
 
         before = await scrape(session, url)
         start = time.monotonic()
@@ -90,7 +108,8 @@ async def closed_loop(url: str, inflight: int, seconds: float, prompt: list[int]
     delta = server_delta(before, after)
     split = iteration_split(delta["iteration"], wall)
     return {"inflight": inflight, **split, "stack_us_per_request": split["stack_ms"] * 1e3 / inflight,
-            "tokens_per_s": tokens / wall, "tokens_per_pass": delta["mean_acceptance_length"]}
+            "tokens_per_s": tokens / wall, "tokens_per_pass": delta["mean_acceptance_length"],
+            "slo_met": met / ended if ended else None, "good_tokens_per_s": good / wall}
 
 
 def iteration_split(it: dict, wall_s: float | None = None) -> dict:
@@ -138,6 +157,12 @@ def near_null(args: argparse.Namespace, levels: list[int], up_args: tuple[str, .
             for name in ("joint", "joint+ahead", "none-loose", "joint-loose"):
                 row[f"{name}@{duel}"] = asyncio.run(closed_loop(gateways[name].address, duel, args.seconds, PROMPT,
                                                                 NEW_TOKENS))
+            if getattr(args, "staggered", False):  # (bench/gpu_suite.py's namespace has no such flag)
+                urls = {"none": up.url, **{name: gateways[name].address for name in ("joint", "none-loose",
+                                                                                      "joint-loose")}}
+                for name, url in urls.items():
+                    row[f"{name}-staggered@{duel}"] = asyncio.run(closed_loop(url, duel, args.seconds, PROMPT,
+                                                                              NEW_TOKENS, STAGGER, seed=r))
             rounds.append(row)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v['stack_ms']:.2f} ms stack, {v['tokens_per_s']:.0f} tok/s"
                                                  for k, v in row.items()), flush=True)
@@ -218,7 +243,7 @@ def _print(result: dict) -> None:
         print(f"{mode:>16}: iteration {fmt(m['iteration_ms'])} ms, target pass {fmt(m['target_ms'])} ms, stack "
               f"{fmt(m['stack_ms'])} ms = {fmt(m['stack_us_per_request'], 0)} us a request (the target service's "
               f"own {fmt(m['target_service_ms'])} ms), "
-              f"{fmt(m['tokens_per_s'], 0)} tok/s")
+              f"{fmt(m['tokens_per_s'], 0)} tok/s, {fmt(m['good_tokens_per_s'], 0)} of them within both SLOs")
     if "replay" in result:
         r = result["replay"]
         print(f"replay, alpha {r['prediction']['alpha']}: chain:4 / none {fmt(r['speedup'])}, "
@@ -234,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay-tokens", type=int, default=96)
     parser.add_argument("--skip-replay", action="store_true")
     parser.add_argument("--skip-near-null", action="store_true")
+    parser.add_argument("--staggered", action="store_true",
+                        help=f"the default-against-none duels again with each request's length drawn from "
+                             f"{NEW_TOKENS} +- {STAGGER} tokens (`-staggered` modes)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_overhead.json"))
     args = parser.parse_args(argv)
     os.environ.setdefault("SPECSERVE_SECRET", secrets.token_hex(32))  # up's services and our gateways share it
@@ -244,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         result["near_null"] = {"rounds": rounds, "median": {
             k: {m: spread([r[k][m] for r in rounds]) for m in ("iteration_ms", "counted_ms", "target_ms", "stack_ms",
                                                                 "target_service_ms", "stack_us_per_request",
-                                                                "tokens_per_s")}
+                                                                "tokens_per_s", "good_tokens_per_s")}
             for k in rounds[0]}}
     if not args.skip_replay:
         rounds, prediction = replay(args)
