@@ -95,6 +95,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from specserve.shared.runtime.batch import Chunk, Tree  # noqa: E402
+from specserve.shared.runtime.kernels import triton_attention  # noqa: E402
 from specserve.shared.runtime.runner import ModelRunner  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -335,6 +336,14 @@ class _Curves:
                 row[name] = None  # larger passes run eagerly
                 continue
             row[name] = round(self.timed(make, undo), 4)
+        if kind == "tree":  # the kernel with one token a program: no tree node shares its prefix's reads
+            self.mode("triton")
+            tiles, triton_attention.TILE_TOKENS = triton_attention.TILE_TOKENS, 1
+            try:
+                row["triton_tile1"] = round(self.timed(make, undo), 4)
+            finally:
+                triton_attention.TILE_TOKENS = tiles
+            row["tile_vs_tile1"] = round(row["triton_tile1"] / row["triton"], 3)
         row["triton_vs_sdpa"] = round(row["sdpa"] / row["triton"], 3)
         if row["graphs"]:
             row["graphs_vs_triton"] = round(row["triton"] / row["graphs"], 3)
@@ -695,6 +704,11 @@ def environment(plan: Plan) -> dict:
     return env
 
 
+def _tile1(row: dict) -> str:
+    """A tree point's time with one token a program, and how much slower than the tiled kernel."""
+    return f"{row['triton_tile1']} ({row['tile_vs_tile1']}x)" if "triton_tile1" in row else "-"
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     dry = " (DRY RUN on CPU: plumbing only, no figure here is a GPU measurement)" if report["dry_run"] else ""
@@ -720,11 +734,12 @@ def markdown(report: dict) -> str:
         lines += ["## Pass time (ms, median), random weights", ""]
         for shape, rows in cur.items():
             lines += [f"### {shape}", "", "| pass | requests | nodes | context | SDPA | Triton | Triton + graphs "
-                      "| SDPA/Triton | Triton/graphs |", "|---|---|---|---|---|---|---|---|---|"]
+                      "| SDPA/Triton | Triton/graphs | Triton, 1 token a program (its time / tiled) |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             lines += [f"| {r['kind']} | {r['requests']} | {r['nodes']} | {r['context']} | {r['sdpa']} | {r['triton']} "
                       f"| {r['graphs'] if r['graphs'] is not None else '(eager)'} | {r['triton_vs_sdpa']}x | "
-                      f"{str(r.get('graphs_vs_triton', '-')) + 'x' if r.get('graphs_vs_triton') else '-'} |"
-                      for r in rows]
+                      f"{str(r.get('graphs_vs_triton', '-')) + 'x' if r.get('graphs_vs_triton') else '-'} | "
+                      f"{_tile1(r)} |" for r in rows]
             lines.append("")
     ipc_rows = report["sections"].get("ipc", {}).get("result")
     if ipc_rows:

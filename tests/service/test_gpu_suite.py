@@ -34,6 +34,7 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
     rows = sections["curves"]["result"]["tiny"]
     assert {r["kind"] for r in rows} == {"decode", "tree", "context"}
     assert all(r[m] > 0 for r in rows for m in ("sdpa", "triton", "graphs"))
+    assert all(r["triton_tile1"] > 0 for r in rows if r["kind"] == "tree")  # the kernel untiled, beside it
     assert [r["path"] for r in sections["ipc"]["result"]] == ["socket", "cuda_ipc"]  # CUDA IPC: skipped on CPU
     assert {(r["prompt"], r["dtype"]) for r in parity} == {(k, d) for k in ("random", "text")
                                                           for d in ("float32", "bfloat16")}

@@ -6,7 +6,8 @@ the torch pass launches on CUDA.
   chunk over earlier context, a token tree, the draft's beam nodes over an earlier layer), for grouped
   query heads of 1, 2 and 3 per kv head, head widths 16 and 32, float32 and bfloat16 KV; and with long
   contexts split in parts (flash-decoding), where a token's output is the same bit for bit whatever shares
-  its call (a grid of one part or of four).
+  its call (a grid of one part or of four) and whatever tile of tokens it is run in (one load of a prefix for
+  a tree's nodes, or each token's own), and a chain verified as a tree gives the bits of its tokens decoded.
 - The torch pass with `--kernels triton` against the same pass with SDPA on a tiny random model:
   prefill, a tree, and the KV commit of an accepted path, every logit within float32 tolerance.
 """
@@ -106,6 +107,38 @@ def test_a_tokens_output_does_not_depend_on_what_shares_its_call(dtype):
         assert torch.equal(got, out[at: at + n]), name
         at += n
     assert at == q.shape[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tile_size_gives_the_same_bits(dtype):
+    """Tiles of 1 (no token shares a load), 2, 4 and 8 tokens: the tree's nodes and the chunk's tokens share the
+    reads of their prefix in some tiles, decodes of other requests share a tile in others; every token's output is
+    the same bit for bit."""
+    keys = _long_layout(["long", "tree", "mid", "short", "new"])
+    q, k, v = _tensors(keys.seq.numel(), 4, 2, 16, dtype, seed=7)
+    args = (q, k, v, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots, BLOCK)
+    alone = triton_attention.paged_attention(*args, split_n=16, tile=1)
+    for tile in (2, 4, 8):
+        assert torch.equal(triton_attention.paged_attention(*args, split_n=16, tile=tile), alone), tile
+    with pytest.raises(ValueError, match="power of two"):
+        triton_attention.paged_attention(*args, tile=3)
+
+
+def test_a_chains_nodes_equal_the_same_tokens_decoded_in_turn():
+    """A chain of draft tokens verified as a tree over 37 committed keys, and the same tokens as a chunk (each
+    one a token decoded at its position): the same keys in the same order, read through the tile's shared prefix
+    for the tree's nodes and through each token's own slots for the chunk's, and the same bits (so a verified
+    token's logits are those of plain decoding)."""
+    chain = [7, 8, 9, 10, 11, 12]
+    out = {}
+    for name, entry in (("tree", Tree("r", chain, [-1, 0, 1, 2, 3, 4])), ("chunk", Chunk("r", chain))):
+        blocks = BlockManager(96, BLOCK)
+        blocks.append_slots({"d": 5, "r": 37 + len(chain)})
+        keys = build_lean_inputs([Chunk("d", [1]), entry], [4, 37], blocks).keys
+        q, k, v = _tensors(keys.seq.numel(), 4, 2, 16, torch.float32, seed=11)
+        out[name] = triton_attention.paged_attention(q, k, v, keys.tables, keys.seq, keys.prefix, keys.extra_off,
+                                                     keys.extra_slots, BLOCK, split_n=16)
+    assert torch.equal(out["tree"], out["chunk"])
 
 
 def test_a_head_width_the_kernel_cannot_take_is_refused():

@@ -2,11 +2,12 @@
 
 Each new token reads its keys straight from the paged KV pool, with no dense copy: a prefix of its
 request's committed slots through the block table, then its tree path (`lean_inputs.LeanInputs`'s key
-layout, the same the compiled CPU pass reads). One program per (token, kv head) runs the kv head's
-query heads together, streaming the keys in blocks with an online softmax. So decode, prefill chunks,
-tree verification and the draft's beam nodes are one kernel. Contexts are split (flash-decoding): parts of
-`SPLIT_N` keys, one program each, merged in order by a second kernel, so that a few long requests still fill
-the GPU's cores.
+layout, the same the compiled CPU pass reads). One program per (tile of `TILE_TOKENS` consecutive tokens, kv
+head) runs the tile's tokens and the kv head's query heads together, streaming the keys in blocks with an
+online softmax per token; the tokens of one request in a tile (a tree's nodes, a chunk's tokens) read the
+blocks of the prefix they share once. So decode, prefill chunks, tree verification and the draft's beam nodes
+are one kernel. Contexts are split (flash-decoding): parts of `SPLIT_N` keys, one program each, merged in order
+by a second kernel, so that a few long requests still fill the GPU's cores.
 
 `attention_reference` is the same computation in torch (gathered keys, a plain softmax): the tests
 check the kernel against it through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, where
@@ -24,9 +25,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["SPLIT_N", "attention_reference", "available", "paged_attention"]
+__all__ = ["SPLIT_N", "TILE_TOKENS", "attention_reference", "available", "paged_attention"]
 
 SPLIT_N = 512  # keys per part of a context (flash-decoding's split; vLLM's paged attention v2 also uses 512)
+TILE_TOKENS = 4  # consecutive tokens per program: a tree's nodes share their prefix's reads in tiles of this many
 
 
 @cache
@@ -48,13 +50,14 @@ def _jit() -> Any:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     seq: torch.Tensor, prefix: torch.Tensor, extra_off: torch.Tensor, extra_slots: torch.Tensor,
                     block_size: int, scale: float | None = None, block_n: int = 16,
-                    split_n: int = SPLIT_N) -> torch.Tensor:
+                    split_n: int = SPLIT_N, tile: int | None = None) -> torch.Tensor:
     """q [T, H, D] (RoPE applied), one layer's k/v cache [slots, KVH, D] (slot-major, the new tokens' K/V
     already written) -> attention output [T, H, D] in q's dtype. The key layout as in LeanInputs.
 
-    Each token's keys are split in parts of `split_n`, one program each, and combined in order by a second
-    kernel (the grid has as many parts as the block table's width and the tree paths allow a token); a
-    token's parts depend on its own keys alone, so its output does not depend on what shares its call."""
+    Each token's keys are split in parts of `split_n`, and each part of `tile` consecutive tokens (default
+    `TILE_TOKENS`) is one program; the parts are combined in order by a second kernel (the grid has as many
+    parts as the block table's width and the tree paths allow a token). A token's parts depend on its own keys
+    alone, so its output does not depend on what shares its tile or its call."""
     tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads or dim & (dim - 1) or dim < 16 or split_n % block_n:
@@ -62,6 +65,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"of whole key blocks, got {heads} heads over {kv_heads}, head_dim {dim}, parts of "
                          f"{split_n} keys in blocks of {block_n}")
     group = heads // kv_heads
+    tile = TILE_TOKENS if tile is None else tile
+    if tile < 1 or tile & (tile - 1):
+        raise ValueError(f"paged_attention's tile is a power of two, got {tile}")
     out = torch.empty_like(q)
     if tokens == 0:
         return out
@@ -73,10 +79,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     jit = _jit()
     part = torch.empty(tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(tokens, heads, splits, 2, dtype=torch.float32, device=q.device)
-    jit.split_kernel[(tokens, kv_heads, splits)](
+    jit.split_kernel[(-(-tokens // tile), kv_heads, splits)](
         q, k_cache, v_cache, part, ml, tables, seq, prefix, extra_off, extra_slots, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.shape[1], splits,
-        BLOCK_N=block_n, SPLIT_N=split_n, **shape)
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.shape[1], splits, tokens,
+        BLOCK_N=block_n, SPLIT_N=split_n, TILE=tile, **shape)
     jit.combine_kernel[(tokens, kv_heads)](part, ml, out, prefix, extra_off, out.stride(0), out.stride(1), splits,
                                            GROUP=group, GROUP_PAD=shape["GROUP_PAD"], D=dim, SPLIT_N=split_n)
     return out
