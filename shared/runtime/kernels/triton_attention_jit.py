@@ -35,11 +35,11 @@ def attend(  # type: ignore[no-untyped-def]
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         if start + BLOCK_N <= common:  # the tile's shared prefix: one load for every token
-            block = tl.load(tables_ptr + shared_seq * max_blocks + j // BLOCK_SIZE)
-            offsets = (block.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE)[:, None] * stride_kslot + g * stride_kh \
-                + d[None, :]
-            k = tl.broadcast_to(tl.load(k_ptr + offsets).to(tl.float32)[None, :, :], (TILE, BLOCK_N, D))
-            v = tl.broadcast_to(tl.load(v_ptr + offsets).to(tl.float32)[None, :, :], (TILE, BLOCK_N, D))
+            shared_block = tl.load(tables_ptr + shared_seq * max_blocks + j // BLOCK_SIZE)
+            shared_at = (shared_block.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE)[:, None] * stride_kslot \
+                + g * stride_kh + d[None, :]
+            k = tl.broadcast_to(tl.load(k_ptr + shared_at).to(tl.float32)[None, :, :], (TILE, BLOCK_N, D))
+            v = tl.broadcast_to(tl.load(v_ptr + shared_at).to(tl.float32)[None, :, :], (TILE, BLOCK_N, D))
         else:  # each token's own slots: its prefix through its table row, then its tree path
             jj = j[None, :]
             valid = jj < n[:, None]
