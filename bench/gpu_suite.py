@@ -9,6 +9,10 @@ Sections, in this order (each is timed; one that fails is reported with its erro
    kernel at bucketed shapes through CUDA graphs, for a random and a text prompt of 64 tokens: max |logit
    difference| at the prompt's last position, whether 32 greedy tokens equal transformers `generate`, and
    where they part, transformers' own top-2 gap there.
+1b. **bits**: the Triton kernel on the device, per shape's head layout: a call of decodes, a tree and a chain
+   verified as a tree, in tiles of 1, 2 and 4 tokens a program and by default: the same bits in every tiling, the
+   chain's nodes the bits of its tokens decoded (lossless verification), and the largest difference from the
+   kernel's torch reference.
 2. **curves**: median pass time (ms) of the torch pass on random weights of SmolLM2-135M's, Llama-3.2-1B's and
    Llama-3.1-8B's shapes (timing only: weights do not change it), bfloat16, for decodes of 1-64 requests at
    512 tokens of context, trees of 4-64 nodes for 1 and 16 requests, and decodes at 128-4096 tokens of
@@ -219,6 +223,52 @@ def _parity_prompts(model_dir: Path, n: int) -> list[tuple[str, list[int]]]:
     text = "\n".join(_prompts(8))
     return [("random", [rng.randrange(3, vocab) for _ in range(n)]),
             ("text", tok(text, add_special_tokens=False)["input_ids"][:n])]
+
+
+# ---- 1b. the Triton kernel's bits on the device ------------------------------------------------------------
+
+def kernel_bits(plan: Plan) -> list[dict]:
+    """Per shape (its head layout; the curves' dtype): one call of decodes at contexts up to the longest of
+    `kv_lengths`, a binary tree of 16 nodes and a chain of 6 verified as a tree, through the Triton kernel on
+    the device. Checked: every tile size (1, 2, 4 tokens a program) and the default give the same bits; the chain's
+    nodes give the bits of the same tokens as a chunk (each decoded at its position: lossless verification);
+    the largest difference from the kernel's torch reference (float32 softmax)."""
+    from specserve.shared.runtime.block_manager import BlockManager
+    from specserve.shared.runtime.kernels import triton_attention as ta
+    from specserve.shared.runtime.lean_inputs import build_lean_inputs
+
+    shapes, rows = {**SHAPES, **plan.extra_shapes}, []
+    longest = max(c for _, c in plan.kv_lengths)
+    contexts = {f"d{i}": max(1, longest * i // 7) for i in range(1, 8)} | {"tree": longest // 3, "chain": longest // 2}
+    tree = Tree("tree", list(range(3, 19)), [-1] + [(i - 1) // 2 for i in range(1, 16)])
+    chain = list(range(20, 26))
+    gen = torch.Generator(device=plan.device).manual_seed(0)
+    for shape in plan.shapes:
+        raw = shapes[shape]
+        heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+        dim, dtype = raw["hidden_size"] // heads, getattr(torch, plan.curve_dtype)
+        blocks = BlockManager(sum(-(-(c + 16) // 16) for c in contexts.values()) + 1, 16)
+        blocks.append_slots({r: c + (16 if r == "tree" else 6 if r == "chain" else 1) for r, c in contexts.items()})
+        out = {}
+        for name, last in (("tree", Tree("chain", chain, [-1, 0, 1, 2, 3, 4])), ("chunk", Chunk("chain", chain))):
+            entries = [Chunk(r, [1]) for r in contexts if r.startswith("d")] + [tree, last]
+            keys = build_lean_inputs(entries, list(contexts.values()), blocks).keys.to(torch.device(plan.device))
+            if name == "tree":
+                q = torch.randn(keys.seq.numel(), heads, dim, generator=gen, device=plan.device).to(dtype)
+                k, v = (torch.randn(blocks.num_blocks * 16, kv_heads, dim, generator=gen, device=plan.device).to(dtype)
+                        for _ in range(2))
+            args = (q, k, v, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots, 16)
+            out[name] = {tile: ta.paged_attention(*args, tile=tile) for tile in (None, 1, 2, 4)}
+            if name == "tree":
+                reference = ta.attention_reference(*args)
+        every = out["tree"]
+        row = {"shape": shape, "dtype": plan.curve_dtype, "tokens": int(q.shape[0]),
+               "tiles_equal": all(torch.equal(every[t], every[1]) for t in every),
+               "chain_equals_decoded": all(torch.equal(out["tree"][t][-6:], out["chunk"][t][-6:]) for t in every),
+               "max_abs_diff_vs_reference": float((every[None].float() - reference.float()).abs().max())}
+        rows.append(row)
+        print("  bits", row, flush=True)
+    return rows
 
 
 # ---- 2. curves ---------------------------------------------------------------------------------------------
@@ -729,6 +779,14 @@ def markdown(report: dict) -> str:
                   + ("-" if r["first_difference"] is None else
                      f"token {r['first_difference']} ({r['their_top2_gap']:.3g})") + " |" for r in par]
         lines.append("")
+    bits = report["sections"].get("bits", {}).get("result")
+    if bits:
+        lines += ["## The Triton kernel's bits on the device (random inputs)", "",
+                  "| shape | dtype | tokens | every tiling the same bits | chain = its tokens decoded | max abs diff "
+                  "from the torch reference |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['dtype']} | {r['tokens']} | {r['tiles_equal']} | {r['chain_equals_decoded']} "
+                  f"| {r['max_abs_diff_vs_reference']:.3g} |" for r in bits]
+        lines.append("")
     cur = report["sections"].get("curves", {}).get("result")
     if cur:
         lines += ["## Pass time (ms, median), random weights", ""]
@@ -814,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes (minutes)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "gpu_suite"))
-    ap.add_argument("--sections", default="parity,curves,ipc,offload,stack,overhead,sim",
+    ap.add_argument("--sections", default="parity,bits,curves,ipc,offload,stack,overhead,sim",
                     help="comma-separated, in order")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--policies", help="the stack's gateways, comma-separated (NAME@fifo: FIFO admission); "
@@ -843,7 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"dry_run": args.dry_run, "environment": environment(plan), "plan": asdict(plan),
                               "sections": {}}
     steps: dict[str, Callable[[], Any]] = {
-        "parity": lambda: parity(plan), "curves": lambda: curves(plan), "ipc": lambda: ipc(plan),
+        "parity": lambda: parity(plan), "bits": lambda: kernel_bits(plan), "curves": lambda: curves(plan),
+        "ipc": lambda: ipc(plan),
         "offload": lambda: offload(plan),
         "stack": lambda: stack(plan, work), "overhead": lambda: overhead(plan),
         "sim": lambda: sim(plan, work, report["sections"].get("stack", {}).get("result")),

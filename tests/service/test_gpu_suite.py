@@ -23,7 +23,7 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
     assert str(ROOT) not in text  # the report carries no path of this machine's checkout
     report = json.loads(text)
     sections = report["sections"]
-    assert list(sections) == ["parity", "curves", "ipc", "offload", "stack", "overhead", "sim"]
+    assert list(sections) == ["parity", "bits", "curves", "ipc", "offload", "stack", "overhead", "sim"]
     assert not [name for name, s in sections.items() if "error" in s]
     assert report["dry_run"] and report["environment"]["triton_interpret"]
     parity = sections["parity"]["result"]
@@ -31,6 +31,9 @@ def test_the_gpu_suite_runs_every_section_dry_on_cpu(tmp_path):
                                                                ("triton", "padded, eager")}
     assert {r["dtype"] for r in parity} == {"float32", "bfloat16"}
     assert all(r["greedy_equal"] and r["max_abs_logit_diff"] < 1e-3 for r in parity if r["dtype"] == "float32")
+    assert [(r["shape"], r["tiles_equal"], r["chain_equals_decoded"]) for r in sections["bits"]["result"]] == [
+        ("tiny", True, True)]
+    assert sections["bits"]["result"][0]["max_abs_diff_vs_reference"] < 1e-4
     rows = sections["curves"]["result"]["tiny"]
     assert {r["kind"] for r in rows} == {"decode", "tree", "context"}
     assert all(r[m] > 0 for r in rows for m in ("sdpa", "triton", "graphs"))

@@ -129,6 +129,30 @@ def test_every_tile_size_gives_the_same_bits(dtype):
         triton_attention.paged_attention(*args, tile=3)
 
 
+def test_tiles_by_default_only_where_a_row_has_several_tokens(monkeypatch):
+    """Decodes alone run a token a program; a call with a tree runs tiles of TILE_TOKENS."""
+    jit, grids = triton_attention._jit(), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid[0])
+            return jit.split_kernel[grid]
+
+    monkeypatch.setattr(triton_attention, "_jit", lambda: type("J", (), {"split_kernel": Spy(),
+                                                                          "combine_kernel": jit.combine_kernel}))
+    for names in (["long", "mid", "short"], ["long", "tree", "short"]):
+        blocks = BlockManager(96, BLOCK)
+        blocks.append_slots({"long": 58, "mid": 21, "tree": 39, "short": 4})
+        entries = {"long": Chunk("long", [1]), "mid": Chunk("mid", [2]), "short": Chunk("short", [3]),
+                   "tree": Tree("tree", [7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 3, 2])}
+        starts = {"long": 57, "mid": 20, "tree": 33, "short": 3}
+        keys = build_lean_inputs([entries[n] for n in names], [starts[n] for n in names], blocks).keys
+        q, k, v = _tensors(keys.seq.numel(), 4, 2, 16, torch.float32)
+        triton_attention.paged_attention(q, k, v, keys.tables, keys.seq, keys.prefix, keys.extra_off,
+                                         keys.extra_slots, BLOCK)
+    assert grids == [3, -(-8 // triton_attention.TILE_TOKENS)]
+
+
 def test_a_chains_nodes_equal_the_same_tokens_decoded_in_turn():
     """A chain of draft tokens verified as a tree over 37 committed keys, and the same tokens as a chunk (each
     one a token decoded at its position): the same keys in the same order, read through the tile's shared prefix

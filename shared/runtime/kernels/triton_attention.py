@@ -54,10 +54,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, H, D] (RoPE applied), one layer's k/v cache [slots, KVH, D] (slot-major, the new tokens' K/V
     already written) -> attention output [T, H, D] in q's dtype. The key layout as in LeanInputs.
 
-    Each token's keys are split in parts of `split_n`, and each part of `tile` consecutive tokens (default
-    `TILE_TOKENS`) is one program; the parts are combined in order by a second kernel (the grid has as many
-    parts as the block table's width and the tree paths allow a token). A token's parts depend on its own keys
-    alone, so its output does not depend on what shares its tile or its call."""
+    Each token's keys are split in parts of `split_n`, and each part of `tile` consecutive tokens is one
+    program; the parts are combined in order by a second kernel (the grid has as many parts as the block
+    table's width and the tree paths allow a token). A token's parts depend on its own keys alone, so its output
+    does not depend on what shares its tile or its call. `tile` by default: `TILE_TOKENS` where some table row
+    has several tokens (a tree, a chunk, beam nodes: they share their prefix's reads), else 1 (decodes alone:
+    tiles of other requests' decodes would share no read, and a lone decode would run 4 tokens' arithmetic)."""
     tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads or dim & (dim - 1) or dim < 16 or split_n % block_n:
@@ -65,7 +67,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"of whole key blocks, got {heads} heads over {kv_heads}, head_dim {dim}, parts of "
                          f"{split_n} keys in blocks of {block_n}")
     group = heads // kv_heads
-    tile = TILE_TOKENS if tile is None else tile
+    if tile is None:
+        tile = TILE_TOKENS if tokens > tables.shape[0] else 1
     if tile < 1 or tile & (tile - 1):
         raise ValueError(f"paged_attention's tile is a power of two, got {tile}")
     out = torch.empty_like(q)
