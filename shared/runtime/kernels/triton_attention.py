@@ -2,10 +2,10 @@
 
 Each new token reads its keys straight from the paged KV pool, with no dense copy: a prefix of its
 request's committed slots through the block table, then its tree path (`lean_inputs.LeanInputs`'s key
-layout, the same the compiled CPU pass reads). One program per (tile of `TILE_TOKENS` consecutive tokens, kv
-head) runs the tile's tokens and the kv head's query heads together, streaming the keys in blocks with an
-online softmax per token; the tokens of one request in a tile (a tree's nodes, a chunk's tokens) read the
-blocks of the prefix they share once. So decode, prefill chunks, tree verification and the draft's beam nodes
+layout, the same the compiled CPU pass reads). One program per (tile of consecutive tokens, kv head) runs
+the tile's tokens and the kv head's query heads together, streaming the keys in blocks with an online softmax
+per token; the tokens of one request in a tile (a tree's nodes, a chunk's tokens) read the blocks of the prefix
+they share once. Tiles hold `TILE_TOKENS` tokens in a call where some request has several, one otherwise. So decode, prefill chunks, tree verification and the draft's beam nodes
 are one kernel. Contexts are split (flash-decoding): parts of `SPLIT_N` keys, one program each, merged in order
 by a second kernel, so that a few long requests still fill the GPU's cores.
 
