@@ -8,7 +8,7 @@ the torch pass launches on CUDA.
   contexts split in parts (flash-decoding), where a token's output is the same bit for bit whatever shares
   its call (a grid of one part or of four) and whatever tile of tokens it is run in (one load of a prefix for
   a tree's nodes, or each token's own), and a chain verified as a tree gives the bits of its tokens decoded.
-- The kernels compiled for a GPU (sm_90) without one, which the interpreter does not check.
+- The kernels compiled for GPUs (sm_90, sm_80) without one, which the interpreter does not check.
 - The torch pass with `--kernels triton` against the same pass with SDPA on a tiny random model:
   prefill, a tree, and the KV commit of an accepted path, every logit within float32 tolerance.
 """
@@ -171,7 +171,9 @@ def test_a_chains_nodes_equal_the_same_tokens_decoded_in_turn():
 
 
 _COMPILE_FOR_A_GPU = """
+import itertools
 import sys
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -185,13 +187,12 @@ split = {**{n: ptr for n in ("q_ptr", "k_ptr", "v_ptr")}, "part_ptr": "*fp32", "
                                "tokens")}}
 combine = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": ptr, "prefix_ptr": "*i32", "extra_off_ptr": "*i32",
            "stride_ot": "i32", "stride_oh": "i32", "splits": "i32"}
-for tile in (1, 4):
-    for group, dim in ((4, 128), (3, 64)):
-        shape = {"GROUP": group, "GROUP_PAD": 16, "D": dim, "SPLIT_N": 512}
-        for fn, sig, consts in ((jit.split_kernel, split, {**shape, "BLOCK_SIZE": 16, "BLOCK_N": 16, "TILE": tile}),
-                                (jit.combine_kernel, combine, shape)):
-            sig = {**sig, **{name: "constexpr" for name in consts}}
-            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+for arch, tile, (group, dim) in itertools.product((90, 80), (1, 4), ((4, 128), (3, 64))):
+    shape = {"GROUP": group, "GROUP_PAD": 16, "D": dim, "SPLIT_N": 512}
+    for fn, sig, consts in ((jit.split_kernel, split, {**shape, "BLOCK_SIZE": 16, "BLOCK_N": 16, "TILE": tile}),
+                            (jit.combine_kernel, combine, shape)):
+        sig = {**sig, **{name: "constexpr" for name in consts}}
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32))
 print("compiled")
 """
 
@@ -199,7 +200,8 @@ print("compiled")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_kernels_compile_for_a_gpu(dtype):
     """The interpreter runs what a GPU's compiler refuses (a variable of two shapes across a branch, say): the
-    kernels compiled for an H100/H200 (sm_90) here, without a GPU, at the 8B and a small shape, tiles of 1 and 4."""
+    kernels compiled for an H100/H200 (sm_90) and an A100 (sm_80) here, without a GPU, at the 8B and a small
+    shape, tiles of 1 and 4."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_A_GPU, dtype], capture_output=True, text=True, env=env,
                           timeout=600)
