@@ -39,7 +39,7 @@ alone beside it), goodput (output tokens/s of the requests that met both), refus
 prompt and cached tokens; the ratio of attainment on / off per round with its median and range; the grid
 rate where FIFO's median attainment is nearest 50 % and the ratio there. Every point checks that every
 request ended (`lost`: planned turns neither served nor refused) and that every KV block was free afterwards.
-Writes bench/results/prefix_slo.json (or --out) and prints a table.
+Writes bench/results/prefix_slo.json (or --out; the report links it compressed, .json.xz) and prints a table.
 """
 
 from __future__ import annotations
