@@ -5,9 +5,10 @@ request's committed slots through the block table, then its tree path (`lean_inp
 layout, the same the compiled CPU pass reads). One program per (tile of consecutive tokens, kv head) runs
 the tile's tokens and the kv head's query heads together, streaming the keys in blocks with an online softmax
 per token; the tokens of one request in a tile (a tree's nodes, a chunk's tokens) read the blocks of the prefix
-they share once. Tiles hold `TILE_TOKENS` tokens in a call where some request has several, one otherwise. So decode, prefill chunks, tree verification and the draft's beam nodes
-are one kernel. Contexts are split (flash-decoding): parts of `SPLIT_N` keys, one program each, merged in order
-by a second kernel, so that a few long requests still fill the GPU's cores.
+they share once. Tiles hold `TILE_TOKENS` tokens in a call where some request has several, one otherwise.
+So decode, prefill chunks, tree verification and the draft's beam nodes are one kernel. Contexts are split
+(flash-decoding): parts of `SPLIT_N` keys, one program each, merged in order by a second kernel, so that a few
+long requests still fill the GPU's cores.
 
 `attention_reference` is the same computation in torch (gathered keys, a plain softmax): the tests
 check the kernel against it through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, where
