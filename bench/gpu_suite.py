@@ -234,7 +234,6 @@ def kernel_bits(plan: Plan) -> list[dict]:
     nodes give the bits of the same tokens as a chunk (each decoded at its position: lossless verification);
     the largest difference from the kernel's torch reference (float32 softmax)."""
     from specserve.shared.runtime.block_manager import BlockManager
-    from specserve.shared.runtime.kernels import triton_attention as ta
     from specserve.shared.runtime.lean_inputs import build_lean_inputs
 
     shapes, rows = {**SHAPES, **plan.extra_shapes}, []
@@ -258,9 +257,9 @@ def kernel_bits(plan: Plan) -> list[dict]:
                 k, v = (torch.randn(blocks.num_blocks * 16, kv_heads, dim, generator=gen, device=plan.device).to(dtype)
                         for _ in range(2))
             args = (q, k, v, keys.tables, keys.seq, keys.prefix, keys.extra_off, keys.extra_slots, 16)
-            out[name] = {tile: ta.paged_attention(*args, tile=tile) for tile in (None, 1, 2, 4)}
+            out[name] = {tile: triton_attention.paged_attention(*args, tile=tile) for tile in (None, 1, 2, 4)}
             if name == "tree":
-                reference = ta.attention_reference(*args)
+                reference = triton_attention.attention_reference(*args)
         every = out["tree"]
         row = {"shape": shape, "dtype": plan.curve_dtype, "tokens": int(q.shape[0]),
                "tiles_equal": all(torch.equal(every[t], every[1]) for t in every),
