@@ -28,6 +28,7 @@ from specserve.gateway.sched.admission.dp import Budget, Node, plan
 from specserve.gateway.sched.admission.slo import SloAdmission
 from specserve.gateway.sched.admission.slo_round import LOOKAHEAD
 from specserve.gateway.sched.plan import (
+    TTFT_RESERVE,
     DraftView,
     Limits,
     PrefillView,
@@ -890,11 +891,16 @@ def test_a_critical_arrival_while_a_long_prompt_prefills_is_planned_prefill_firs
 def test_chunks_keep_every_admitted_prompts_deadline():
     """The decoders' batches leave a few tokens for prompts; when that room cannot prefill the prompts
     due by their deadlines, each pass takes what keeps them (the prompts due, over the batches left
-    before each deadline), at most the engine's chunk. A prompt already late does not set the room."""
+    before each deadline less its reserve), at most the engine's chunk. A prompt already late does not set
+    the room."""
+    assert TTFT_RESERVE == 0.02
     running = [d(f"r{i}", tpot=10.0) for i in range(2)]  # 10 ms batches of 50 tokens: 48 for prompts
     on_time = [PrefillView("p", 0, 2000, 0, "chat", 10.0, 1000.0, 900.0)]  # 2,000 tokens due in 100 ms
     p = SloAdmission().propose(rview([], on_time, running), set(), None)
-    assert p.chunks["p"] == 200  # 10 batches left
+    assert p.chunks["p"] == 223  # 9 batches end by 98 ms (the reserve: 2 % of the 100 ms left)
+    on_time = [PrefillView("p", 0, 2000, 0, "chat", 10.0, 1000.0, 897.0)]  # due in 103 ms: 10 batches by 100.94
+    p = SloAdmission().propose(rview([], on_time, running), set(), None)
+    assert p.chunks["p"] == 200
     late = [PrefillView("p", 0, 2000, 0, "chat", 10.0, 1000.0, 1100.0)]
     p = SloAdmission().propose(rview([], late, running), set(), None)
     assert p.chunks["p"] == 48

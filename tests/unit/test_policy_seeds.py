@@ -17,6 +17,7 @@ import pytest
 
 from specserve.gateway.perf.cost import OnlineLinear, PassCost
 from specserve.gateway.perf.record import DraftStep, IterationRecord, ReplicaStep, RequestStep
+from specserve.gateway.sched.plan import TTFT_RESERVE
 from specserve.gateway.sched.policy import BatchView, CandidateTree, RequestView, Shape, make_policy
 from specserve.gateway.sched.policy.goodput import Acceptance, best_depth, expected_tokens
 from specserve.gateway.sched.policy.joint import AT_RISK, LOST, SLACK, Joint, makes_late
@@ -508,12 +509,21 @@ def test_joint_does_not_draft_a_prompt_past_its_ttft():
 
 
 def test_a_prompts_ttft_is_kept_with_the_planners_margin_on_the_drafting_passes():
-    """`makes_late`: 1,000 prompt tokens at 128 a pass take 8 passes; with 8.5 plain passes of time left,
+    """`makes_late`: 1,000 prompt tokens at 128 a pass take 8 passes; with 8.7 plain passes of time left,
     passes 5 % longer keep the deadline at their expected time, not with the 10 % by which slow prompt
     passes overran their price; a prompt that plain passes would bring late is late anyway."""
-    batch = BatchView([], prefill_tokens=128, prompts=((1000, 8.5 * 10.0),))
+    batch = BatchView([], prefill_tokens=128, prompts=((1000, 8.7 * 10.0),))
     assert not makes_late(batch, 10.0, 10.5) and makes_late(batch, 10.0, 10.5, slow=0.1)
     assert not makes_late(BatchView([], prefill_tokens=128, prompts=((1000, 7.5 * 10.0),)), 10.0, 10.5, slow=0.1)
+
+
+def test_a_prompts_last_pass_keeps_the_ttft_reserve_before_its_deadline():
+    """`makes_late` plans a prompt's last pass to end by its deadline less `TTFT_RESERVE` of the time left (what
+    follows that pass: the first token's commit and way out): 8 passes of 10.5 ms end at 84 ms, inside 85 ms
+    but not inside 85 ms less 2 %."""
+    assert TTFT_RESERVE == 0.02
+    assert makes_late(BatchView([], prefill_tokens=128, prompts=((1000, 85.0),)), 10.0, 10.5)
+    assert not makes_late(BatchView([], prefill_tokens=128, prompts=((1000, 86.0),)), 10.0, 10.5)
 
 
 @pytest.mark.parametrize("held_off", ["prompt past its TTFT", "requests waiting"])

@@ -40,6 +40,9 @@ class Shape:
 
 
 NO_DRAFT = Shape(0, 1)
+# The share of a prompt's time to its TTFT deadline that the plans keep back: its last pass planned to end by
+# the deadline less this, for what comes after that pass (the first token's commit and its way to the client)
+TTFT_RESERVE = 0.02
 
 
 @dataclass(slots=True)
