@@ -45,6 +45,12 @@ NO_DRAFT = Shape(0, 1)
 TTFT_RESERVE = 0.02
 
 
+def last_pass_end_ms(left_ms: float) -> float:
+    """The latest a prompt's last pass may end, in ms from now, when its TTFT deadline is `left_ms` away: the
+    deadline less `TTFT_RESERVE` of the time left."""
+    return left_ms * (1.0 - TTFT_RESERVE)
+
+
 @dataclass(slots=True)
 class RequestView:
     """What a policy sees of one decoding request."""

@@ -24,7 +24,7 @@ from collections.abc import Set as AbstractSet
 from specserve.gateway.perf.cost import PassCost, most_tokens
 from specserve.gateway.sched.admission.budget import BatchShape, TierLoad, batch_shape
 from specserve.gateway.sched.admission.dp import Budget, Node, plan
-from specserve.gateway.sched.plan import TTFT_RESERVE, SchedulerView
+from specserve.gateway.sched.plan import SchedulerView, last_pass_end_ms
 
 MIN_CHUNK_TOKENS = 16  # a prefilling prompt always advances by at least this much
 
@@ -139,7 +139,7 @@ def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]],
     cycles, none in a pass of the decoders alone and the long pass's once its decoders have banked it;
     and for SLO prompts whatever the decoders have banked beyond that (`due_ms`: until the first SLO
     decoder's next token is due). It is raised to what keeps every SLO prompt not yet late within its
-    deadline less `TTFT_RESERVE` of the time left (per batch, or per long pass of a cycle) and capped at the
+    deadline less its reserve (`last_pass_end_ms`; per batch, or per long pass of a cycle) and capped at the
     engine's chunk. Best-effort prompts never get more than the plan's room: nothing was promised them."""
     chunks: dict[str, int] = {}
     per_replica = [0] * len(view.replicas)
@@ -166,7 +166,7 @@ def prefill_chunks(view: SchedulerView, budgets: dict[int, list[ReplicaBudget]],
                 break
             # every SLO prompt not yet late, with those due before it, is in by its deadline at this room
             due += left.get(n.rid, 0)
-            periods = math.floor(n.deadline_ms * (1.0 - TTFT_RESERVE) / period)
+            periods = math.floor(last_pass_end_ms(n.deadline_ms) / period)
             if n.deadline_ms > 0 and (long_pass or periods == 0):
                 room = max(room, math.ceil(due / max(1, periods)))
         room = min(room, view.limits.max_prefill_tokens)

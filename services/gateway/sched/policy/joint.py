@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from specserve.gateway.perf.cost import PassCost
 from specserve.gateway.perf.record import IterationRecord
-from specserve.gateway.sched.plan import TTFT_RESERVE, SchedulerView
+from specserve.gateway.sched.plan import SchedulerView, last_pass_end_ms
 from specserve.gateway.sched.policy.base import BatchView, RequestView, Selected, Shape, Trees
 from specserve.gateway.sched.policy.branching import Branches
 from specserve.gateway.sched.policy.goodput import best_depth, expected_tokens
@@ -55,7 +55,7 @@ def makes_late(batch: BatchView, t0: float, t: float, slow: float = 0.0) -> bool
     """Whether passes of t ms instead of t0, kept until the replica's prompts are in, may make a prefilling
     request miss its TTFT SLO that passes of t0 would meet: its prompt and those whose deadline comes
     first (`BatchView.prompts`' order) go in at this pass's prompt tokens a pass, its first token comes
-    with its last chunk's pass, which must end by the deadline less `TTFT_RESERVE` of the time left; the longer
+    with its last chunk's pass, which must end by the deadline less its reserve (`last_pass_end_ms`); the longer
     passes are priced with the planner's margin (`slow`: the share by which slow prompt passes overran their
     price, `PassCost.slow_share`)."""
     if batch.prefill_tokens <= 0 or t <= t0:
@@ -64,7 +64,7 @@ def makes_late(batch: BatchView, t0: float, t: float, slow: float = 0.0) -> bool
     for tokens, left_ms in batch.prompts:
         ahead += tokens
         passes = math.ceil(ahead / batch.prefill_tokens)
-        kept = left_ms * (1.0 - TTFT_RESERVE)  # its last pass's end, at the latest
+        kept = last_pass_end_ms(left_ms)
         if passes * t0 <= kept < passes * t * (1.0 + slow):
             return True
     return False
