@@ -34,10 +34,12 @@ failure of the batched model pass itself fails the call, and that pass gives bac
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from specserve.shared.host.service_base import BadCall, flat_counts, ms_since, split_counts
@@ -51,10 +53,13 @@ from specserve.shared.spec.sampling import greedy_rows, greedy_tokens
 from specserve.shared.spec.token_tree import InvalidTree, validate_tree
 from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
 from specserve.shared.wire.messages import (
+    VERIFY_MASKED,
+    VERIFY_ROOT_PENDING,
     ErrorInfo,
     Forward,
     ForwardReply,
     PrefillEntry,
+    ResultColumns,
     SamplingSpec,
     StatsReply,
     StepResult,
@@ -97,15 +102,20 @@ class TargetEngine:
         self.calls += 1
         for rid in msg.release:  # before the entries: a preempted request may start again in this call
             self.release(rid)
-        counts = [e.num_nodes for e in msg.verify]
+        try:
+            columns = [a.tolist() for a in msg.verify.arrays()]  # steps, committed, nodes, flags
+        except ValueError as exc:
+            raise BadCall(f"verify entries: {exc}") from None
+        counts = columns[2]
         trees = flat_counts(tensors, "tree_tokens", counts), flat_counts(tensors, "tree_parents", counts)
-        plain = self._plain_decodes(msg, *trees)
+        plain = self._plain_decodes(msg, columns, *trees)
         if plain and len(plain) == len(msg.verify) and not msg.prefill:
             decoded = self._decode(msg, plain, start)
             if decoded is not None:
                 return decoded
+        verify = msg.verify.entries()  # the rest works entry by entry
         base = len(msg.prefill)
-        plain_ids = [msg.verify[j].rid for j in plain]  # (by verify index)
+        plain_ids = [verify[j].rid for j in plain]  # (by verify index)
         reserved = self.runner.blocks.new_blocks_for_one(plain_ids) if plain else 0
         if reserved > self.runner.num_free_blocks:  # the general path refuses some
             plain, plain_ids, reserved = {}, [], 0
@@ -113,10 +123,10 @@ class TargetEngine:
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
-        masks = self._masks(msg, tensors)
-        entries = self._fit_to_pool(self._entries(msg, tensors, trees, counts, errors, plain), len(msg.prefill), errors,
-                                    cached if use_cache else None, undo, reserved)
-        all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *msg.verify]
+        masks = self._masks(msg.prefill, verify, tensors)
+        entries = self._fit_to_pool(self._entries(msg.prefill, verify, tensors, trees, counts, errors, plain),
+                                    len(msg.prefill), errors, cached if use_cache else None, undo, reserved)
+        all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *verify]
         captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
         logits, features, plain_logits = self._pass(msg, [e for _, e in entries], undo, plain_ids,
@@ -142,8 +152,8 @@ class TargetEngine:
         if plain:
             assert plain_logits is not None
             tokens, indices = greedy_tokens(plain_logits), [base + j for j in plain]
-            self._commit_plain([msg.verify[j] for j in plain], [req for req, _ in plain.values()], tokens, indices,
-                               errors)
+            self._commit_plain([verify[j].rid for j in plain], [verify[j].step for j in plain],
+                               [req for req, _ in plain.values()], tokens, indices, errors)
             for index, token in zip(indices, tokens):
                 if index not in errors:
                     emitted[index] = ([token], 0)
@@ -157,36 +167,39 @@ class TargetEngine:
         graphs = getattr(self.runner, "graphs", None)
         return graphs.captures if graphs is not None else 0
 
-    def _reply(self, results: list[StepResult], forward_ms: float, accept_ms: float, start: float,
+    def _reply(self, results: ResultColumns, forward_ms: float, accept_ms: float, start: float,
                captures: int) -> ForwardReply:
         """The call's reply (a warmup call where the pass captured a CUDA graph: more captures than `captures`)."""
         return ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks,
                             self._captures() > captures, cached_blocks=self.runner.blocks.num_cached_blocks)
 
-    def _plain_decodes(self, msg: Forward, tokens: list[int], parents_of: list[int]) -> Plain:
+    def _plain_decodes(self, msg: Forward, columns: list[list[int]], tokens: list[int], parents_of: list[int]) -> Plain:
         """By verify index, the call's plain decodes (one-node trees, no mask) of plain requests
         (`TargetRequest.plain`) that pass the checks `_check_verify` makes, with their roots: they run without
-        the per-entry layers (checks, acceptance), in one loop each. `tokens`, `parents_of`: the call's tree
-        tensors as flat lists. Empty when the call names a request twice (the general path says so), or with
-        features asked, or with an acceptance rule of its own."""
-        verify, prefill = msg.verify, msg.prefill
-        if msg.features or not verify or self.accept is not None or not self.batched_decodes \
-                or len({e.rid for e in verify} | {e.rid for e in prefill}) != len(verify) + len(prefill):
+        the per-entry layers (checks, acceptance), in one loop each. `columns`: the verify entries' steps, committed
+        counts, nodes and flags (`VerifyColumns.arrays`) as lists; `tokens`, `parents_of`: the call's tree tensors
+        as flat lists. Empty when the call names a request twice (the general path says so), or with features
+        asked, or with an acceptance rule of its own."""
+        rids, prefill = msg.verify.rids, msg.prefill
+        if msg.features or not rids or self.accept is not None or not self.batched_decodes \
+                or len({*rids} | {e.rid for e in prefill}) != len(rids) + len(prefill):
             return {}
         requests, vocab = self.requests, self.vocab_size
         limit = self.config.kv_blocks * self.runner.blocks.block_size  # committed tokens whose step fits the pool
+        steps, committed, nodes, flags = columns
+        # node j of the call is entry j's root while every entry is one node (a busy call's usual case)
+        starts = range(len(rids)) if len(tokens) == len(rids) else \
+            [at - n for at, n in zip(itertools.accumulate(nodes), nodes)]
         out: Plain = {}
-        at = 0
         try:
-            for j, entry in enumerate(verify):
-                node, at = at, at + entry.num_nodes
-                if entry.num_nodes != 1 or entry.masked or parents_of[node] != -1:
+            for j, (rid, node) in enumerate(zip(rids, starts)):
+                if nodes[j] != 1 or flags[j] & VERIFY_MASKED or parents_of[node] != -1:
                     continue
-                req = requests.get(entry.rid)
-                if req is None or not req.plain or entry.step <= req.last_step \
-                        or entry.num_committed != req.committed or not 0 < req.committed <= limit:
+                req = requests.get(rid)
+                if req is None or not req.plain or steps[j] <= req.last_step \
+                        or committed[j] != req.committed or not 0 < req.committed <= limit:
                     continue
-                token = req.last_token if entry.root_pending else tokens[node]
+                token = req.last_token if flags[j] & VERIFY_ROOT_PENDING else tokens[node]
                 if token == req.last_token and 0 <= token < vocab:
                     out[j] = (req, token)
         except Exception:  # a state that cannot be read: the per-entry checks end that request alone
@@ -197,13 +210,13 @@ class TargetEngine:
         """The call when every entry is a plain decode (`_plain_decodes`) and all fit the pool: run as one batch of
         decodes (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results. None,
         having changed nothing, when they do not fit: the general path refuses some."""
-        verify = msg.verify
-        reqs = [plain[j][0] for j in range(len(verify))]
-        roots = [plain[j][1] for j in range(len(verify))]
+        rids = msg.verify.rids
+        reqs = [plain[j][0] for j in range(len(rids))]
+        roots = [plain[j][1] for j in range(len(rids))]
         captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
         try:
-            _, logits = self.runner.decode([e.rid for e in verify], roots)
+            _, logits = self.runner.decode(rids, roots)
         except OutOfBlocks:
             return None
         forward_ms = self.runner.model_ms
@@ -211,30 +224,32 @@ class TargetEngine:
         emitted = greedy_tokens(logits)
         self.runner.last_logits = None
         errors: dict[int, ErrorInfo] = {}
-        self._commit_plain(verify, reqs, emitted, range(len(verify)), errors)
+        steps = np.frombuffer(msg.verify.steps, "<i8")
+        self._commit_plain(rids, steps.tolist(), reqs, emitted, range(len(rids)), errors)
         accept_ms = ms_since(t0)
         self.decode_calls += 1
         self.entry_errors += len(errors)
-        results = [StepResult(e.rid, e.step, 1, 0) if j not in errors else StepResult(e.rid, e.step, 0, 0, errors[j])
-                   for j, e in enumerate(verify)]
+        counts = np.ones(len(rids), dtype="<i4")
+        counts[list(errors)] = 0
+        results = ResultColumns(rids, msg.verify.steps, counts.tobytes(), np.zeros_like(counts).tobytes(), errors)
         tokens = emitted if not errors else [t for j, t in enumerate(emitted) if j not in errors]
         return self._reply(results, forward_ms, accept_ms, start, captures), {
             "tokens": torch.tensor(tokens, dtype=torch.int32)}
 
-    def _commit_plain(self, entries: list[VerifyEntry], reqs: list[TargetRequest], tokens: list[int],
+    def _commit_plain(self, rids: list[str], steps: list[int], reqs: list[TargetRequest], tokens: list[int],
                       indices: Sequence[int], errors: dict[int, ErrorInfo]) -> None:
         """Commit each plain decode's token (its KV was committed by the pass), keying a block of the prefix cache
         where one filled; a failure ends that request alone (its error in `errors` at its result index)."""
         bs, caching = self.runner.blocks.block_size, self.config.prefix_caching
-        self.plain_entries += len(entries)
-        for index, entry, req, token in zip(indices, entries, reqs, tokens):
+        self.plain_entries += len(rids)
+        for index, rid, step, req, token in zip(indices, rids, steps, reqs, tokens):
             try:
                 committed = req.committed
-                req.committed, req.last_token, req.last_step = committed + 1, token, entry.step
+                req.committed, req.last_token, req.last_step = committed + 1, token, step
                 if caching and committed % bs == 0:  # its newest KV filled a block
-                    self.runner.cache_prefix(entry.rid, committed)
+                    self.runner.cache_prefix(rid, committed)
             except Exception as exc:
-                errors[index] = self._failed(entry.rid, "acceptance", exc)
+                errors[index] = self._failed(rid, "acceptance", exc)
 
     def _pass(self, msg: Forward, passed: list[Chunk | Tree], undo: list[Callable[[], None]], plain_ids: list[str],
               roots: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
@@ -253,19 +268,20 @@ class TargetEngine:
                 give_back()
             raise
 
-    def _entries(self, msg: Forward, tensors: dict[str, torch.Tensor], trees: tuple[list[int], list[int]],
-                 counts: list[int], errors: dict[int, ErrorInfo], plain: Plain) -> list[tuple[int, Chunk | Tree]]:
+    def _entries(self, prefill_entries: list[PrefillEntry], verify_entries: list[VerifyEntry],
+                 tensors: dict[str, torch.Tensor], trees: tuple[list[int], list[int]], counts: list[int],
+                 errors: dict[int, ErrorInfo], plain: Plain) -> list[tuple[int, Chunk | Tree]]:
         """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
         (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`.
         `trees`: the tree tensors as flat lists (`flat_counts`) and `counts` the verify entries' nodes;
         `plain`: the plain decodes `_plain_decodes` checked already (not among them: they run beside them).
         A root-only step (a plain decode) runs as a one-token chunk: the pass treats both alike, and the
         accepted path of a one-node tree is its root, so its KV is committed at once."""
-        chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in msg.prefill])
+        chunks = split_counts(tensors, "prefill_tokens", [e.num_tokens for e in prefill_entries])
         tree_tokens, tree_parents = split_flat(trees[0], counts), split_flat(trees[1], counts)
         seen: set[str] = set()
         entries: list[tuple[int, Chunk | Tree]] = []
-        for i, (prefill, toks) in enumerate(zip(msg.prefill, chunks)):
+        for i, (prefill, toks) in enumerate(zip(prefill_entries, chunks)):
             error = self._isolated(prefill.rid, "check", self._check_prefill, prefill, toks, seen)
             if error:
                 errors[i] = error
@@ -274,8 +290,8 @@ class TargetEngine:
             state = req.logprobs if req is not None else LogprobState.of(prefill.sampling or SamplingSpec())
             at = range(len(toks)) if every_row(state) else [len(toks) - 1] if prefill.last else []
             entries.append((i, Chunk(prefill.rid, toks, logits_at=at)))
-        base = len(msg.prefill)
-        for j, (verify, toks, parents) in enumerate(zip(msg.verify, tree_tokens, tree_parents)):
+        base = len(prefill_entries)
+        for j, (verify, toks, parents) in enumerate(zip(verify_entries, tree_tokens, tree_parents)):
             if j in plain:  # checked by `_plain_decodes`, run beside the entries
                 seen.add(verify.rid)
                 continue
@@ -290,11 +306,12 @@ class TargetEngine:
                 entries.append((base + j, Tree(verify.rid, toks, parents)))
         return entries
 
-    def _masks(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def _masks(self, prefill: list[PrefillEntry], verify: list[VerifyEntry],
+               tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The masked entries' rows of "token_masks", by result index (a prefill chunk's one row applies to the
         first token, where the chunk ends the prompt); a tensor that disagrees with the entries refuses the call."""
-        rows = [(1 if e.last else 0) if e.masked else 0 for e in msg.prefill]
-        rows += [e.num_nodes if e.masked else 0 for e in msg.verify]
+        rows = [(1 if e.last else 0) if e.masked else 0 for e in prefill]
+        rows += [e.num_nodes if e.masked else 0 for e in verify]
         flat = tensors.get("token_masks")
         if not sum(rows):
             return {}
@@ -311,7 +328,7 @@ class TargetEngine:
     @staticmethod
     def _results(all_entries: list[PrefillEntry | VerifyEntry], errors: dict[int, ErrorInfo],
                  emitted: dict[int, tuple[list[int], int]], kept: dict[int, torch.Tensor],
-                 scored: CallLogprobs, cached: dict[int, int]) -> tuple[list[StepResult], dict[str, torch.Tensor]]:
+                 scored: CallLogprobs, cached: dict[int, int]) -> tuple[ResultColumns, dict[str, torch.Tensor]]:
         """Each entry's result in order, and the payload: the emitted tokens, the features where kept,
         the logprobs where asked."""
         results, out, feats = [], [], []
@@ -336,7 +353,7 @@ class TargetEngine:
         if feats:
             payload["features"] = torch.cat(feats)
         payload.update(scored.payload([i for i in range(len(all_entries)) if i not in errors]))
-        return results, payload
+        return ResultColumns.of(results), payload
 
     # ---- isolation ---------------------------------------------------------------------------
     def _isolated(self, rid: str, what: str, check: Callable[..., ErrorInfo | None], *args: Any) -> ErrorInfo | None:

@@ -41,7 +41,11 @@ def build_host(config: TargetConfig) -> ServiceHost:
 def call_tokens(body: Message) -> int | None:
     """A call's size as the entries claim it (ServiceHost runs small ones on the loop's thread)."""
     if isinstance(body, Forward):
-        return sum(e.num_tokens for e in body.prefill) + sum(e.num_nodes for e in body.verify)
+        try:
+            nodes = int(body.verify.arrays()[2].sum())
+        except ValueError:  # malformed columns: the engine refuses the call
+            return None
+        return sum(e.num_tokens for e in body.prefill) + nodes
     return 0 if isinstance(body, Release) else None
 
 

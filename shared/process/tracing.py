@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sized
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -109,13 +109,14 @@ def failed(current: trace.Span, message: str) -> None:
 
 
 def struct_attributes(prefix: str, message: msgspec.Struct) -> dict[str, Any]:
-    """A message's scalar fields as attributes (`prefix.field`); a list field as its length."""
+    """A message's scalar fields as attributes (`prefix.field`); a list field, or one of entries by column
+    (`VerifyColumns`, `ResultColumns`), as its length."""
     out: dict[str, Any] = {}
     for name in message.__struct_fields__:
         value = getattr(message, name)
         if isinstance(value, (bool, int, float, str)):
             out[f"{prefix}.{name}"] = value
-        elif isinstance(value, list):
+        elif isinstance(value, list) or isinstance(value, msgspec.Struct) and isinstance(value, Sized):
             out[f"{prefix}.{name}.count"] = len(value)
     return out
 

@@ -6,11 +6,20 @@ token data does not travel in the header: each batch message names flat tensors 
 Each entry carries its request id and step number: the step is the gateway's iteration counter for
 that request and must increase from call to call, so a replayed or reordered call is refused
 instead of corrupting a request.
+
+The target's call travels by batch, not by request: a Forward's verify entries and its reply's results
+are columns (`VerifyColumns`, `ResultColumns`: the request ids as one list, every numeric field as one
+little-endian array for all entries, the rare fields as sparse maps by row), so that neither end builds,
+encodes or reads a Struct per entry on the hot path. `VerifyEntry` and `StepResult` are one row of them,
+for the code that works entry by entry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import msgspec
+import numpy as np
 from msgspec import Struct
 
 
@@ -195,6 +204,8 @@ class PrefillEntry(Struct):
 
 
 class VerifyEntry(Struct):
+    """One row of `VerifyColumns`."""
+
     rid: str
     step: int  # strictly increasing per request
     num_committed: int  # committed tokens (prompt + output) before this step; the root is the newest
@@ -206,13 +217,68 @@ class VerifyEntry(Struct):
     root_pending: bool = False
 
 
+def column(values: Sequence[int] | np.ndarray, dtype: type) -> bytes:
+    """One numeric field of every entry of a batch, as the bytes of a little-endian array."""
+    return np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def read_column(data: bytes, dtype: type, rows: int, name: str) -> np.ndarray:
+    """A column's array (read-only, on the message's bytes); ValueError where it does not hold `rows` values."""
+    kind = np.dtype(dtype).newbyteorder("<")
+    if len(data) != rows * kind.itemsize:
+        raise ValueError(f"column {name!r} holds {len(data)} bytes, not {rows} x {kind.itemsize}")
+    return np.frombuffer(data, dtype=kind)
+
+
+VERIFY_MASKED, VERIFY_ROOT_PENDING = 1, 2  # VerifyColumns.flags bits: VerifyEntry.masked, VerifyEntry.root_pending
+
+
+class VerifyColumns(Struct):
+    """A Forward's verify entries by column, row i the i-th entry (`VerifyEntry`'s fields): `rids` their request
+    ids, then one array each: int64 `steps` and `committed` (num_committed), int32 `nodes` (num_nodes), uint8
+    `flags` (VERIFY_MASKED | VERIFY_ROOT_PENDING)."""
+
+    rids: list[str] = msgspec.field(default_factory=list)
+    steps: bytes = b""
+    committed: bytes = b""
+    nodes: bytes = b""
+    flags: bytes = b""
+
+    @classmethod
+    def of(cls, entries: Sequence[VerifyEntry]) -> VerifyColumns:
+        return cls.build([e.rid for e in entries], [e.step for e in entries], [e.num_committed for e in entries],
+                         [e.num_nodes for e in entries],
+                         [VERIFY_MASKED * e.masked + VERIFY_ROOT_PENDING * e.root_pending for e in entries])
+
+    @classmethod
+    def build(cls, rids: list[str], steps: Sequence[int], committed: Sequence[int], nodes: Sequence[int],
+              flags: Sequence[int]) -> VerifyColumns:
+        return cls(rids, column(steps, np.int64), column(committed, np.int64), column(nodes, np.int32),
+                   column(flags, np.uint8))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(steps, committed, nodes, flags); ValueError where a column does not hold one value per request id."""
+        n = len(self.rids)
+        return (read_column(self.steps, np.int64, n, "steps"), read_column(self.committed, np.int64, n, "committed"),
+                read_column(self.nodes, np.int32, n, "nodes"), read_column(self.flags, np.uint8, n, "flags"))
+
+    def entries(self) -> list[VerifyEntry]:
+        """Every row as a `VerifyEntry` (ValueError as `arrays`)."""
+        steps, committed, nodes, flags = (a.tolist() for a in self.arrays())
+        return [VerifyEntry(rid, s, c, n, bool(f & VERIFY_MASKED), bool(f & VERIFY_ROOT_PENDING))
+                for rid, s, c, n, f in zip(self.rids, steps, committed, nodes, flags, strict=True)]
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+
 class Forward(Struct, tag=True):
     """Payload: "prefill_tokens" int32, "tree_tokens" int32, "tree_parents" int32 (-1 for roots); with any
     entry masked, "token_masks" int32 [rows, ceil(V / 32)], the masked entries' rows in entry order
     (shared/spec/token_mask.py: bit t % 32 of word t // 32 allows token t at that position)."""
 
     prefill: list[PrefillEntry] = msgspec.field(default_factory=list)
-    verify: list[VerifyEntry] = msgspec.field(default_factory=list)
+    verify: VerifyColumns = msgspec.field(default_factory=VerifyColumns)
     # Return the target's features: the final norm's output at every prefill chunk token and at each
     # verified tree's accepted path (its root first), for a draft that reads them.
     features: bool = False
@@ -220,8 +286,14 @@ class Forward(Struct, tag=True):
     # gateway sends what it owes a target with its next pass instead of a call of their own.
     release: list[str] = msgspec.field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.verify, list):  # built from entries (tests, tools): carried as columns
+            self.verify = VerifyColumns.of(self.verify)
+
 
 class StepResult(Struct):
+    """One row of `ResultColumns`."""
+
     rid: str
     step: int
     num_tokens: int  # tokens emitted (its slice of "tokens"): accepted drafts + 1, or the first token
@@ -237,19 +309,81 @@ class StepResult(Struct):
     top_logprobs: int = 0
 
 
+class ResultExtra(Struct, array_like=True):
+    """A result's rarer fields (`StepResult`'s), sent only for the rows that have any."""
+
+    num_features: int = 0
+    num_cached: int = 0
+    num_prompt_logprobs: int = 0
+    num_logprobs: int = 0
+    top_logprobs: int = 0
+
+
+class ResultColumns(Struct):
+    """A ForwardReply's results by column, row i the i-th result (`StepResult`'s fields): `rids`, then one array
+    each, int64 `steps`, int32 `num_tokens` and `num_accepted`; by row, only where they apply, `errors` and
+    `extra` (ResultExtra). Indexing and iterating give `StepResult`s."""
+
+    rids: list[str] = msgspec.field(default_factory=list)
+    steps: bytes = b""
+    num_tokens: bytes = b""
+    num_accepted: bytes = b""
+    errors: dict[int, ErrorInfo] = msgspec.field(default_factory=dict)
+    extra: dict[int, ResultExtra] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, results: Sequence[StepResult]) -> ResultColumns:
+        errors = {i: r.error for i, r in enumerate(results) if r.error is not None}
+        extras = ((i, ResultExtra(r.num_features, r.num_cached, r.num_prompt_logprobs, r.num_logprobs,
+                                  r.top_logprobs)) for i, r in enumerate(results))
+        return cls([r.rid for r in results], column([r.step for r in results], np.int64),
+                   column([r.num_tokens for r in results], np.int32),
+                   column([r.num_accepted for r in results], np.int32), errors,
+                   {i: x for i, x in extras if x != ResultExtra()})
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(steps, num_tokens, num_accepted); ValueError where a column does not hold one value per request id."""
+        n = len(self.rids)
+        return (read_column(self.steps, np.int64, n, "steps"), read_column(self.num_tokens, np.int32, n, "num_tokens"),
+                read_column(self.num_accepted, np.int32, n, "num_accepted"))
+
+    def rows(self) -> list[StepResult]:
+        """Every row as a `StepResult` (ValueError as `arrays`)."""
+        steps, tokens, accepted = (a.tolist() for a in self.arrays())
+        none, out = ResultExtra(), []
+        for i, (rid, step, n, a) in enumerate(zip(self.rids, steps, tokens, accepted, strict=True)):
+            x = self.extra.get(i, none)
+            out.append(StepResult(rid, step, n, a, self.errors.get(i), x.num_features, x.num_cached,
+                                  x.num_prompt_logprobs, x.num_logprobs, x.top_logprobs))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def __iter__(self) -> Iterator[StepResult]:
+        return iter(self.rows())
+
+    def __getitem__(self, index: int) -> StepResult:
+        return self.rows()[index]
+
+
 class ForwardReply(Struct, tag=True):
     """Payload: "tokens" int32, the emitted tokens of all results concatenated in order; with
     Forward.features, "features" float32 [sum num_features, hidden] in the same order; where a result
     has logprob rows, "logprobs" float32 [sum rows], "top_ids" int32 and "top_logprobs" float32
     [sum rows * top_logprobs], in the same order (a result's prompt rows, then its emitted tokens')."""
 
-    results: list[StepResult]  # prefill entries first, then verify entries, in request order
+    results: ResultColumns  # prefill entries first, then verify entries, in request order
     forward_ms: float  # the model pass, milliseconds
     accept_ms: float  # acceptance and KV commit, milliseconds
     total_ms: float  # the whole call inside the service (checks, pass, acceptance, reply), milliseconds
     free_blocks: int  # target KV blocks free after the step (evictable prefix-cache blocks included)
     warmup: bool = False  # the pass captured a CUDA graph for a new shape: a one-off cost, not its time again
     cached_blocks: int = 0  # blocks holding a prefix-cache entry after the step (held or evictable)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.results, list):  # built from rows (tests, tools): carried as columns
+            self.results = ResultColumns.of(self.results)
 
 
 Message = (

@@ -15,6 +15,8 @@ import torch
 
 from specserve.shared.wire.logprobs import TokenLogprobs, cut
 from specserve.shared.wire.messages import (
+    VERIFY_MASKED,
+    VERIFY_ROOT_PENDING,
     ErrorInfo,
     Forward,
     ForwardReply,
@@ -32,7 +34,7 @@ from specserve.shared.wire.messages import (
     Stats,
     StatsReply,
     TransitionReply,
-    VerifyEntry,
+    VerifyColumns,
 )
 from specserve.shared.wire.rpc import RpcClient
 from specserve.shared.wire.transport import split_flat
@@ -170,8 +172,10 @@ class TargetClient(_ServiceClient):
         msg = Forward([PrefillEntry(p.rid, p.step, p.start, len(p.tokens), p.last, p.sampling, p.resume_token,
                                     p.mask is not None)
                        for p in prefill],
-                      [VerifyEntry(v.rid, v.step, v.num_committed, len(v.tokens), v.masks is not None, v.root_pending)
-                       for v in verify], features, list(release))
+                      VerifyColumns.build([v.rid for v in verify], [v.step for v in verify],
+                                          [v.num_committed for v in verify], [len(v.tokens) for v in verify],
+                                          [VERIFY_MASKED * (v.masks is not None) + VERIFY_ROOT_PENDING * v.root_pending
+                                           for v in verify]), features, list(release))
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),
                    "tree_parents": _flat([v.parents for v in verify])}
@@ -179,11 +183,17 @@ class TargetClient(_ServiceClient):
         if masks:  # only requests with a grammar send rows: the others pay nothing
             tensors["token_masks"] = torch.cat(masks).to(torch.int32)
         reply, out = await self.rpc.call(msg, ForwardReply, _nonempty(tensors))
-        tokens = _cut(out["tokens"], [r.num_tokens for r in reply.results])
-        rows: list[torch.Tensor | None] = [None] * len(reply.results)
+        results = reply.results
+        steps, counts, accepted = (a.tolist() for a in results.arrays())
+        tokens = _cut(out["tokens"], counts)
+        extra, errors, n = results.extra, results.errors, len(results)
+        rows: list[torch.Tensor | None] = [None] * n
         if "features" in out:
-            rows = list(out["features"].split([r.num_features for r in reply.results]))
-        scored = cut(out, reply.results)
-        return [StepOutput(r.rid, r.step, toks, r.num_accepted, r.error, f if r.num_features else None, *lp,
-                           num_cached=r.num_cached)
-                for r, toks, f, lp in zip(reply.results, tokens, rows, scored)], reply
+            rows = list(out["features"].split([extra[i].num_features if i in extra else 0 for i in range(n)]))
+        scored: list[tuple[TokenLogprobs | None, TokenLogprobs | None]]
+        scored = cut(out, results.rows()) if "logprobs" in out else [(None, None)] * n
+        return [StepOutput(rid, step, toks, a, errors.get(i) if errors else None,
+                           f if f is not None and len(f) else None, lp[0], lp[1],
+                           extra[i].num_cached if i in extra else 0)
+                for i, (rid, step, toks, a, f, lp) in enumerate(zip(results.rids, steps, tokens, accepted, rows,
+                                                                    scored))], reply

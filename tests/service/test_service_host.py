@@ -38,7 +38,7 @@ class Recorder:
 
     def __call__(self, body: Message, _tensors: dict) -> tuple[ForwardReply, None]:
         assert isinstance(body, Forward)
-        rid = body.verify[0].rid
+        rid = body.verify.rids[0]
         t0 = time.monotonic()
         if rid == "slow":
             self.slow_started.set()

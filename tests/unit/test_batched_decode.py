@@ -95,7 +95,7 @@ def test_batched_decodes_give_what_the_general_path_gives_and_other_calls_take_i
     msg, tensors = _decodes(fast, [*rids, "a"], 43)  # a request twice
     assert _same(fast, slow, msg, tensors)[-1].error.code == "duplicate_request"
     msg, tensors = _decodes(fast, rids, 44)
-    _same(fast, slow, Forward(verify=[*msg.verify, VerifyEntry("zz", 44, 3, 1)]),
+    _same(fast, slow, Forward(verify=[*msg.verify.entries(), VerifyEntry("zz", 44, 3, 1)]),
           {"tree_tokens": torch.cat([tensors["tree_tokens"], torch.tensor([5], dtype=torch.int32)]),
            "tree_parents": torch.full((6,), -1, dtype=torch.int32)})  # an unknown request
     assert fast.decode_calls == calls
@@ -116,7 +116,8 @@ def test_plain_decodes_beside_prompt_chunks_and_trees_run_batched_with_the_same_
     reqs = fast.requests
     msg, tensors = _decodes(fast, ["a", "c", "d"], 3)
     tree = VerifyEntry("b", 3, reqs["b"].committed, 3)
-    msg = Forward(verify=[msg.verify[0], tree, *msg.verify[1:]])
+    entries = msg.verify.entries()
+    msg = Forward(verify=[entries[0], tree, *entries[1:]])
     tensors = {"tree_tokens": torch.tensor([reqs["a"].last_token, reqs["b"].last_token, 7, 9, reqs["c"].last_token,
                                             reqs["d"].last_token], dtype=torch.int32),
                "tree_parents": torch.tensor([-1, -1, 0, 0, -1, -1], dtype=torch.int32)}
