@@ -34,22 +34,22 @@ failure of the batched model pass itself fails the call, and that pass gives bac
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from specserve.shared.host.service_base import BadCall, flat_array, ms_since, split_counts
+from specserve.shared.host.service_base import BadCall, flat_counts, ms_since, split_counts
 from specserve.shared.runtime.batch import Chunk, Tree
 from specserve.shared.runtime.block_manager import OutOfBlocks
 from specserve.shared.runtime.loader import load_model, parse_device, parse_dtype
 from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.spec import token_mask
 from specserve.shared.spec.penalties import TokenHistory
-from specserve.shared.spec.sampling import greedy_array, greedy_rows
+from specserve.shared.spec.sampling import greedy_rows, greedy_tokens
 from specserve.shared.spec.token_tree import InvalidTree, validate_tree
 from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
 from specserve.shared.wire.messages import (
@@ -68,23 +68,10 @@ from specserve.shared.wire.messages import (
 from specserve.shared.wire.transport import split_flat
 from specserve.target.config import TargetConfig
 from specserve.target.logprobs import CallLogprobs, LogprobState, check_spec, every_row
-from specserve.target.state import RequestRows, TargetRequest, params_of
+from specserve.target.state import TargetRequest, params_of
 
 ROOT_ONLY = (-1,)  # the parents of a one-node tree
-
-
-@dataclass(slots=True)
-class PlainDecodes:
-    """A call's plain decodes (`TargetEngine._plain_decodes`), in call order: their verify indices, their rows
-    of `RequestRows`, their roots."""
-
-    index: np.ndarray
-    rows: np.ndarray
-    roots: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.index)
-
+Plain = dict[int, tuple[TargetRequest, int]]  # by verify index: a plain decode's request and root
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
 
 
@@ -105,7 +92,6 @@ class TargetEngine:
         self.accept = accept
         self.vocab_size = runner.vocab_size
         self.requests: dict[str, TargetRequest] = {}
-        self.rows = RequestRows()  # their decode state, a row each (the persistent batch)
         self.calls = self.entry_errors = 0
         self.batched_decodes = True  # plain decodes run without the per-entry layers (off: as any entry, for tests)
         self.decode_calls = 0  # calls `_decode` ran
@@ -117,38 +103,34 @@ class TargetEngine:
         for rid in msg.release:  # before the entries: a preempted request may start again in this call
             self.release(rid)
         try:
-            columns = msg.verify.arrays()  # steps, committed, nodes, flags
+            columns = [a.tolist() for a in msg.verify.arrays()]  # steps, committed, nodes, flags
         except ValueError as exc:
             raise BadCall(f"verify entries: {exc}") from None
-        if (columns[2] < 0).any():
-            raise BadCall(f"negative node count in {columns[2].tolist()}")
-        total = int(columns[2].sum())
-        tree = flat_array(tensors, "tree_tokens", total), flat_array(tensors, "tree_parents", total)
-        plain = self._plain_decodes(msg, columns, *tree)
-        if plain is not None and len(plain) == len(msg.verify) and not msg.prefill:
-            decoded = self._decode(msg, columns[0], plain, start)
+        counts = columns[2]
+        trees = flat_counts(tensors, "tree_tokens", counts), flat_counts(tensors, "tree_parents", counts)
+        plain = self._plain_decodes(msg, columns, *trees)
+        if plain and len(plain) == len(msg.verify) and not msg.prefill:
+            decoded = self._decode(msg, plain, start)
             if decoded is not None:
                 return decoded
         verify = msg.verify.entries()  # the rest works entry by entry
-        counts, trees = columns[2].tolist(), (tree[0].tolist(), tree[1].tolist())
         base = len(msg.prefill)
-        plain_at = [] if plain is None else plain.index.tolist()  # (verify indices)
-        plain_ids = [verify[j].rid for j in plain_at]
-        reserved = self.runner.blocks.new_blocks_for_one(plain_ids) if plain_at else 0
+        plain_ids = [verify[j].rid for j in plain]  # (by verify index)
+        reserved = self.runner.blocks.new_blocks_for_one(plain_ids) if plain else 0
         if reserved > self.runner.num_free_blocks:  # the general path refuses some
-            plain, plain_at, plain_ids, reserved = None, [], [], 0
+            plain, plain_ids, reserved = {}, [], 0
         errors: dict[int, ErrorInfo] = {}  # by result index: prefill entries first, then verify
         cached: dict[int, int] = {}  # by result index: the chunk's tokens taken from the prefix cache
         undo: list[Callable[[], None]] = []  # how to give them back (the pass failed)
         use_cache = self.config.prefix_caching and not msg.features  # features are computed, never cached
         masks = self._masks(msg.prefill, verify, tensors)
-        entries = self._fit_to_pool(self._entries(msg.prefill, verify, tensors, trees, counts, errors, {*plain_at}),
+        entries = self._fit_to_pool(self._entries(msg.prefill, verify, tensors, trees, counts, errors, plain),
                                     len(msg.prefill), errors, cached if use_cache else None, undo, reserved)
         all_entries: list[PrefillEntry | VerifyEntry] = [*msg.prefill, *verify]
         captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
         logits, features, plain_logits = self._pass(msg, [e for _, e in entries], undo, plain_ids,
-                                                    [] if plain is None else plain.roots.tolist())
+                                                    [root for _, root in plain.values()])
         forward_ms = self.runner.model_ms  # the model call alone: building its inputs is the service's own work
         t0 = time.perf_counter()
         emitted: dict[int, tuple[list[int], int]] = {}
@@ -167,11 +149,12 @@ class TargetEngine:
                            entry_logits, emitted[index][0], path)
             except Exception as exc:  # this request alone ends; the others' results stand
                 errors[index] = self._failed(entry.request_id, "acceptance", exc)
-        if plain is not None:
+        if plain:
             assert plain_logits is not None
-            tokens, indices = greedy_array(plain_logits), [base + j for j in plain_at]
-            self._commit_plain(plain_ids, columns[0][plain.index], plain.rows, tokens, indices, errors)
-            for index, token in zip(indices, tokens.tolist()):
+            tokens, indices = greedy_tokens(plain_logits), [base + j for j in plain]
+            self._commit_plain([verify[j].rid for j in plain], [verify[j].step for j in plain],
+                               [req for req, _ in plain.values()], tokens, indices, errors)
+            for index, token in zip(indices, tokens):
                 if index not in errors:
                     emitted[index] = ([token], 0)
         accept_ms = ms_since(t0)
@@ -190,74 +173,83 @@ class TargetEngine:
         return ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks,
                             self._captures() > captures, cached_blocks=self.runner.blocks.num_cached_blocks)
 
-    def _plain_decodes(self, msg: Forward, columns: tuple[np.ndarray, ...], tokens: np.ndarray,
-                       parents: np.ndarray) -> PlainDecodes | None:
-        """The call's plain decodes (one-node trees, no mask) of plain requests (`RequestRows.plain`) that pass the
-        checks `_check_verify` makes, found by array operations on the call's columns (`VerifyColumns.arrays`)
-        and tree tensors (`tokens`, `parents`) and the requests' rows: they run without the per-entry layers.
-        None when there is none, or the call names a request twice (the general path says so), or asks for
-        features, or with an acceptance rule of its own."""
+    def _plain_decodes(self, msg: Forward, columns: list[list[int]], tokens: list[int], parents_of: list[int]) -> Plain:
+        """By verify index, the call's plain decodes (one-node trees, no mask) of plain requests
+        (`TargetRequest.plain`) that pass the checks `_check_verify` makes, with their roots: they run without
+        the per-entry layers (checks, acceptance), in one loop each. `columns`: the verify entries' steps, committed
+        counts, nodes and flags (`VerifyColumns.arrays`) as lists; `tokens`, `parents_of`: the call's tree tensors
+        as flat lists. Empty when the call names a request twice (the general path says so), or with features
+        asked, or with an acceptance rule of its own."""
         rids, prefill = msg.verify.rids, msg.prefill
-        if msg.features or not len(tokens) or self.accept is not None or not self.batched_decodes \
+        if msg.features or not rids or self.accept is not None or not self.batched_decodes \
                 or len({*rids} | {e.rid for e in prefill}) != len(rids) + len(prefill):
-            return None
-        steps, committed, nodes, flags = columns
-        state, rows = self.rows, self.rows.rows(rids)
-        row = np.maximum(rows, 0)  # (a request not held reads row 0, and is refused below)
-        at = np.minimum(np.cumsum(nodes) - nodes, len(tokens) - 1)  # each entry's first node (for those with one)
-        last, held = state.last_token[row], state.committed[row]
-        root = np.where(flags & VERIFY_ROOT_PENDING, last, tokens[at])
+            return {}
+        requests, vocab = self.requests, self.vocab_size
         limit = self.config.kv_blocks * self.runner.blocks.block_size  # committed tokens whose step fits the pool
-        ok = (rows >= 0) & (nodes == 1) & (flags & VERIFY_MASKED == 0) & (parents[at] == -1) & state.plain[row] \
-            & (steps > state.last_step[row]) & (committed == held) & (held > 0) & (held <= limit) \
-            & (root == last) & (root >= 0) & (root < self.vocab_size)
-        index = np.flatnonzero(ok)
-        return PlainDecodes(index, rows[index], root[index]) if len(index) else None
+        steps, committed, nodes, flags = columns
+        # node j of the call is entry j's root while every entry is one node (a busy call's usual case)
+        starts = range(len(rids)) if len(tokens) == len(rids) else \
+            [at - n for at, n in zip(itertools.accumulate(nodes), nodes)]
+        out: Plain = {}
+        try:
+            for j, (rid, node) in enumerate(zip(rids, starts)):
+                if nodes[j] != 1 or flags[j] & VERIFY_MASKED or parents_of[node] != -1:
+                    continue
+                req = requests.get(rid)
+                if req is None or not req.plain or steps[j] <= req.last_step \
+                        or committed[j] != req.committed or not 0 < req.committed <= limit:
+                    continue
+                token = req.last_token if flags[j] & VERIFY_ROOT_PENDING else tokens[node]
+                if token == req.last_token and 0 <= token < vocab:
+                    out[j] = (req, token)
+        except Exception:  # a state that cannot be read: the per-entry checks end that request alone
+            return {}
+        return out
 
-    def _decode(self, msg: Forward, steps: np.ndarray, plain: PlainDecodes,
-                start: float) -> tuple[ForwardReply, dict] | None:
+    def _decode(self, msg: Forward, plain: Plain, start: float) -> tuple[ForwardReply, dict] | None:
         """The call when every entry is a plain decode (`_plain_decodes`) and all fit the pool: run as one batch of
         decodes (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results. None,
         having changed nothing, when they do not fit: the general path refuses some."""
         rids = msg.verify.rids
+        reqs = [plain[j][0] for j in range(len(rids))]
+        roots = [plain[j][1] for j in range(len(rids))]
         captures = self._captures()
         self.runner.model_ms, self.runner.last_logits = 0.0, None
         try:
-            _, logits = self.runner.decode(rids, plain.roots.tolist())
+            _, logits = self.runner.decode(rids, roots)
         except OutOfBlocks:
             return None
         forward_ms = self.runner.model_ms
         t0 = time.perf_counter()
-        emitted = greedy_array(logits)
+        emitted = greedy_tokens(logits)
         self.runner.last_logits = None
         errors: dict[int, ErrorInfo] = {}
-        self._commit_plain(rids, steps, plain.rows, emitted, None, errors)
+        steps = np.frombuffer(msg.verify.steps, "<i8")
+        self._commit_plain(rids, steps.tolist(), reqs, emitted, range(len(rids)), errors)
         accept_ms = ms_since(t0)
         self.decode_calls += 1
         self.entry_errors += len(errors)
         counts = np.ones(len(rids), dtype="<i4")
         counts[list(errors)] = 0
         results = ResultColumns(rids, msg.verify.steps, counts.tobytes(), np.zeros_like(counts).tobytes(), errors)
-        tokens = np.delete(emitted, list(errors)) if errors else emitted
+        tokens = emitted if not errors else [t for j, t in enumerate(emitted) if j not in errors]
         return self._reply(results, forward_ms, accept_ms, start, captures), {
-            "tokens": torch.from_numpy(tokens.astype(np.int32))}
+            "tokens": torch.tensor(tokens, dtype=torch.int32)}
 
-    def _commit_plain(self, rids: list[str], steps: np.ndarray, rows: np.ndarray, tokens: np.ndarray,
-                      indices: list[int] | None, errors: dict[int, ErrorInfo]) -> None:
-        """Commit the plain decodes' tokens on their rows (their KV was committed by the pass), keying a block of the
-        prefix cache where one filled; a failure there ends that request alone (its error in `errors` at its result
-        index: `indices[k]`, or k where None)."""
-        state, bs = self.rows, self.runner.blocks.block_size
-        before = state.committed[rows]
-        state.committed[rows], state.last_token[rows], state.last_step[rows] = before + 1, tokens, steps
-        self.plain_entries += len(rows)
-        if not self.config.prefix_caching:
-            return
-        for k in np.flatnonzero(before % bs == 0).tolist():  # its newest KV filled a block
+    def _commit_plain(self, rids: list[str], steps: list[int], reqs: list[TargetRequest], tokens: list[int],
+                      indices: Sequence[int], errors: dict[int, ErrorInfo]) -> None:
+        """Commit each plain decode's token (its KV was committed by the pass), keying a block of the prefix cache
+        where one filled; a failure ends that request alone (its error in `errors` at its result index)."""
+        bs, caching = self.runner.blocks.block_size, self.config.prefix_caching
+        self.plain_entries += len(rids)
+        for index, rid, step, req, token in zip(indices, rids, steps, reqs, tokens):
             try:
-                self.runner.cache_prefix(rids[k], int(before[k]))
+                committed = req.committed
+                req.committed, req.last_token, req.last_step = committed + 1, token, step
+                if caching and committed % bs == 0:  # its newest KV filled a block
+                    self.runner.cache_prefix(rid, committed)
             except Exception as exc:
-                errors[k if indices is None else indices[k]] = self._failed(rids[k], "acceptance", exc)
+                errors[index] = self._failed(rid, "acceptance", exc)
 
     def _pass(self, msg: Forward, passed: list[Chunk | Tree], undo: list[Callable[[], None]], plain_ids: list[str],
               roots: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
@@ -278,10 +270,10 @@ class TargetEngine:
 
     def _entries(self, prefill_entries: list[PrefillEntry], verify_entries: list[VerifyEntry],
                  tensors: dict[str, torch.Tensor], trees: tuple[list[int], list[int]], counts: list[int],
-                 errors: dict[int, ErrorInfo], plain: set[int]) -> list[tuple[int, Chunk | Tree]]:
+                 errors: dict[int, ErrorInfo], plain: Plain) -> list[tuple[int, Chunk | Tree]]:
         """The call's entries that pass their checks, by result index (prefill first, then verify): a chunk
         (its logits at its last token where it ends the prompt) or a tree; the others' errors go to `errors`.
-        `trees`: the tree tensors as flat lists and `counts` the verify entries' nodes;
+        `trees`: the tree tensors as flat lists (`flat_counts`) and `counts` the verify entries' nodes;
         `plain`: the plain decodes `_plain_decodes` checked already (not among them: they run beside them).
         A root-only step (a plain decode) runs as a one-token chunk: the pass treats both alike, and the
         accepted path of a one-node tree is its root, so its KV is committed at once."""
@@ -527,9 +519,8 @@ class TargetEngine:
                 history = (TokenHistory(self.vocab_size, params, spec.num_prompt)
                            if params.penalized or params.holds_stops else None)
                 logprobs = LogprobState.of(spec)
-                req = self.requests[rid] = TargetRequest(params, params.make_generator(), self.rows, rid,
-                                                         history=history, logprobs=logprobs,
-                                                         plain=params.is_greedy and history is None
+                req = self.requests[rid] = TargetRequest(params, params.make_generator(), history=history,
+                                                         logprobs=logprobs, plain=params.is_greedy and history is None
                                                          and logprobs is None)
             req.prefilled += message.num_tokens  # (the chunk's tokens taken from the prefix cache included)
             if req.history is not None:  # the whole chunk: its computed tokens and those taken from the cache
@@ -568,7 +559,6 @@ class TargetEngine:
     # ---- release, stats ----------------------------------------------------------------------
     def release(self, rid: str) -> bool:
         known = self.requests.pop(rid, None) is not None
-        self.rows.remove(rid)
         if self.runner.has_request(rid):
             self.runner.release(rid)
             known = True

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-import numpy as np
 import torch
 
 from specserve.shared.host.service_metrics import ServiceMetrics
@@ -260,20 +259,15 @@ def split_counts(tensors: dict[str, torch.Tensor], name: str, counts: list[int])
 def flat_counts(tensors: dict[str, torch.Tensor], name: str, counts: list[int]) -> list[int]:
     """A flat int tensor of the payload as one list, checked to hold `counts` entries' tokens (no tensor: no
     tokens)."""
+    flat = tensors.get(name)
+    total = sum(counts)
     if any(c < 0 for c in counts):
         raise BadCall(f"negative token count in {counts}")
-    values: list[int] = flat_array(tensors, name, sum(counts)).tolist()
-    return values
-
-
-def flat_array(tensors: dict[str, torch.Tensor], name: str, total: int) -> np.ndarray:
-    """A flat int tensor of the payload as an int64 array, checked to hold `total` values (no tensor: none)."""
-    flat = tensors.get(name)
     if flat is None:
         if total:
             raise BadCall(f"the call lacks tensor {name!r}")
-        return np.zeros(0, np.int64)
+        return []
     if flat.dim() != 1 or flat.numel() != total or flat.dtype not in (torch.int32, torch.int64):
         raise BadCall(f"tensor {name!r} must be 1-D integer with {total} elements "
                       f"(got {flat.dtype} {list(flat.shape)})")
-    return flat.numpy().astype(np.int64, copy=False)
+    return flat.tolist()

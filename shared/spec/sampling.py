@@ -16,7 +16,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 SEED_MIN, SEED_END = -(2**63), 2**64  # torch.Generator.manual_seed's range: [SEED_MIN, SEED_END)
@@ -80,18 +79,14 @@ class SamplingParams:
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax (the first index of its largest value; a NaN counts as the largest, as in torch), as
-    `greedy_array` gives it."""
-    chosen: list[int] = greedy_array(logits).tolist()
-    return chosen
-
-
-def greedy_array(logits: torch.Tensor) -> np.ndarray:
-    """`greedy_tokens` as an int64 array. A float32 tensor on the CPU goes through NumPy's vectorized argmax
-    (the same indices; why: docs/lab/step_overhead.md); others through torch, read back once."""
-    chosen: np.ndarray = (logits.detach().numpy().argmax(-1) if logits.device.type == "cpu"
-                          and logits.dtype == torch.float32 else logits.argmax(-1).cpu().numpy())
-    return chosen
+    """Each row's argmax (the first index of its largest value; a NaN counts as the largest, as in torch). A
+    float32 tensor on the CPU goes through NumPy's vectorized argmax (the same indices; why:
+    docs/lab/step_overhead.md); others through torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        chosen: list[int] = logits.detach().numpy().argmax(-1).tolist()
+        return chosen
+    on_device: list[int] = logits.argmax(-1).tolist()
+    return on_device
 
 
 def greedy_rows(logits: Sequence[torch.Tensor], whole: torch.Tensor | None = None) -> list[list[int]]:

@@ -154,30 +154,27 @@ def test_requests_that_sample_penalize_or_ask_for_logprobs_go_the_general_path()
     assert fast.decode_calls == 2  # the calls of "a" and "e" alone
 
 
-def test_the_persistent_batch_gives_each_request_a_row_of_its_own_and_a_released_row_starts_clean() -> None:
-    """`RequestRows`: rows beyond the first capacity grow the arrays with the rows held kept; a released request's
-    row goes to the next one reset; a request released and started again in one call decodes from its new state."""
-    from specserve.target.state import RequestRows
+def test_a_request_whose_state_cannot_be_read_ends_alone() -> None:
+    """A fault in reading one request's state while the plain decodes are picked ends that request alone, as the
+    per-entry checks do, not the call."""
+    from specserve.target.state import TargetRequest
 
-    rows = RequestRows(capacity=2)
-    a, b = rows.add("a", True), rows.add("b", False)
-    rows.committed[a], rows.last_token[a], rows.last_step[a] = 9, 7, 3
-    c = rows.add("c", True)  # past the capacity: grown
-    assert len({a, b, c}) == 3 and len(rows.committed) == 4 and (rows.committed[a], rows.last_token[a]) == (9, 7)
-    assert rows.rows(["c", "zz", "a"]).tolist() == [c, -1, a] and not rows.plain[b]
-    rows.remove("a")
-    d = rows.add("d", False)
-    assert d == a and (rows.committed[d], rows.last_token[d], rows.last_step[d], rows.plain[d]) == (0, -1, -1, False)
+    class Broken(TargetRequest):
+        @property
+        def last_step(self) -> int:
+            raise RuntimeError("unreadable")
+
     fast, slow = _pair(kv_blocks=64)
     _start(fast, slow, {rid: SamplingSpec() for rid in ("a", "b", "c")})
-    for step in (2, 3):
-        _same(fast, slow, *_decodes(fast, ["a", "b", "c"], step))
-    for engine in (fast, slow):  # "b" released and prefilled again in one call, then decoded
-        reply, _ = engine.forward(Forward([PrefillEntry("b", 4, 0, 5, True, SamplingSpec())], release=["b"]),
-                                  {"prefill_tokens": torch.tensor(_prompt("b", 5), dtype=torch.int32)})
-        assert reply.results[0].error is None and engine.requests["b"].committed == 6
-    assert all(r.error is None for r in _same(fast, slow, *_decodes(fast, ["a", "b", "c"], 5)))
-    assert fast.plain_entries == 9 and len(fast.rows) == len(fast.rows.row_of) == 3  # b's old row was freed
+    broken = Broken.__new__(Broken)
+    for name in TargetRequest.__slots__:
+        if name != "last_step":
+            object.__setattr__(broken, name, getattr(fast.requests["b"], name))
+    fast.requests["b"] = broken
+    reply, _payload = fast.forward(*_decodes(fast, ["a", "b", "c"], 2))
+    assert [(r.rid, r.error.code if r.error else None) for r in reply.results] == \
+        [("a", None), ("b", "internal"), ("c", None)]
+    assert "b" not in fast.requests and fast.plain_entries == 0  # (the call went the per-entry path)
 
 
 def test_plain_decodes_that_do_not_fit_the_pool_are_refused_as_before() -> None:
