@@ -188,7 +188,7 @@ class TargetEngine:
         limit = self.config.kv_blocks * self.runner.blocks.block_size  # committed tokens whose step fits the pool
         steps, committed, nodes, flags = columns
         # node j of the call is entry j's root while every entry is one node (a busy call's usual case)
-        starts = range(len(rids)) if len(tokens) == len(rids) else \
+        starts = range(len(rids)) if len(tokens) == len(rids) and min(nodes) == 1 else \
             [at - n for at, n in zip(itertools.accumulate(nodes), nodes)]
         out: Plain = {}
         try:

@@ -177,6 +177,22 @@ def test_a_request_whose_state_cannot_be_read_ends_alone() -> None:
     assert "b" not in fast.requests and fast.plain_entries == 0  # (the call went the per-entry path)
 
 
+def test_each_entry_reads_its_own_root_whatever_the_other_entries_hold() -> None:
+    """An entry of no nodes before a one-node entry and a tree: the one-node entry's root is its own slice of
+    "tree_tokens", not the node its index would name, so a wrong root is refused even where the tree's first node
+    happens to be the request's newest token."""
+    fast, slow = _pair(kv_blocks=64)
+    _start(fast, slow, {rid: SamplingSpec() for rid in ("a", "b", "c")})
+    reqs = fast.requests
+    wrong = (reqs["b"].last_token + 1) % fast.vocab_size
+    msg = Forward(verify=[VerifyEntry("a", 2, reqs["a"].committed, 0), VerifyEntry("b", 2, reqs["b"].committed, 1),
+                          VerifyEntry("c", 2, reqs["c"].committed, 2)])
+    tensors = {"tree_tokens": torch.tensor([wrong, reqs["b"].last_token, 5], dtype=torch.int32),
+               "tree_parents": torch.tensor([-1, -1, 0], dtype=torch.int32)}
+    codes = [r.error.code if r.error else None for r in _same(fast, slow, msg, tensors)]
+    assert codes == ["empty_entry", "out_of_sync", "out_of_sync"]  # (c's root is b's token: not c's newest either)
+
+
 def test_plain_decodes_that_do_not_fit_the_pool_are_refused_as_before() -> None:
     fast, slow = _pair(kv_blocks=11)  # a: 1 block, b: 1, c: 2, d: 2, e: 3 taken by the prompts; 2 free
     _start(fast, slow, {rid: SamplingSpec() for rid in PROMPTS})
