@@ -469,6 +469,19 @@ def test_the_step_overhead_bench_counts_the_target_services_own_work_as_the_stac
     assert walled["stack_ms"] == pytest.approx(35.0)  # what the counters leave out (the loop's turns) counts
 
 
+def test_the_stack_ab_bench_swaps_nothing_for_head_and_groups_rounds_by_revision_level_and_flag():
+    from bench.stack_ab import summary, swapped_files
+
+    assert swapped_files(["HEAD"]) == []  # HEAD against itself: no file to check out
+    rows = [{"rev": rev, "inflight": 64, "flag": "off", "round": r, "stack_ms": ms, "target_service_ms": 0.5,
+             "target_ms": 4.0, "tokens_per_s": 9000.0 + r} for rev, r, ms in
+            (("a1", 1, 3.0), ("b2", 1, 2.0), ("b2", 2, 2.6), ("a1", 2, 3.2), ("a1", 3, 2.9), ("b2", 3, 2.4))]
+    s = summary(rows)
+    assert list(s) == ["a1 @64 off", "b2 @64 off"]
+    assert s["a1 @64 off"]["stack_ms"] == {"median": 3.0, "min": 2.9, "max": 3.2}
+    assert s["b2 @64 off"]["stack_ms"]["median"] == 2.4 and s["b2 @64 off"]["tokens_per_s"]["max"] == 9003.0
+
+
 def test_format_summary_lists_categories_and_split():
     before = parse_counters(_metrics(1.0, 4.0, 0.5, 0.5, 100, 50, 200, 80))
     after = parse_counters(_metrics(2.0, 7.0, 1.0, 1.0, 200, 90, 360, 140))
