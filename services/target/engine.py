@@ -64,6 +64,7 @@ from specserve.shared.wire.messages import (
     StatsReply,
     StepResult,
     VerifyEntry,
+    column,
 )
 from specserve.shared.wire.transport import split_flat
 from specserve.target.config import TargetConfig
@@ -110,10 +111,10 @@ class TargetEngine:
         trees = flat_counts(tensors, "tree_tokens", counts), flat_counts(tensors, "tree_parents", counts)
         plain = self._plain_decodes(msg, columns, *trees)
         if plain and len(plain) == len(msg.verify) and not msg.prefill:
-            decoded = self._decode(msg, plain, start)
+            decoded = self._decode(msg, plain, columns[0], start)
             if decoded is not None:
                 return decoded
-        verify = msg.verify.entries()  # the rest works entry by entry
+        verify = msg.verify.entries(columns)  # the rest works entry by entry
         base = len(msg.prefill)
         plain_ids = [verify[j].rid for j in plain]  # (by verify index)
         reserved = self.runner.blocks.new_blocks_for_one(plain_ids) if plain else 0
@@ -206,10 +207,10 @@ class TargetEngine:
             return {}
         return out
 
-    def _decode(self, msg: Forward, plain: Plain, start: float) -> tuple[ForwardReply, dict] | None:
+    def _decode(self, msg: Forward, plain: Plain, steps: list[int], start: float) -> tuple[ForwardReply, dict] | None:
         """The call when every entry is a plain decode (`_plain_decodes`) and all fit the pool: run as one batch of
-        decodes (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results. None,
-        having changed nothing, when they do not fit: the general path refuses some."""
+        decodes (`ModelRunner.decode`), argmaxed at once and committed, with the general path's results (`steps`:
+        the entries' steps). None, having changed nothing, when they do not fit: the general path refuses some."""
         rids = msg.verify.rids
         reqs = [plain[j][0] for j in range(len(rids))]
         roots = [plain[j][1] for j in range(len(rids))]
@@ -224,14 +225,13 @@ class TargetEngine:
         emitted = greedy_tokens(logits)
         self.runner.last_logits = None
         errors: dict[int, ErrorInfo] = {}
-        steps = np.frombuffer(msg.verify.steps, "<i8")
-        self._commit_plain(rids, steps.tolist(), reqs, emitted, range(len(rids)), errors)
+        self._commit_plain(rids, steps, reqs, emitted, range(len(rids)), errors)
         accept_ms = ms_since(t0)
         self.decode_calls += 1
         self.entry_errors += len(errors)
-        counts = np.ones(len(rids), dtype="<i4")
-        counts[list(errors)] = 0
-        results = ResultColumns(rids, msg.verify.steps, counts.tobytes(), np.zeros_like(counts).tobytes(), errors)
+        counts = [0 if j in errors else 1 for j in range(len(rids))]
+        results = ResultColumns(rids, msg.verify.steps, column(counts, np.int32), column([0] * len(rids), np.int32),
+                                errors)
         tokens = emitted if not errors else [t for j, t in enumerate(emitted) if j not in errors]
         return self._reply(results, forward_ms, accept_ms, start, captures), {
             "tokens": torch.tensor(tokens, dtype=torch.int32)}

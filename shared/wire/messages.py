@@ -262,9 +262,10 @@ class VerifyColumns(Struct):
         return (read_column(self.steps, np.int64, n, "steps"), read_column(self.committed, np.int64, n, "committed"),
                 read_column(self.nodes, np.int32, n, "nodes"), read_column(self.flags, np.uint8, n, "flags"))
 
-    def entries(self) -> list[VerifyEntry]:
-        """Every row as a `VerifyEntry` (ValueError as `arrays`)."""
-        steps, committed, nodes, flags = (a.tolist() for a in self.arrays())
+    def entries(self, columns: Sequence[list[int]] | None = None) -> list[VerifyEntry]:
+        """Every row as a `VerifyEntry` (ValueError as `arrays`); `columns`: `arrays()` as lists, where the caller
+        has read them already."""
+        steps, committed, nodes, flags = columns if columns is not None else [a.tolist() for a in self.arrays()]
         return [VerifyEntry(rid, s, c, n, bool(f & VERIFY_MASKED), bool(f & VERIFY_ROOT_PENDING))
                 for rid, s, c, n, f in zip(self.rids, steps, committed, nodes, flags, strict=True)]
 
@@ -350,12 +351,12 @@ class ResultColumns(Struct):
     def rows(self) -> list[StepResult]:
         """Every row as a `StepResult` (ValueError as `arrays`)."""
         steps, tokens, accepted = (a.tolist() for a in self.arrays())
-        none, out = ResultExtra(), []
-        for i, (rid, step, n, a) in enumerate(zip(self.rids, steps, tokens, accepted, strict=True)):
-            x = self.extra.get(i, none)
-            out.append(StepResult(rid, step, n, a, self.errors.get(i), x.num_features, x.num_cached,
-                                  x.num_prompt_logprobs, x.num_logprobs, x.top_logprobs))
-        return out
+        return [self._row(i, step, n, a) for i, (step, n, a) in enumerate(zip(steps, tokens, accepted, strict=True))]
+
+    def _row(self, i: int, step: int, num_tokens: int, num_accepted: int) -> StepResult:
+        x = self.extra.get(i, ResultExtra())
+        return StepResult(self.rids[i], step, num_tokens, num_accepted, self.errors.get(i), x.num_features,
+                          x.num_cached, x.num_prompt_logprobs, x.num_logprobs, x.top_logprobs)
 
     def __len__(self) -> int:
         return len(self.rids)
@@ -364,7 +365,10 @@ class ResultColumns(Struct):
         return iter(self.rows())
 
     def __getitem__(self, index: int) -> StepResult:
-        return self.rows()[index]
+        """Row `index` alone (negative counts from the end, as for a list)."""
+        i = range(len(self.rids))[index]
+        steps, tokens, accepted = self.arrays()
+        return self._row(i, int(steps[i]), int(tokens[i]), int(accepted[i]))
 
 
 class ForwardReply(Struct, tag=True):

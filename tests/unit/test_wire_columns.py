@@ -45,6 +45,7 @@ def test_verify_entries_and_results_come_back_as_the_rows_they_were_built_from()
     reply = _wire(ForwardReply(RESULTS, 1.5, 0.5, 2.5, 10))
     assert isinstance(reply, ForwardReply) and isinstance(reply.results, ResultColumns)
     assert list(reply.results) == RESULTS and reply.results[2] == RESULTS[2] and len(reply.results) == 4
+    assert reply.results[-1] == RESULTS[-1] and reply.results[1] == RESULTS[1]  # one row alone, errors kept
     assert set(reply.results.errors) == {1} and set(reply.results.extra) == {2, 3}  # only the rows that have any
     assert _wire(Forward()).verify.entries() == [] and list(_wire(ForwardReply([], 0, 0, 0, 0)).results) == []
 
