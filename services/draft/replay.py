@@ -97,17 +97,17 @@ class ReplayDraftEngine(NgramDraftEngine):
 
 
 def record_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, alpha: float, seed: int,
-                  out: Path) -> None:
-    """Write a recording: the target's greedy outputs on `prompts` (at most `max_tokens`, ending at its EOS),
-    run in this process on the pass the target service runs (its default kernels), which gives every
-    token the logits it gets in any batch."""
+                  out: Path, stop_at_eos: bool = True) -> None:
+    """Write a recording: the target's greedy outputs on `prompts` (at most `max_tokens`, ending at its EOS
+    unless not `stop_at_eos`: for clients that send `ignore_eos`), run in this process on the pass the target
+    service runs (its default kernels), which gives every token the logits it gets in any batch."""
     from specserve.shared.runtime.generate import generate
     from specserve.shared.runtime.loader import load_model
     from specserve.shared.runtime.model_config import ModelConfig
     from specserve.shared.runtime.runner import ModelRunner
 
     runner = ModelRunner(load_model(model_dir), num_blocks=sum(len(p) + max_tokens for p in prompts) // 16 + 16)
-    eos = set(ModelConfig.from_dir(model_dir).eos_token_ids)
+    eos = set(ModelConfig.from_dir(model_dir).eos_token_ids) if stop_at_eos else set()
     outputs = generate(runner, {str(i): p for i, p in enumerate(prompts)}, max_tokens, stop_ids=eos)
     records = [{"prompt": p, "output": outputs[str(i)]} for i, p in enumerate(prompts)]
     out.write_text(json.dumps({"alpha": alpha, "seed": seed, "records": records}))

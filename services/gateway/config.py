@@ -92,8 +92,10 @@ class GatewayConfig(Settings):
                                choices=("root", "draft"))
     async_scheduling: str = option("auto", "plan and send a replica's next pass while its current one runs (one "
                                    "step ahead): a decoding request's next root is the token the pass in flight "
-                                   "returns, filled in by the target; only for passes of root-only decode steps "
-                                   "and prompt chunks (no tree, grammar or preemption; not with --overlap, eager "
+                                   "returns, filled in by the target, and a chain is drafted on a guess of that "
+                                   "pass's answer (verified where the guess came true, else its root alone); "
+                                   "only for passes of root-only or chain decode steps and prompt chunks (no side "
+                                   "branches, grammar or preemption; not with --overlap, eager "
                                    "draft sync, --kv-lookahead-tokens or tracing); lossless. auto: on for a "
                                    "replica whose pass runs on a GPU (the host's cores are free while it runs; on "
                                    "a CPU the gateway's work beside the pass takes a core from it)",

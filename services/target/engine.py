@@ -6,9 +6,10 @@ also its `TokenHistory` (token counts, updated as chunks and accepted tokens are
 committed token but the newest, which is the root of the request's next tree.
 
 An entry sent a step ahead (`VerifyEntry.root_pending`) takes the request's newest committed token as its
-root. A call first releases the requests it names (`Forward.release`), then checks its entries one by one
-before the pass; a refused entry gets an error in its result and
-changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
+root; a tree drafted on a guess of that step's answer (`VerifyEntry.guess`) becomes the subtree the answer picks,
+or its root alone where the guess was wrong (`guarded`). A call first releases the requests it names
+(`Forward.release`), then checks its entries one by one before the pass; a refused entry gets an error in its
+result and changes nothing, and the others run. Capacity is checked up front, so the pass cannot run out of
 KV blocks half way: tree steps (requests already decoding) are admitted before prefill chunks.
 
 **Plain decodes** (a one-node tree of a greedy request with no token history, logprobs or mask: most entries of a
@@ -39,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -50,7 +52,7 @@ from specserve.shared.runtime.runner import ModelRunner
 from specserve.shared.spec import token_mask
 from specserve.shared.spec.penalties import TokenHistory
 from specserve.shared.spec.sampling import greedy_rows, greedy_tokens
-from specserve.shared.spec.token_tree import InvalidTree, validate_tree
+from specserve.shared.spec.token_tree import InvalidTree, guessed_tree, validate_tree
 from specserve.shared.spec.tree_acceptance import Acceptance, accept_tree
 from specserve.shared.wire.messages import (
     VERIFY_MASKED,
@@ -74,6 +76,19 @@ from specserve.target.state import TargetRequest, params_of
 ROOT_ONLY = (-1,)  # the parents of a one-node tree
 Plain = dict[int, tuple[TargetRequest, int]]  # by verify index: a plain decode's request and root
 Accept = Callable[..., Acceptance]  # accept_tree(tokens, parents, logits, params, generator, history)
+
+
+def guarded(entry: VerifyEntry, tokens: list[int], parents: list[int], committed: int,
+            newest: int) -> tuple[VerifyEntry, list[int], list[int]]:
+    """A root_pending tree drafted on a guess of the step before it (`VerifyEntry.guess`) as the request's state
+    makes it (`guessed_tree`: the subtree the guess picks, or the root alone), its entry's count made the
+    request's; as sent where that state is outside the guess's range (the check refuses it as out of sync)."""
+    picked = guessed_tree(tokens, parents, entry.num_committed, entry.guess, committed, newest)
+    if picked is None:
+        return entry, tokens, parents
+    tree_tokens, tree_parents = picked
+    entry = msgspec.structs.replace(entry, num_committed=committed, num_nodes=len(tree_tokens))
+    return entry, tree_tokens, tree_parents
 
 
 class TargetEngine:
@@ -105,6 +120,7 @@ class TargetEngine:
             self.release(rid)
         try:
             columns = [a.tolist() for a in msg.verify.arrays()]  # steps, committed, nodes, flags
+            msg.verify.guess_list()  # (read by `entries`)
         except ValueError as exc:
             raise BadCall(f"verify entries: {exc}") from None
         counts = columns[2]
@@ -297,6 +313,8 @@ class TargetEngine:
                 continue
             if verify.root_pending and toks and (req := self.requests.get(verify.rid)) is not None and req.decoding:
                 toks[0] = req.last_token  # sent a step ahead: the root is what its last step emitted
+                if len(toks) > 1 and not verify.masked:  # drafted on a guess of that step's answer
+                    verify, toks, parents = guarded(verify, toks, parents, req.committed, req.last_token)
             error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
             if error:
                 errors[base + j] = error

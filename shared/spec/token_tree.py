@@ -72,3 +72,26 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
     while parents[path[-1]] != -1:
         path.append(parents[path[-1]])
     return path[::-1]
+
+
+def guessed_tree(tokens: Sequence[int], parents: Sequence[int], low: int, guess: int, committed: int,
+                 newest: int) -> tuple[list[int], list[int]] | None:
+    """A tree drafted on a guess of the step before it (`VerifyEntry.guess`: that step leaves `low` committed
+    tokens at least, and `low + guess` where it accepts the path the draft assumed), as the request's state
+    after that step makes it (`committed` tokens, the `newest` one the root): where the guess came true, the
+    subtree under the root's child whose token is `newest`, that child its root; otherwise the root alone;
+    None where `committed` is outside low ... low + guess (a state the tree was not sent for). A node whose
+    parent is not before it is left out, and with it its subtree."""
+    if not low <= committed <= low + guess:
+        return None
+    kept, kept_parents = [newest], [-1]
+    if committed == low + guess:
+        child = next((v for v in range(1, len(tokens)) if parents[v] == 0 and tokens[v] == newest), None)
+        if child is not None:
+            index = {child: 0}
+            for v in range(child + 1, len(tokens)):
+                if parents[v] in index:
+                    index[v] = len(kept)
+                    kept.append(tokens[v])
+                    kept_parents.append(index[parents[v]])
+    return kept, kept_parents

@@ -215,6 +215,11 @@ class VerifyEntry(Struct):
     # emits, which the gateway does not know yet; the target takes its own newest committed token as the root
     # (its slot in "tree_tokens" is ignored) and checks num_committed as for any entry
     root_pending: bool = False
+    # a root_pending tree of more than one node was drafted on a guess of the step before it, which emits one
+    # token at least: where the request then has num_committed + guess committed tokens and its newest token is
+    # a child of the sent root, the subtree under that child is verified (that child its root); otherwise, where
+    # it has num_committed ... num_committed + guess, its root alone (`guarded`)
+    guess: int = 0
 
 
 def column(values: Sequence[int] | np.ndarray, dtype: type) -> bytes:
@@ -236,25 +241,34 @@ VERIFY_MASKED, VERIFY_ROOT_PENDING = 1, 2  # VerifyColumns.flags bits: VerifyEnt
 class VerifyColumns(Struct):
     """A Forward's verify entries by column, row i the i-th entry (`VerifyEntry`'s fields): `rids` their request
     ids, then one array each: int64 `steps` and `committed` (num_committed), int32 `nodes` (num_nodes), uint8
-    `flags` (VERIFY_MASKED | VERIFY_ROOT_PENDING)."""
+    `flags` (VERIFY_MASKED | VERIFY_ROOT_PENDING), and int32 `guesses` (guess), empty where every guess is 0."""
 
     rids: list[str] = msgspec.field(default_factory=list)
     steps: bytes = b""
     committed: bytes = b""
     nodes: bytes = b""
     flags: bytes = b""
+    guesses: bytes = b""
 
     @classmethod
     def of(cls, entries: Sequence[VerifyEntry]) -> VerifyColumns:
         return cls.build([e.rid for e in entries], [e.step for e in entries], [e.num_committed for e in entries],
                          [e.num_nodes for e in entries],
-                         [VERIFY_MASKED * e.masked + VERIFY_ROOT_PENDING * e.root_pending for e in entries])
+                         [VERIFY_MASKED * e.masked + VERIFY_ROOT_PENDING * e.root_pending for e in entries],
+                         [e.guess for e in entries])
 
     @classmethod
     def build(cls, rids: list[str], steps: Sequence[int], committed: Sequence[int], nodes: Sequence[int],
-              flags: Sequence[int]) -> VerifyColumns:
+              flags: Sequence[int], guesses: Sequence[int] = ()) -> VerifyColumns:
         return cls(rids, column(steps, np.int64), column(committed, np.int64), column(nodes, np.int32),
-                   column(flags, np.uint8))
+                   column(flags, np.uint8), column(guesses, np.int32) if any(guesses) else b"")
+
+    def guess_list(self) -> list[int]:
+        """Each entry's guess (all 0 where the column is empty); ValueError where it does not hold one per id."""
+        if not self.guesses:
+            return [0] * len(self.rids)
+        guesses: list[int] = read_column(self.guesses, np.int32, len(self.rids), "guesses").tolist()
+        return guesses
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(steps, committed, nodes, flags); ValueError where a column does not hold one value per request id."""
@@ -266,8 +280,9 @@ class VerifyColumns(Struct):
         """Every row as a `VerifyEntry` (ValueError as `arrays`); `columns`: `arrays()` as lists, where the caller
         has read them already."""
         steps, committed, nodes, flags = columns if columns is not None else [a.tolist() for a in self.arrays()]
-        return [VerifyEntry(rid, s, c, n, bool(f & VERIFY_MASKED), bool(f & VERIFY_ROOT_PENDING))
-                for rid, s, c, n, f in zip(self.rids, steps, committed, nodes, flags, strict=True)]
+        return [VerifyEntry(rid, s, c, n, bool(f & VERIFY_MASKED), bool(f & VERIFY_ROOT_PENDING), g)
+                for rid, s, c, n, f, g in zip(self.rids, steps, committed, nodes, flags, self.guess_list(),
+                                              strict=True)]
 
     def __len__(self) -> int:
         return len(self.rids)

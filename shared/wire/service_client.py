@@ -101,6 +101,7 @@ class VerifyItem:
     parents: list[int]
     masks: torch.Tensor | None = None  # structured output: int32 [len(tokens), ceil(V / 32)], per node
     root_pending: bool = False  # VerifyEntry.root_pending: the target fills in the root (tokens[0] is ignored)
+    guess: int = 0  # VerifyEntry.guess: a tree drafted on a guess of the step before it (see there)
 
 
 @dataclass(slots=True)
@@ -175,7 +176,7 @@ class TargetClient(_ServiceClient):
                       VerifyColumns.build([v.rid for v in verify], [v.step for v in verify],
                                           [v.num_committed for v in verify], [len(v.tokens) for v in verify],
                                           [VERIFY_MASKED * (v.masks is not None) + VERIFY_ROOT_PENDING * v.root_pending
-                                           for v in verify]), features, list(release))
+                                           for v in verify], [v.guess for v in verify]), features, list(release))
         tensors = {"prefill_tokens": _flat([p.tokens for p in prefill]),
                    "tree_tokens": _flat([v.tokens for v in verify]),
                    "tree_parents": _flat([v.parents for v in verify])}

@@ -209,10 +209,11 @@ def test_greedy_identical_across_policies_with_overlap(real_up, real_reference):
 
 
 def test_greedy_identical_with_async_scheduling(up, reference):
-    """One step ahead (--async-scheduling): `none` (every pass sent ahead) and the default `joint` (ahead where
-    it plans no tree) equal the target alone, the prompts batched, one of them ending at once (EOS first);
-    then requests that end one by one at max_tokens, with a stop string, and streamed, beside each other."""
-    for policy in ["none", "joint"]:
+    """One step ahead (--async-scheduling): `none` (every pass sent ahead), `chain:3` (chains drafted on a guess
+    of the answer in flight) and the default `joint` (ahead where it plans no tree or chains) equal the target
+    alone, the prompts batched, one of them ending at once (EOS first); then requests that end one by one at
+    max_tokens, with a stop string, and streamed, beside each other."""
+    for policy in ["none", "chain:3", "joint"]:
         g = gateway(up, policy, "--budget", "24", "--async-scheduling", "on")
         try:
             assert asyncio.run(complete_all(g.address, PROMPTS)) == reference, policy
@@ -238,8 +239,10 @@ def test_greedy_identical_with_async_scheduling(up, reference):
                 assert reference[i].startswith(r.choices[0].text) and r.usage.completion_tokens == [1, 2, 5, 9][i]
             assert stop.choices[0].text == reference[4][:8] and stop.choices[0].finish_reason == "stop"
             assert streamed == reference[5], policy
-            if policy == "none":  # it plans no tree: its passes went ahead
+            if policy != "joint":  # it plans no tree, or chains: its passes went ahead
                 assert _counter(g.address, "specserve:passes_sent_ahead_total") > 10
+            if policy == "chain:3":  # on guesses of the answer in flight, some of them right
+                assert _counter(g.address, "specserve:chains_sent_ahead_hits_total") > 0
         finally:
             g.stop()
     wait_all_free(up)

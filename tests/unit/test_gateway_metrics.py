@@ -73,6 +73,11 @@ EXPORTED = {
                                                        "matched (used next step)."),
     "specserve:passes_sent_ahead_total": ("counter", M, "Target passes sent before the replica's previous pass "
                                                         "was committed (--async-scheduling)."),
+    "specserve:chains_sent_ahead_total": ("counter", M, "Chains sent one step ahead, drafted on a guess of the "
+                                                        "answer in flight (--async-scheduling)."),
+    "specserve:chains_sent_ahead_hits_total": ("counter", M, "Chains sent ahead whose guess the answer matched "
+                                                             "(verified as drafted; the others verified their root "
+                                                             "alone)."),
     "specserve:requests_received_total": ("counter", M, "Requests received (queued)."),
     "specserve:requests_moved_total": ("counter", M, "Requests moved off a target replica that was lost, to resume "
                                                      "on another by recompute."),

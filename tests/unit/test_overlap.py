@@ -7,7 +7,7 @@ Here: the tests that start no process and open no socket; the others are in test
 
 from __future__ import annotations
 
-from specserve.gateway.engine.overlap import Guess, assumed_path, next_tree, reroot
+from specserve.gateway.engine.overlap import Guess, assumed_path, next_tree
 from specserve.gateway.sched.policy.base import CandidateTree
 from tests.support.engine import MAX_TOKENS
 
@@ -30,10 +30,10 @@ def test_assumed_path_is_the_likeliest_selected_leaf():
 
 
 def test_reroot_keeps_the_subtree_with_conditional_probabilities():
-    sub = reroot(TREE, 1, 5)
+    sub = TREE.rerooted(1, 5)
     assert sub.tokens == [11, 13, 14, 16] and sub.parents == [-1, 0, 0, 1]
     assert sub.path_prob == [1.0, 0.4 / 0.6, 0.15 / 0.6, 0.3 / 0.6]
-    cut = reroot(TREE, 0, 1)  # the root itself, cut to one level
+    cut = TREE.rerooted(0, 1)  # the root itself, cut to one level
     assert cut.tokens == [10, 11, 12] and cut.parents == [-1, 0, 0]
 
 

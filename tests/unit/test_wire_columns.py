@@ -27,7 +27,7 @@ from specserve.target.config import TargetConfig
 from specserve.target.engine import TargetEngine
 
 ENTRIES = [VerifyEntry("a", 7, 21, 1), VerifyEntry("b", 2**40, 3, 5, masked=True),
-           VerifyEntry("c", 9, 2**33, 1, root_pending=True), VerifyEntry("d", 1, 1, 2, True, True)]
+           VerifyEntry("c", 9, 2**33, 1, root_pending=True), VerifyEntry("d", 1, 1, 2, True, True, guess=3)]
 RESULTS = [StepResult("a", 7, 1, 0), StepResult("b", 8, 0, 0, ErrorInfo("stale_step", "old")),
            StepResult("c", 9, 3, 2, num_features=3, num_cached=16, num_prompt_logprobs=4, num_logprobs=3,
                       top_logprobs=2), StepResult("d", 1, 1, 0, num_cached=5)]
@@ -48,6 +48,7 @@ def test_verify_entries_and_results_come_back_as_the_rows_they_were_built_from()
     assert reply.results[-1] == RESULTS[-1] and reply.results[1] == RESULTS[1]  # one row alone, errors kept
     assert set(reply.results.errors) == {1} and set(reply.results.extra) == {2, 3}  # only the rows that have any
     assert _wire(Forward()).verify.entries() == [] and list(_wire(ForwardReply([], 0, 0, 0, 0)).results) == []
+    assert Forward(verify=ENTRIES[:3]).verify.guesses == b""  # no entry drafted on a guess: no column
 
 
 def test_columns_that_disagree_with_the_request_ids_refuse_the_call():
@@ -63,5 +64,7 @@ def test_columns_that_disagree_with_the_request_ids_refuse_the_call():
         engine.forward(Forward(verify=short), root)
     with pytest.raises(BadCall, match="column 'flags'"):
         engine.forward(Forward(verify=msgspec.structs.replace(good, flags=b"")), root)
+    with pytest.raises(BadCall, match="column 'guesses'"):
+        engine.forward(Forward(verify=msgspec.structs.replace(good, guesses=column([1, 2], np.int32))), root)
     reply, out = engine.forward(Forward(verify=good), root)  # refused whole, the request is where it was
     assert list(reply.results)[0].error is None and out["tokens"].numel() == 1

@@ -8,15 +8,27 @@ cores are free while the pass runs. On a CPU target the gateway's work beside th
 As vLLM's async scheduling and SGLang's overlap scheduler do, the step loop plans pass N+1, builds it
 and sends it before pass N's reply is in; it commits N's outputs while the target computes N+1, whose
 call waits in order behind N's on the replica's connection. A decoding request whose entry in N is in
-flight sends a root-only entry whose root the target fills in (`VerifyEntry.root_pending`: its newest
+flight sends an entry whose root the target fills in (`VerifyEntry.root_pending`: its newest
 committed token, the one N emits), at N's committed count plus one; a request whose prompt chunk is in
 flight sends its next chunk from where that one ends. What the gateway cannot know yet is left out of
 N+1: a request whose token in flight is its last by max_tokens sends nothing, nor does one whose last
 prompt chunk is in flight (it decodes once its first token is in). A request that ends at N's token (a
 stop id, a stop string) computed one more token in N+1, which is dropped.
 
-A pass runs ahead only when it holds nothing that depends on N's answer: every decoding request is
-planned root-only (no draft tree), none has a grammar, the plan preempts nobody and keeps the draft
+**Chains ahead.** A request that speculates with a chain (beam width 1) goes ahead too. One whose entry in flight
+is known in full (sent with its root known) is drafted from its root as in any step. One whose entry in flight
+waits on the pass before it has its draft grow a chain from a guess of that entry's answer (its chain accepted
+whole: `SentAhead.path`, known once the pass before it is committed), one level deeper, the first level the guess
+of its bonus token, as drafting ahead does (overlap.py; `DraftCalls.ahead_items`); the draft call runs while the
+pass in flight does. The entry sent is that chain under its placeholder root, with the guess's length
+(`VerifyEntry.guess`): the target verifies the chain under the bonus it guessed where the guess came true, and the
+root alone otherwise (`guessed_tree`). Either way the step emits a token at least, as a root-only step would; a
+wrong guess costs the draft's work, not a pass. When the pass before is committed the gateway works out which came
+true, as the target will (`resolve`): the entry's record is made that of a root-only step where the guess was
+wrong, so that the policies and the cost model see what was verified.
+
+A pass runs ahead only when it holds nothing that depends on N's answer but the above: every decoding request
+is planned root-only or a chain, none has a grammar, the plan preempts nobody and keeps the draft
 where it is (`runs_ahead`); otherwise the loop commits N first and then carries out the plan it made
 (planning again would show the policies the step twice: a probe the first plan spent would be lost),
 passing over what N's commit ended or moved (`Admitter.apply`, `Passes.build`). Where N's entry for a
@@ -33,9 +45,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from specserve.gateway.engine.request import GenRequest
+from specserve.gateway.engine.request import GenRequest, SentAhead
 from specserve.gateway.perf.record import IterationRecord
 from specserve.gateway.sched.plan import IterationPlan, Residency
+from specserve.gateway.sched.policy.base import CandidateTree
+from specserve.shared.spec.token_tree import guessed_tree
 
 
 @dataclass(slots=True)
@@ -59,22 +73,63 @@ def runs_ahead(plan: IterationPlan, bound: list[GenRequest]) -> bool:
         return False
     for r in bound:
         shape = plan.shapes.get(r.rid)
-        if r.grammar is not None or (shape is not None and shape.depth > 0):
+        if r.grammar is not None or (shape is not None and shape.depth > 0 and shape.width != 1):
             return False
     return True
 
 
-def decode_entry(r: GenRequest, step: int) -> tuple[int, bool] | None:
-    """A decoding request's root-only entry at `step` in a pass sent ahead: its committed count and whether
-    the target fills in its root (an entry in flight); None where its token in flight is its last."""
-    if r.ahead_step:
+def under_guesses(trees: dict[str, CandidateTree], roots: dict[str, int]) -> dict[str, int]:
+    """The trees drafted on a guess (`roots`) made the subtree under their likeliest first-level child (the
+    guessed bonus token), in place; returns each one's placeholder root (a tree with no child is dropped)."""
+    placeholders: dict[str, int] = {}
+    for rid in roots:
+        tree = trees.get(rid)
+        if tree is None:
+            continue
+        if not tree.children[0]:
+            del trees[rid]
+            continue
+        trees[rid] = tree.rerooted(max(tree.children[0], key=lambda v: tree.path_prob[v]))
+        placeholders[rid] = tree.tokens[0]
+    return placeholders
+
+
+def decode_entry(r: GenRequest, step: int, tokens: list[int], parents: list[int],
+                 placeholder: int | None) -> SentAhead | None:
+    """A decoding request's entry at `step` in a pass sent ahead, its entry in flight from now on: `tokens`,
+    `parents` its selected tree (its root alone: its newest token); with an entry in flight, its root is filled
+    in by the target, and a tree drafted on a guess (`placeholder`: its root) goes under that root. None where
+    its token in flight is its last."""
+    sent = r.sent_ahead if r.ahead_step else None
+    if sent is not None:
         if len(r.output) + 1 >= r.max_tokens:
             return None
-        committed, pending = r.ahead_committed, True
-    else:
-        committed, pending = r.committed, False
-    r.ahead_step, r.ahead_committed = step, committed + 1
-    return committed, pending
+        if placeholder is None or sent.path is None or len(tokens) == 1:
+            r.sent_ahead = SentAhead(step, r.committed + 1, 0, True, tokens[:1], [-1], [])
+        else:
+            r.sent_ahead = SentAhead(step, r.committed + 1, len(sent.path), True, [placeholder, *tokens],
+                                     [-1, *(q + 1 for q in parents)], None)
+    else:  # (a tree drafted on a guess whose pass was committed while it was drafted: kept where its root is right)
+        if placeholder is not None and tokens[0] != r.output[-1]:
+            tokens, parents = [r.output[-1]], [-1]
+        r.sent_ahead = SentAhead(step, r.committed, 0, False, tokens, parents, tokens[1:])
+    r.ahead_step = step
+    return r.sent_ahead
+
+
+def resolve(r: GenRequest, step: int) -> None:
+    """The request's output of `step` is committed: its entry sent ahead of it on a guess of that output
+    (`SentAhead`) becomes what the target verifies (`guessed_tree`), its record's entry that of a root-only
+    step where the guess was wrong."""
+    sent = r.sent_ahead
+    if sent is None or sent.step <= step or not sent.pending or sent.path is not None:
+        return
+    picked = guessed_tree(sent.tokens, sent.parents, sent.base, sent.guess, r.committed, r.output[-1])
+    sent.path = picked[0][1:] if picked is not None else []
+    if sent.counts is not None:
+        sent.counts.guess_hits += bool(sent.path)
+    if sent.entry is not None and not sent.path:
+        sent.entry.depth, sent.entry.width, sent.entry.verified, sent.entry.filler = 0, 1, 1, 0
 
 
 def settle(r: GenRequest, step: int, ok: bool) -> bool:
@@ -85,12 +140,12 @@ def settle(r: GenRequest, step: int, ok: bool) -> bool:
         return False
     newest = max(r.ahead_step, r.chunk_step)
     if not ok and newest > step:
-        r.void_step, r.ahead_step, r.chunk_step = newest, 0, 0
+        r.void_step, r.ahead_step, r.chunk_step, r.sent_ahead = newest, 0, 0, None
         return True
     if r.chunk_step == step:
         r.chunk_step = 0
     if r.ahead_step == step:
-        r.ahead_step = 0
+        r.ahead_step, r.sent_ahead = 0, None
     return True
 
 
@@ -105,6 +160,7 @@ def unbound(r: GenRequest) -> None:
     """The request left its replica: whatever it has in flight there is dropped when it arrives."""
     r.void_step = max(r.void_step, r.ahead_step, r.chunk_step)
     r.ahead_step = r.chunk_step = 0
+    r.sent_ahead = None
 
 
-__all__ = ["InFlight", "decode_entry", "queued_ms", "runs_ahead", "settle", "unbound"]
+__all__ = ["InFlight", "decode_entry", "queued_ms", "resolve", "runs_ahead", "settle", "under_guesses", "unbound"]

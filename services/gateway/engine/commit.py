@@ -75,6 +75,7 @@ class Commit:
                 r.prefilled = len(r.prompt)
                 self.metrics.on_first_token(now - r.arrival)
             self.emit(r, out.tokens, now, out.logprobs)
+            ahead.resolve(r, out.step)  # an entry sent ahead on a guess of this output: what it verifies
 
     def emit(self, r: GenRequest, tokens: list[int], now: float, logprobs: TokenLogprobs | None = None) -> None:
         """New tokens to the request and its handler, up to a stop id or max_tokens (which end it), with their

@@ -59,14 +59,19 @@ class DraftCalls:
             if result.failure.kind == "down":
                 self.lost()
 
-    async def speculate(self, plan: IterationPlan, decoding: list[GenRequest],
-                        record: IterationRecord) -> dict[str, CandidateTree]:
-        """The draft's trees of the requests it answered; a request without one verifies its root alone."""
+    async def speculate(self, plan: IterationPlan, decoding: list[GenRequest], record: IterationRecord,
+                        items: list[SpeculateItem] | None = None,
+                        roots: dict[str, int] | None = None) -> dict[str, CandidateTree]:
+        """The draft's trees of the requests it answered; a request without one verifies its root alone.
+        `items`: the entries where not each one `item` (a pass sent ahead: engine/ahead.py), `roots` the root of
+        each tree that does not grow from its request's newest token (`take`)."""
         trees: dict[str, CandidateTree] = {}
         speculating = [r for r in decoding if plan.shapes[r.rid].depth > 0]
         if not speculating or not self.usable:
             return trees
-        items = [self.item(r, plan) for r in speculating]
+        items = [self.item(r, plan) for r in speculating] if items is None else items
+        if not items:
+            return trees
         epochs = {r.rid: r.draft_epoch for r in decoding}
         result = await self.executor.speculate(items, decoding[0].replica or 0)
         record.draft.requests, record.draft.call_ms = len(items), result.ms
@@ -78,8 +83,35 @@ class DraftCalls:
         record.draft.service_ms = min(reply.total_ms, result.ms)
         record.draft.catchup_ms, record.draft.beam_ms = reply.catchup_ms, reply.beam_ms
         record.draft.warmup = reply.warmup
-        self.take(candidates, items, epochs, trees)
+        self.take(candidates, items, epochs, trees, roots)
         return trees
+
+    def ahead_items(self, plan: IterationPlan,
+                    decoding: list[GenRequest]) -> tuple[list[SpeculateItem], dict[str, int]]:
+        """The entries for a pass sent ahead (engine/ahead.py), and the root of each tree drafted on a guess: a
+        request with nothing in flight drafts from its root; one with an entry in flight drafts from the end of
+        that entry's chain, assumed accepted (`SentAhead.path`), one level deeper (the first level guesses its
+        bonus token). Where that chain is not known yet, or the draft reads the target's features (the assumed
+        tokens have none), it drafts nothing."""
+        items: list[SpeculateItem] = []
+        roots: dict[str, int] = {}
+        for r in decoding:
+            shape = plan.shapes[r.rid]
+            if shape.depth <= 0:
+                continue
+            sent = r.sent_ahead if r.ahead_step else None
+            if sent is None:
+                items.append(self.item(r, plan))
+                continue
+            path = sent.path
+            if path is None or self.reads_features:
+                continue
+            item = self.item(r, plan)
+            item.new_tokens += path
+            item.assumed, item.depth = len(path), min(shape.depth + 1, self.max_depth)
+            roots[r.rid] = path[-1] if path else r.output[-1]
+            items.append(item)
+        return items, roots
 
     def sync_items(self, plan: IterationPlan) -> tuple[list[GenRequest], list[SpeculateItem]]:
         """The eager sync: the d = 0 entries (committed tokens only) of the requests the plan names."""

@@ -35,7 +35,7 @@ from specserve.gateway.backends.executor import Executor
 from specserve.gateway.backends.pool import RECONNECT_INTERVAL_S, ServicePool, TargetReplica
 from specserve.gateway.config import GatewayConfig
 from specserve.gateway.engine.admit import Admitter
-from specserve.gateway.engine.ahead import InFlight, ahead_on, runs_ahead
+from specserve.gateway.engine.ahead import InFlight, ahead_on, runs_ahead, under_guesses
 from specserve.gateway.engine.drafting import DraftCalls
 from specserve.gateway.engine.intake import Intake
 from specserve.gateway.engine.overlap import guesses, held_trees
@@ -216,9 +216,19 @@ class Engine:
         record = self.admitter.apply(plan)
         mine = self.table.bound(replica.index)
         decoding = [r for r in mine if r.decoding and r.rid in plan.shapes]
-        trees = self.passes.constrain(replica.index, decoding, await self._trees(plan, decoding, record))
+        placeholders: dict[str, int] = {}
+        if sent_ahead:  # chains drafted while the pass in flight runs, on a guess of its answer where it has one
+            items, roots = self.drafts.ahead_items(plan, decoding)
+            trees = await self.drafts.speculate(plan, decoding, record, items, roots)
+            placeholders = under_guesses(trees, roots)
+            if items:  # the pass in flight may have been committed meanwhile: what it ended or moved is passed over
+                mine = [r for r in mine if r.replica == replica.index and r.finish_reason is None]
+                decoding = [r for r in decoding if r.replica == replica.index and r.finish_reason is None]
+        else:
+            trees = self.passes.constrain(replica.index, decoding, await self._trees(plan, decoding, record))
         with tracing.span("policy.select"):
-            target_pass, selected = self.passes.build(plan, replica.index, mine, decoding, trees, record, sent_ahead)
+            target_pass, selected = self.passes.build(plan, replica.index, mine, decoding, trees, record, sent_ahead,
+                                                      placeholders)
         if target_pass is not None and sent_ahead:
             record.sent_ahead = True
             task = asyncio.ensure_future(self.passes.run(plan, [target_pass], record, {}))

@@ -60,24 +60,7 @@ def next_tree(guess: Guess, tree: CandidateTree, emitted: list[int]) -> Candidat
         return None
     bonus = emitted[-1]
     child = next((c for c in tree.children[0] if tree.tokens[c] == bonus), None)
-    return None if child is None else reroot(tree, child)
-
-
-def reroot(tree: CandidateTree, root: int, depth: int | None = None) -> CandidateTree:
-    """The subtree under node `root` (at most `depth` levels below it, if given) as a tree of its own:
-    path probabilities become conditional on reaching `root`; parents still precede children."""
-    keep = [root]
-    index = {root: 0}
-    parents = [-1]
-    for v in range(root + 1, len(tree.tokens)):
-        p = tree.parents[v]
-        if p in index and (depth is None or tree.depths[v] - tree.depths[root] <= depth):
-            index[v] = len(keep)
-            keep.append(v)
-            parents.append(index[p])
-    base = tree.path_prob[root] or 1.0
-    return CandidateTree([tree.tokens[v] for v in keep], parents,
-                         [1.0] + [tree.path_prob[v] / base for v in keep[1:]])
+    return None if child is None else tree.rerooted(child)
 
 
 def held_trees(plan: IterationPlan, decoding: list[GenRequest]) -> dict[str, CandidateTree]:
@@ -88,7 +71,7 @@ def held_trees(plan: IterationPlan, decoding: list[GenRequest]) -> dict[str, Can
         tree, r.next_tree = r.next_tree, None
         depth = plan.shapes[r.rid].depth
         if tree is not None and depth > 0:
-            trees[r.rid] = tree if max(tree.depths) <= depth else reroot(tree, 0, depth)
+            trees[r.rid] = tree if max(tree.depths) <= depth else tree.rerooted(0, depth)
     return trees
 
 

@@ -63,12 +63,13 @@ class Passes:
         return out
 
     def build(self, plan: IterationPlan, replica: int, mine: list[GenRequest], decoding: list[GenRequest],
-              trees: dict[str, CandidateTree], record: IterationRecord,
-              sent_ahead: bool = False) -> tuple[TargetPass | None, dict[str, list[int]]]:
+              trees: dict[str, CandidateTree], record: IterationRecord, sent_ahead: bool = False,
+              placeholders: dict[str, int] | None = None) -> tuple[TargetPass | None, dict[str, list[int]]]:
         """The replica's pass (None when it has nothing to do, or is down), and the tree nodes selected
         per request (root included). `mine`: the requests bound to it (the plan's chunks for other
         replicas' requests are theirs to run). `sent_ahead`: the pass goes before the one in flight is
-        committed (engine/ahead.py: root-only decode entries; a request's next chunk starts where its chunk in
+        committed (engine/ahead.py: a decode entry's root, and its tree where drafted on a guess, under its
+        `placeholders` root, wait on the pass in flight; a request's next chunk starts where its chunk in
         flight ends, and none follows its last)."""
         selected = self._select(plan, replica, decoding, trees)
         target = self.pool.targets[replica]
@@ -90,13 +91,22 @@ class Passes:
                                          r.output[-1] if last and r.resuming else None, mask))
             record.requests.append(RequestStep(r.rid, replica, prompt_tokens=n))
         for r in decoding:
-            if sent_ahead:  # root-only (ahead.runs_ahead)
-                entry = decode_entry(r, plan.step)
-                if entry is not None:
-                    p.verify.append(VerifyItem(r.rid, plan.step, entry[0], [r.output[-1]], [-1], None, entry[1]))
-                    record.requests.append(RequestStep(r.rid, replica, verified=1))
-                continue
             tree = trees.get(r.rid)
+            if sent_ahead:  # root-only or a chain (ahead.runs_ahead)
+                toks, parents = tree.subtree(selected.get(r.rid, [0])) if tree is not None else ([r.output[-1]], [-1])
+                sent = decode_entry(r, plan.step, toks, parents, (placeholders or {}).get(r.rid))
+                if sent is not None:
+                    p.verify.append(VerifyItem(r.rid, plan.step, sent.base, sent.tokens, sent.parents, None,
+                                               sent.pending, sent.guess))
+                    drafted = len(sent.tokens) > 1  # (where pending: its placeholder root is not verified)
+                    sent.entry = RequestStep(r.rid, replica, depth=plan.shapes[r.rid].depth if drafted else 0,
+                                             verified=len(sent.tokens) - (sent.pending and drafted),
+                                             filler=self.policy.filler(r.rid) if drafted else 0)
+                    record.requests.append(sent.entry)
+                    if sent.pending and drafted:
+                        sent.counts = record.draft
+                        record.draft.guessed += 1
+                continue
             drafted, nodes, masks = tree is not None, selected.get(r.rid, [0]), None
             if r.grammar is not None:
                 shaped = r.grammar.take_shaped(tree, r.output[-1])
@@ -160,7 +170,8 @@ class Passes:
         now = time.perf_counter()
         for p, result in zip(passes, results):
             step = ReplicaStep(p.replica.index, sum(len(i.tokens) for i in p.prefill),
-                               sum(len(i.tokens) for i in p.verify), call_ms=result.ms - queued[p.replica.index])
+                               sum(steps[i.rid].verified for i in p.verify),  # (as made true: ahead.resolve)
+                               call_ms=result.ms - queued[p.replica.index])
             record.replicas.append(step)
             if result.value is None:
                 step.failure = str(result.failure)

@@ -25,7 +25,24 @@ if TYPE_CHECKING:
 
     from specserve.gateway.engine.constrain import Constraint
     from specserve.gateway.engine.grammar import RequestGrammar
+    from specserve.gateway.perf.record import DraftStep, RequestStep
     from specserve.gateway.sched.policy.base import CandidateTree
+
+
+@dataclass(slots=True)
+class SentAhead:
+    """A request's decode entry in a pass sent ahead (--async-scheduling, engine/ahead.py), until that pass is
+    committed."""
+
+    step: int
+    base: int  # its num_committed: the request's committed tokens before it, at least (VerifyEntry)
+    guess: int  # VerifyEntry.guess (0: not drafted on a guess)
+    pending: bool  # its root is the token the pass before it emits (VerifyEntry.root_pending)
+    tokens: list[int]  # as sent, root first (a placeholder where pending)
+    parents: list[int]
+    path: list[int] | None  # the draft tokens it verifies, once known (where pending: when the pass before is in)
+    entry: RequestStep | None = None  # its record's entry
+    counts: DraftStep | None = None  # where drafted on a guess: its record's, which counts the guesses and hits
 
 
 @dataclass(slots=True)
@@ -114,8 +131,8 @@ class GenRequest:
     final_only: bool = False  # Submission.final_only: its tokens are handed over at its end, not as they come
     held: list[int] = field(default_factory=list)  # final_only: output tokens not handed over yet
     # --async-scheduling (engine/ahead.py): its entries in a pass whose outputs are not committed yet
-    ahead_step: int = 0  # the step of its newest root-only decode entry in flight (0: none)
-    ahead_committed: int = 0  # its committed tokens once that entry's token is in
+    ahead_step: int = 0  # the step of its newest decode entry in flight (0: none)
+    sent_ahead: SentAhead | None = None  # that entry
     chunk_step: int = 0  # the step of its newest prompt chunk in flight (0: none)
     chunk_end: int = 0  # where that chunk ends in its context
     void_step: int = 0  # outputs of steps up to this one are dropped (sent on a state that did not come true)

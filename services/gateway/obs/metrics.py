@@ -132,6 +132,10 @@ class _IterationCounters:
          "step)."),
         ("specserve:passes_sent_ahead", "Target passes sent before the replica's previous pass was committed "
          "(--async-scheduling)."),
+        ("specserve:chains_sent_ahead", "Chains sent one step ahead, drafted on a guess of the answer in flight "
+         "(--async-scheduling)."),
+        ("specserve:chains_sent_ahead_hits", "Chains sent ahead whose guess the answer matched (verified as "
+         "drafted; the others verified their root alone)."),
     )
     PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos",
                     "Accepted tokens per draft position (0 = first draft token).")
@@ -139,7 +143,8 @@ class _IterationCounters:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.seconds = [0.0] * len(self.SECONDS)
-        self.counts = [0] * len(self.COUNTS)  # iterations, drafts, draft tokens, accepted, ahead, hits, sent ahead
+        # iterations, drafts, draft tokens, accepted, ahead, hits, sent ahead, chains sent ahead, their hits
+        self.counts = [0] * len(self.COUNTS)
         self.per_position: list[int] = []  # accepted draft tokens per position, summed over iterations
 
     def add(self, record: IterationRecord) -> None:
@@ -152,6 +157,8 @@ class _IterationCounters:
         counts[4] += record.draft.ahead
         counts[5] += record.draft.ahead_hits
         counts[6] += record.sent_ahead
+        counts[7] += record.draft.guessed
+        counts[8] += record.draft.guess_hits
         per_position = self.per_position
         for step in record.requests:
             if step.verified > 1 and step.error is None:

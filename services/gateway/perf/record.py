@@ -54,6 +54,8 @@ class DraftStep:
     sync_requests: int = 0  # d = 0 entries sent only to keep the draft current (eager sync)
     ahead: int = 0  # entries drafting the next step's tree ahead (--overlap), in the same call
     ahead_hits: int = 0  # of those, requests whose answer matched the guess: their next tree is ready
+    guessed: int = 0  # chains sent one step ahead on a guess of the answer in flight (--async-scheduling)
+    guess_hits: int = 0  # of those, the ones whose guess the answer matched (verified as drafted)
     sync_call_ms: float = 0.0  # that call (sync and ahead entries), run beside the target pass
     sync_service_ms: float = 0.0
     transition: str | None = None  # "offload" or "reload" when the residency changed

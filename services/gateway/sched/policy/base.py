@@ -54,6 +54,22 @@ class CandidateTree:
     def root_only(cls, token: int) -> CandidateTree:
         return cls([token], [-1], [1.0], [0], [[]])  # depths and children given: nothing to derive
 
+    def rerooted(self, root: int, depth: int | None = None) -> CandidateTree:
+        """The subtree under node `root` (at most `depth` levels below it, if given) as a tree of its own:
+        path probabilities become conditional on reaching `root`; parents still precede children."""
+        keep = [root]
+        index = {root: 0}
+        parents = [-1]
+        for v in range(root + 1, len(self.tokens)):
+            p = self.parents[v]
+            if p in index and (depth is None or self.depths[v] - self.depths[root] <= depth):
+                index[v] = len(keep)
+                keep.append(v)
+                parents.append(index[p])
+        base = self.path_prob[root] or 1.0
+        return CandidateTree([self.tokens[v] for v in keep], parents,
+                             [1.0] + [self.path_prob[v] / base for v in keep[1:]])
+
     def subtree(self, nodes: list[int]) -> tuple[list[int], list[int]]:
         """Tokens and re-indexed parents of a parent-closed node selection, in node order."""
         if len(nodes) == 1:  # the root alone (plain decoding): the common case
