@@ -120,12 +120,12 @@ class TargetEngine:
             self.release(rid)
         try:
             columns = [a.tolist() for a in msg.verify.arrays()]  # steps, committed, nodes, flags
-            msg.verify.guess_list()  # (read by `entries`)
+            guesses = msg.verify.guess_list()
         except ValueError as exc:
             raise BadCall(f"verify entries: {exc}") from None
         counts = columns[2]
         trees = flat_counts(tensors, "tree_tokens", counts), flat_counts(tensors, "tree_parents", counts)
-        plain = self._plain_decodes(msg, columns, *trees)
+        plain = self._plain_decodes(msg, columns, guesses, *trees)
         if plain and len(plain) == len(msg.verify) and not msg.prefill:
             decoded = self._decode(msg, plain, columns[0], start)
             if decoded is not None:
@@ -190,13 +190,15 @@ class TargetEngine:
         return ForwardReply(results, forward_ms, accept_ms, ms_since(start), self.runner.num_free_blocks,
                             self._captures() > captures, cached_blocks=self.runner.blocks.num_cached_blocks)
 
-    def _plain_decodes(self, msg: Forward, columns: list[list[int]], tokens: list[int], parents_of: list[int]) -> Plain:
+    def _plain_decodes(self, msg: Forward, columns: list[list[int]], guesses: list[int], tokens: list[int],
+                       parents_of: list[int]) -> Plain:
         """By verify index, the call's plain decodes (one-node trees, no mask) of plain requests
         (`TargetRequest.plain`) that pass the checks `_check_verify` makes, with their roots: they run without
         the per-entry layers (checks, acceptance), in one loop each. `columns`: the verify entries' steps, committed
-        counts, nodes and flags (`VerifyColumns.arrays`) as lists; `tokens`, `parents_of`: the call's tree tensors
-        as flat lists. Empty when the call names a request twice (the general path says so), or with features
-        asked, or with an acceptance rule of its own."""
+        counts, nodes and flags (`VerifyColumns.arrays`) as lists, `guesses` their guesses (a root sent ahead
+        after a chain: its count within num_committed ... + guess, `guarded`); `tokens`, `parents_of`: the call's
+        tree tensors as flat lists. Empty when the call names a request twice (the general path says so), or with
+        features asked, or with an acceptance rule of its own."""
         rids, prefill = msg.verify.rids, msg.prefill
         if msg.features or not rids or self.accept is not None or not self.batched_decodes \
                 or len({*rids} | {e.rid for e in prefill}) != len(rids) + len(prefill):
@@ -213,10 +215,13 @@ class TargetEngine:
                 if nodes[j] != 1 or flags[j] & VERIFY_MASKED or parents_of[node] != -1:
                     continue
                 req = requests.get(rid)
-                if req is None or not req.plain or steps[j] <= req.last_step \
-                        or committed[j] != req.committed or not 0 < req.committed <= limit:
+                if req is None or not req.plain or steps[j] <= req.last_step or not 0 < req.committed <= limit:
                     continue
-                token = req.last_token if flags[j] & VERIFY_ROOT_PENDING else tokens[node]
+                pending = flags[j] & VERIFY_ROOT_PENDING
+                if committed[j] != req.committed and not (pending and committed[j] < req.committed
+                                                          <= committed[j] + guesses[j]):
+                    continue
+                token = req.last_token if pending else tokens[node]
                 if token == req.last_token and 0 <= token < vocab:
                     out[j] = (req, token)
         except Exception:  # a state that cannot be read: the per-entry checks end that request alone
@@ -313,7 +318,7 @@ class TargetEngine:
                 continue
             if verify.root_pending and toks and (req := self.requests.get(verify.rid)) is not None and req.decoding:
                 toks[0] = req.last_token  # sent a step ahead: the root is what its last step emitted
-                if len(toks) > 1 and not verify.masked:  # drafted on a guess of that step's answer
+                if (len(toks) > 1 or verify.guess) and not verify.masked:  # sent on a guess of that step's answer
                     verify, toks, parents = guarded(verify, toks, parents, req.committed, req.last_token)
             error = self._isolated(verify.rid, "check", self._check_verify, verify, toks, parents, seen)
             if error:

@@ -99,6 +99,11 @@ def test_a_chain_sent_ahead_on_a_guess_is_resolved_as_the_target_resolves_it() -
     assert guessed_tree(miss.tokens, miss.parents, miss.base, miss.guess, r.committed, r.output[-1]) == ([5], [-1])
     _, wrong_bonus = _chain_ahead([8, 9, 4])
     assert wrong_bonus.path == [] and wrong_bonus.entry is not None and wrong_bonus.entry.verified == 1
+    # with no tree drafted on a guess, the step after a chain sends its root alone for any answer of that chain
+    r = _request(max_tokens=20)
+    ahead.decode_entry(r, 10, [7, 8, 9], [-1, 0, 1], None)
+    alone = ahead.decode_entry(r, 11, [7], [-1], None)
+    assert alone is not None and (alone.base, alone.guess, alone.tokens, alone.path) == (5, 2, [7], [])
     # the next step, sent while 11 runs, is drafted on a guess of 11's answer: the chain it verifies, accepted
     r, hit = _chain_ahead([8, 9, 10])
     third = ahead.decode_entry(r, 12, [13, 14], [-1, 0], 12)
@@ -229,6 +234,14 @@ def test_a_chain_drafted_on_a_guess_is_verified_under_the_bonus_it_guessed_or_it
     # a guess of more accepted tokens than were: its root alone, at the count the target has
     reply, out = after_chain().forward(*_tree(3, n + 1, [0, greedy[3], greedy[4]], guess=3))
     assert reply.results[0].error is None and out["tokens"].tolist() == greedy[4:5]
+    # its root alone, sent after the chain with a range of counts (the chain's drafts): on the plain decodes' path
+    # and on the per-entry one alike
+    for batched in (True, False):
+        engine = after_chain()
+        engine.batched_decodes = batched
+        reply, out = engine.forward(*_tree(3, n + 1, [0], guess=2))
+        assert reply.results[0].error is None and out["tokens"].tolist() == greedy[4:5], batched
+        assert engine.forward(*_tree(4, n + 1, [0], guess=1))[0].results[0].error.code == "out_of_sync", batched
     # a count outside what the step before could leave is refused, changing nothing
     engine = after_chain()
     assert engine.forward(*_tree(3, n + 1, [0, greedy[3], greedy[4]], guess=1))[0].results[0].error.code == \

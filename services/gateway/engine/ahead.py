@@ -104,8 +104,9 @@ def decode_entry(r: GenRequest, step: int, tokens: list[int], parents: list[int]
     if sent is not None:
         if len(r.output) + 1 >= r.max_tokens:
             return None
-        if placeholder is None or sent.path is None or len(tokens) == 1:
-            r.sent_ahead = SentAhead(step, r.committed + 1, 0, True, tokens[:1], [-1], [])
+        if placeholder is None or sent.path is None or len(tokens) == 1:  # its root alone, after any answer of
+            span = len(sent.path) if sent.path is not None else len(sent.tokens)  # the entry in flight (its drafts)
+            r.sent_ahead = SentAhead(step, r.committed + 1, span, True, tokens[:1], [-1], [])
         else:
             r.sent_ahead = SentAhead(step, r.committed + 1, len(sent.path), True, [placeholder, *tokens],
                                      [-1, *(q + 1 for q in parents)], None)
